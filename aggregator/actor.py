@@ -1,0 +1,88 @@
+"""The aggregator as a Ray actor: one per run, named, async so decisions can wait.
+
+Ranks call `ingest` fire-and-forget between decision points and `decide` at decision
+points; `decide` returns once every rank has reported that step (or after `timeout_s`,
+naming the missing ranks), so all ranks receive the same directive for the same step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from .core import AggregatorCore
+from .packets import Directive
+
+
+def actor_name(run_id: str) -> str:
+    return f"mindpulse-aggregator-{run_id}"
+
+
+class AggregatorActor:
+    def __init__(self, run_dir: str, world_size: int, per_print_step: int = 10, total_steps: int | None = None):
+        self.core = AggregatorCore(Path(run_dir), world_size, per_print_step, total_steps)
+        self._reduced = asyncio.Condition()
+
+    async def ingest(self, batch: list[bytes]) -> int:
+        done = self.core.ingest(batch)
+        if done:
+            async with self._reduced:
+                self._reduced.notify_all()
+        return len(done)
+
+    async def decide(self, batch: list[bytes], step: int, timeout_s: float) -> bytes:
+        """Ingest `batch` (ending with this rank's packet for `step`) and wait for the directive."""
+        await self.ingest(batch)
+        directive = self.core.directive_for(step)
+        if directive is None:
+            try:
+                async with self._reduced:
+                    await asyncio.wait_for(
+                        self._reduced.wait_for(lambda: self.core.directive_for(step) is not None), timeout_s
+                    )
+            except asyncio.TimeoutError:
+                missing = self.core.missing_for(step)
+                self.core.console.append(
+                    f"WARNING no directive for step {step} after {timeout_s:.0f}s: ranks {missing} have not reported it"
+                )
+                return Directive(step=step, reason=f"timeout: ranks {missing} missing").encode()
+            directive = self.core.directive_for(step)
+        return directive.encode()
+
+    async def request_stop(self, reason: str, rule: str = "interrupt") -> None:
+        self.core.request_stop(reason, rule=rule)
+
+    async def poll(self) -> dict[str, Any]:
+        return {"console": self.core.drain_console(), "progress": self.core.progress()}
+
+    async def snapshot(self) -> dict[str, Any]:
+        return self.core.snapshot()
+
+    async def close(self) -> dict[str, Any]:
+        snap = self.core.snapshot()
+        self.core.close()
+        return snap
+
+    async def ping(self) -> bool:
+        return True
+
+
+def start_aggregator(run_id: str, namespace: str, run_dir: Path, world_size: int, per_print_step: int,
+                     total_steps: int | None, node_id: str | None = None):
+    """Start the named actor; pinned to the driver's node so it can write the run directory."""
+    options: dict[str, Any] = dict(
+        name=actor_name(run_id),
+        namespace=namespace,
+        num_cpus=0,
+        max_concurrency=4096,
+        lifetime=None,
+    )
+    if node_id:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    cls = ray.remote(AggregatorActor)
+    return cls.options(**options).remote(str(run_dir), world_size, per_print_step, total_steps)

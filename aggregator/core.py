@@ -1,0 +1,229 @@
+"""The aggregator's state machine, free of Ray so it is tested directly.
+
+Packets in → validated, stored in `metrics.msgpack`, reduced per complete step →
+decisions (directives) and console tables out. The Ray actor in `actor.py` wraps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter, OrderedDict, deque
+from pathlib import Path
+from typing import Any
+
+from . import tables
+from .metrics_store import MetricsWriter
+from .packets import (
+    Action,
+    Directive,
+    EventPacket,
+    Packet,
+    PacketError,
+    StepPacket,
+    TelemetryPacket,
+    decode,
+)
+from .reducer import ReducedStep, StepReducer
+
+log = logging.getLogger(__name__)
+
+_KEEP_DIRECTIVES = 1024
+_KEEP_HISTORY = 512
+
+
+class AggregatorCore:
+    def __init__(
+        self,
+        run_dir: Path | str,
+        world_size: int,
+        per_print_step: int = 10,
+        total_steps: int | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.world_size = world_size
+        self.per_print_step = max(1, per_print_step)
+        self.total_steps = total_steps
+        self.metrics = MetricsWriter(self.run_dir / "metrics.msgpack")
+        self.reducer = StepReducer(world_size)
+        self.accepted = 0
+        self.rejected: Counter[str] = Counter()
+        self.directives: OrderedDict[int, Directive] = OrderedDict()
+        self.recent: deque[ReducedStep] = deque(maxlen=_KEEP_HISTORY)
+        self.console: deque[str] = deque(maxlen=1000)
+        self.stop_request: tuple[str, dict[str, Any]] | None = None
+        self.stop: dict[str, Any] | None = None
+        self.rank_info: dict[int, dict[str, Any]] = {}
+        self.last_seen: dict[int, float] = {}
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.best_loss: tuple[float, int] | None = None
+        self.steps_reduced = 0
+        self.last_reduced: ReducedStep | None = None
+        self.fingerprint_mismatches: list[dict[str, Any]] = []
+        self.telemetry_latest: dict[tuple[str, Any], dict[str, Any]] = {}
+        self.started = time.time()
+
+    # ---- input ---------------------------------------------------------------------
+    def ingest(self, batch: list[bytes]) -> list[ReducedStep]:
+        """Accept a batch of encoded packets; returns the steps this batch completed."""
+        good_raw: list[bytes] = []
+        packets: list[Packet] = []
+        for raw in batch if isinstance(batch, (list, tuple)) else [batch]:
+            try:
+                pkt = decode(raw)
+            except PacketError as exc:
+                self.rejected[exc.reason] += 1
+                continue
+            good_raw.append(bytes(raw))
+            packets.append(pkt)
+        self.metrics.append(good_raw)
+        self.accepted += len(packets)
+        done: list[ReducedStep] = []
+        for pkt in packets:
+            done.extend(self._accept(pkt))
+        return done
+
+    def _accept(self, pkt: Packet) -> list[ReducedStep]:
+        if isinstance(pkt, StepPacket):
+            self.last_seen[pkt.rank] = time.time()
+            out = self.reducer.add(pkt)
+            for red in out:
+                self._on_reduced(red)
+            return out
+        if isinstance(pkt, EventPacket):
+            info = self.rank_info.setdefault(pkt.rank, {})
+            if pkt.kind == "start":
+                info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
+            else:
+                info[pkt.kind] = pkt.message or True
+            self.last_seen[pkt.rank] = time.time()
+        elif isinstance(pkt, TelemetryPacket):
+            for card in pkt.cards:
+                if isinstance(card, dict):
+                    self.telemetry_latest[(pkt.node, card.get("card"))] = dict(card, node=pkt.node, ts=pkt.ts)
+        return []
+
+    # ---- reduction → decisions ------------------------------------------------------
+    def _on_reduced(self, red: ReducedStep) -> None:
+        self.steps_reduced += 1
+        self.last_reduced = red
+        self.recent.append(red)
+        loss = red.loss_mean
+        if loss is not None and math.isfinite(loss):
+            if self.first_loss is None:
+                self.first_loss = loss
+            self.last_loss = loss
+            if self.best_loss is None or loss < self.best_loss[0]:
+                self.best_loss = (loss, red.step)
+        elif loss is not None:
+            self.last_loss = loss
+        self._check_fingerprints(red)
+        decision_step = any(p.decision for p in red.per_rank.values())
+        directive = Directive(step=red.step)
+        if decision_step and self.stop_request is not None and self.stop is None:
+            reason, stop = self.stop_request
+            directive = Directive(step=red.step, action=Action.STOP, reason=reason)
+            self.stop = dict(stop, step=red.step)
+            self.console.append(f"stopping every rank after step {red.step}: {reason}")
+        elif self.stop is not None and red.step >= self.stop["step"]:
+            directive = Directive(step=red.step, action=Action.STOP, reason=self.stop.get("message", ""))
+        self.directives[red.step] = directive
+        while len(self.directives) > _KEEP_DIRECTIVES:
+            self.directives.popitem(last=False)
+        if red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps):
+            self.console.append(tables.cluster_table(red, self.total_steps))
+
+    def _check_fingerprints(self, red: ReducedStep) -> None:
+        fps = red.fingerprints
+        if len(fps) < 2:
+            return
+        counts = Counter(fps.values())
+        if len(counts) == 1:
+            return
+        majority, _ = counts.most_common(1)[0]
+        odd = sorted(r for r, fp in fps.items() if fp != majority)
+        entry = {"step": red.step, "ranks": odd, "majority": majority}
+        if len(self.fingerprint_mismatches) < 100:
+            self.fingerprint_mismatches.append(entry)
+        self.console.append(
+            f"WARNING parameters differ across ranks at step {red.step}: ranks {odd} differ from the majority"
+        )
+
+    def directive_for(self, step: int) -> Directive | None:
+        return self.directives.get(step)
+
+    def request_stop(self, reason: str, rule: str = "interrupt", rank: int | None = None,
+                     value: float | None = None) -> None:
+        """Stop every rank after the next decision step (first request wins)."""
+        if self.stop_request is None:
+            self.stop_request = (reason, {"rule": rule, "rank": rank, "value": value, "message": reason})
+
+    # ---- output ---------------------------------------------------------------------
+    def drain_console(self) -> list[str]:
+        out = list(self.console)
+        self.console.clear()
+        return out
+
+    def progress(self) -> dict[str, Any]:
+        red = self.last_reduced
+        if red is None:
+            return {"step": 0}
+        return {
+            "step": red.step,
+            "epoch": red.epoch,
+            "loss": red.loss_mean,
+            "samples_per_s": red.samples_per_s,
+            "step_time_s": red.step_time_max,
+            "ts": red.ts,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        ranks = []
+        for r in range(self.world_size):
+            last = self.reducer.last_packet_of_rank.get(r)
+            fp = None
+            # the newest fingerprint this rank sent
+            for red in reversed(self.recent):
+                if r in red.fingerprints:
+                    fp = red.fingerprints[r]
+                    break
+            info = self.rank_info.get(r, {})
+            ranks.append(
+                {
+                    "rank": r,
+                    "last_step": last.step if last else 0,
+                    "param_fingerprint": fp,
+                    "pid": info.get("pid"),
+                    "host": info.get("host"),
+                }
+            )
+        fps = {x["param_fingerprint"] for x in ranks if x["param_fingerprint"]}
+        return {
+            "world_size": self.world_size,
+            "steps_completed": self.reducer.reduced_through if self.reducer.reduced_through > 0 else 0,
+            "ranks": ranks,
+            "stop": self.stop,
+            "first_loss": self.first_loss,
+            "last_loss": self.last_loss,
+            "best_loss": self.best_loss[0] if self.best_loss else None,
+            "best_loss_step": self.best_loss[1] if self.best_loss else None,
+            "fingerprints_equal": (len(fps) == 1) if fps else None,
+            "fingerprint_mismatches": self.fingerprint_mismatches,
+            "packets": {
+                "accepted": self.accepted,
+                "rejected": sum(self.rejected.values()),
+                "rejected_by_reason": dict(self.rejected),
+                "duplicates": self.reducer.duplicates,
+                "late": self.reducer.late,
+                "incomplete_steps_evicted": self.reducer.evicted_incomplete,
+            },
+            "last_step": self.last_reduced.to_record() if self.last_reduced else None,
+        }
+
+    def missing_for(self, step: int) -> list[int]:
+        return self.reducer.missing_ranks(step)
+
+    def close(self) -> None:
+        self.metrics.close()

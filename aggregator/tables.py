@@ -1,0 +1,99 @@
+"""Cluster tables for the console (tabulate): one row per rank and a cluster line."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from tabulate import tabulate
+
+from .reducer import ReducedStep
+
+
+def _num(x: Any, fmt: str = ".4f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return format(x, fmt)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def cluster_table(red: ReducedStep, total_steps: int | None = None) -> str:
+    rows = []
+    for r, p in red.per_rank.items():
+        sps = p.samples / p.step_time_s if p.step_time_s else None
+        mark = []
+        if r in red.nonfinite_ranks:
+            mark.append("NONFINITE")
+        if r == red.step_time_max_rank and red.world_size > 1:
+            mark.append("slowest")
+        rows.append(
+            [
+                r,
+                red.step,
+                _num(p.loss),
+                _num(p.grad_norm_local, ".3f"),
+                _ms(p.step_time_s),
+                _num(sps, ".1f"),
+                (p.fingerprint or "")[:12],
+                " ".join(mark),
+            ]
+        )
+    rows.append(
+        [
+            "all",
+            red.step,
+            f"{_num(red.loss_mean)} ({_num(red.loss_min)}..{_num(red.loss_max)})",
+            _num(red.grad_norm, ".3f"),
+            _ms(red.step_time_max),
+            _num(red.samples_per_s, ".1f"),
+            "",
+            f"lr {_num(red.lr, '.2e')}",
+        ]
+    )
+    of = f"/{total_steps}" if total_steps else ""
+    head = f"step {red.step}{of}  epoch {red.epoch}  ranks {red.world_size}"
+    table = tabulate(
+        rows,
+        headers=["rank", "step", "loss", "grad norm", "step ms", "samples/s", "fingerprint", "note"],
+        tablefmt="simple",
+        disable_numparse=True,
+    )
+    return head + "\n" + table
+
+
+def summary_table(ranks: Iterable[dict[str, Any]]) -> str:
+    rows = [
+        [
+            r.get("rank"),
+            r.get("last_step"),
+            r.get("exit_code"),
+            (r.get("param_fingerprint") or "-")[:16],
+            r.get("host") or "-",
+            r.get("pid") or "-",
+        ]
+        for r in ranks
+    ]
+    return tabulate(rows, headers=["rank", "last step", "exit", "fingerprint", "host", "pid"], tablefmt="simple")
+
+
+def totals_table(summary: dict[str, Any]) -> str:
+    rows = [
+        ["status", summary.get("status")],
+        ["steps completed", summary.get("steps_completed")],
+        ["world size", summary.get("world_size")],
+        ["first loss (mean)", _num(summary.get("first_loss"))],
+        ["last loss (mean)", _num(summary.get("last_loss"))],
+        ["best loss (mean)", _num(summary.get("best_loss"))],
+        ["fingerprints equal", summary.get("fingerprints_equal")],
+        ["packets accepted", summary.get("packets", {}).get("accepted")],
+        ["packets rejected", summary.get("packets", {}).get("rejected")],
+        ["wall time s", _num(summary.get("wall_time_s"), ".1f")],
+    ]
+    if summary.get("stop"):
+        rows.append(["stop", summary["stop"].get("message")])
+    return tabulate(rows, tablefmt="simple")

@@ -1,0 +1,74 @@
+"""The `mindpulse` command.
+
+Exit codes: 0 success, 1 job failed, 2 bad config or usage, 3 stopped by an anomaly
+rule, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load_config
+from .spec import ExitCode
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mindpulse", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    lp = sub.add_parser("launch", help="launch a data-parallel run and monitor it")
+    lp.add_argument("config", nargs="?", type=Path, help="cluster config YAML (default: cluster_configs/local_cpu.yaml)")
+    lp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set train.steps=20 (repeatable)")
+
+    cp = sub.add_parser("config", help="print the resolved config (validates it)")
+    cp.add_argument("config", nargs="?", type=Path)
+    cp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    pp = sub.add_parser("pretrain", help="pretrain the recipe's base checkpoint (single process, CPU)")
+    pp.add_argument("--out", type=Path, default=None, help="checkpoint to write (default: the recipe's base)")
+    pp.add_argument("--steps", type=int, default=400)
+    pp.add_argument("--batch-size", type=int, default=16)
+    pp.add_argument("--lr", type=float, default=3e-3)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0) and int(ExitCode.USAGE)
+    try:
+        if args.command in ("launch", "config"):
+            cfg, path = load_config(args.config, args.overrides)
+            if args.command == "config":
+                import yaml
+
+                print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+                return 0
+            from .launch import launch
+
+            return launch(cfg, path)
+        if args.command == "pretrain":
+            from mindpulse.workers.recipes import llama_finetune
+
+            out = args.out or llama_finetune.BASE_CKPT
+            res = llama_finetune.pretrain(out, steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+            print(json.dumps(dict(res, out=str(out))))
+            return 0
+    except ConfigError as exc:
+        print(f"mindpulse: config error: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
+    return int(ExitCode.USAGE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

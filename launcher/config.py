@@ -1,0 +1,418 @@
+"""Typed run configuration: YAML is only a loader, these dataclasses are the contract.
+
+Every field carries a docstring-style comment; every check names the dotted path of the
+field it rejects and what is allowed, so a user can fix the YAML without reading code.
+Unknown keys are errors (a typo must never be silently ignored on a 3-day run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the dotted path, the bad value and what is allowed."""
+
+
+class Backend(str, enum.Enum):
+    RAY = "ray"
+    MSRUN = "msrun"
+
+
+class Device(str, enum.Enum):
+    CPU = "cpu"
+    ASCEND = "ascend"
+    GPU = "gpu"
+
+    @property
+    def device_target(self) -> str:
+        """MindSpore's `device_target` name for this device."""
+        return {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}[self.value]
+
+
+class Mode(str, enum.Enum):
+    PYNATIVE = "pynative"
+    GRAPH = "graph"
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Ray cluster address: empty starts an embedded local cluster on 127.0.0.1;
+    `auto` or `HOST:PORT` joins an existing cluster."""
+    namespace: str = "mindpulse"
+    """Ray namespace for the run's named actors."""
+
+
+@dataclass
+class WorldConfig:
+    nodes: int = 1
+    """Number of machines (Ray nodes) taking part."""
+    ranks_per_node: int = 2
+    """Ranks (MindSpore processes, one per card) per node."""
+    device: Device = Device.CPU
+    """`cpu`, `ascend` or `gpu`: MindSpore's device_target for the ranks."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclass
+class RecipeConfig:
+    name: str = "llama_finetune"
+    """Built-in recipe to run (`llama_finetune`)."""
+    init_from: str = ""
+    """Base checkpoint to start from (relative paths are resolved against the config
+    file's folder, then the project); empty trains from random weights."""
+    seq_length: int = 64
+    """Tokens per sample (byte-level tokens)."""
+    hidden_size: int = 64
+    """Model width."""
+    num_layers: int = 2
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads."""
+    intermediate_size: int = 128
+    """Feed-forward width."""
+    train_file: str = ""
+    """Training text (UTF-8); empty uses the corpus shipped with mindpulse."""
+    valid_file: str = ""
+    """Validation text; empty uses the shipped validation split."""
+
+
+@dataclass
+class JobConfig:
+    recipe: RecipeConfig | None = None
+    """A built-in recipe and its options (give either `recipe` or `script`; with
+    neither, the built-in `llama_finetune` recipe runs)."""
+    script: str = ""
+    """A user training script run in every rank (it uses `mindpulse.workers.Monitor`)."""
+    args: list[str] = field(default_factory=list)
+    """Command-line arguments passed to `script`."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0
+    """Stop after this many optimizer steps in all (0: run all epochs)."""
+    epochs: int = 1
+    """Passes over each rank's shard of the data."""
+    batch_size: int = 8
+    """Samples per rank per step (MindSpore's per-device batch size)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the cosine decay (0: constant rate)."""
+    seed: int = 1234
+    """`mindspore.set_seed` in every rank; equal seeds give equal initial weights."""
+    mode: Mode = Mode.PYNATIVE
+    """MindSpore execution mode: `pynative` or `graph`."""
+    dataset_sink_mode: bool = False
+    """MindSpore's dataset sinking (callbacks then run once per sink, not per step)."""
+    sink_size: int = -1
+    """Steps per sink when `dataset_sink_mode` is on (-1: a whole epoch)."""
+
+
+@dataclass
+class MonitorConfig:
+    collect_freq: int = 10
+    """Every N steps each rank also sends a parameter fingerprint (and step 0)."""
+    per_print_step: int = 10
+    """Every N steps the driver prints the cluster table."""
+    decision_every: int = 1
+    """Every N steps each rank waits for the aggregator's directive (stop/continue);
+    all ranks stop after the same decision step."""
+    decision_timeout_s: float = 120.0
+    """How long a rank waits for a directive before it goes on without one."""
+    hang_timeout_s: float = 300.0
+    """Seconds without any step from a rank before the job is declared hung."""
+
+
+@dataclass
+class OutputConfig:
+    root: str = "runs"
+    """Folder holding the run directories (`<root>/<name>-<YYYYmmdd-HHMMSS>/`)."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name: letters, digits, `.`, `_`, `-` (it becomes a folder name)."""
+    backend: Backend = Backend.RAY
+    """How ranks are started: `ray` (rank actors)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _describe(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    return str(tp)
+
+
+def _coerce(path: str, tp: Any, raw: Any) -> Any:
+    """Turn a YAML value into the field's type, or raise ConfigError naming `path`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None:
+            return None
+        return _coerce(path, args[0], raw)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if raw is None:
+            return []
+        if not isinstance(raw, list):
+            raise ConfigError(f"{path}: expected a list, got {raw!r}")
+        return [_coerce(f"{path}[{i}]", item_tp, v) for i, v in enumerate(raw)]
+    if dataclasses.is_dataclass(tp):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path or '<top>'}: expected a mapping of fields, got {raw!r}")
+        return _build(tp, raw, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(raw)
+        except ValueError:
+            raise ConfigError(f"{path}: {raw!r} is not allowed; use {_describe(tp)}") from None
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        raise ConfigError(f"{path}: {raw!r} is not allowed; use true or false")
+    if tp is int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(f"{path}: {raw!r} is not allowed; use an integer")
+        return raw
+    if tp is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ConfigError(f"{path}: {raw!r} is not allowed; use a number")
+        return float(raw)
+    if tp is str:
+        if raw is None:
+            return ""
+        if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+            raise ConfigError(f"{path}: {raw!r} is not allowed; use a string")
+        return str(raw)
+    raise ConfigError(f"{path}: unsupported field type {tp!r}")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            allowed = ", ".join(sorted(names))
+            raise ConfigError(f"{where}: unknown key; allowed here: {allowed}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            path = f"{prefix}.{f.name}" if prefix else f.name
+            kwargs[f.name] = _coerce(path, hints[f.name], raw[f.name])
+    return cls(**kwargs)
+
+
+def _positive(path: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        need = "0 or more" if allow_zero else "more than 0"
+        raise ConfigError(f"{path}: {value!r} is not allowed; use a number {need}")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Checks across fields; raises ConfigError naming the first bad field."""
+    if not _NAME_RE.match(cfg.name):
+        raise ConfigError(
+            f"name: {cfg.name!r} is not allowed; use 1-64 letters, digits, '.', '_' or '-'"
+            " starting with a letter or digit (it becomes a folder name)"
+        )
+    if cfg.backend is Backend.MSRUN:
+        raise ConfigError("backend: 'msrun' is not available in this version; use 'ray'")
+    _positive("world.nodes", cfg.world.nodes)
+    _positive("world.ranks_per_node", cfg.world.ranks_per_node)
+    _positive("train.steps", cfg.train.steps, allow_zero=True)
+    _positive("train.epochs", cfg.train.epochs)
+    _positive("train.batch_size", cfg.train.batch_size)
+    _positive("train.lr", cfg.train.lr)
+    _positive("train.warmup_steps", cfg.train.warmup_steps, allow_zero=True)
+    _positive("monitor.collect_freq", cfg.monitor.collect_freq)
+    _positive("monitor.per_print_step", cfg.monitor.per_print_step)
+    _positive("monitor.decision_every", cfg.monitor.decision_every)
+    _positive("monitor.decision_timeout_s", cfg.monitor.decision_timeout_s)
+    _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
+    if cfg.train.sink_size == 0 or cfg.train.sink_size < -1:
+        raise ConfigError(f"train.sink_size: {cfg.train.sink_size!r} is not allowed; use -1 or more than 0")
+    if not cfg.output.root:
+        raise ConfigError("output.root: must not be empty")
+    job = cfg.job
+    if job.script and job.recipe is not None:
+        raise ConfigError("job: give either job.recipe or job.script, not both")
+    if not job.script and job.recipe is None:
+        job.recipe = RecipeConfig()
+    if job.recipe is not None:
+        if job.recipe.name not in RECIPES:
+            raise ConfigError(
+                f"job.recipe.name: {job.recipe.name!r} is not allowed; use one of "
+                + ", ".join(repr(r) for r in RECIPES)
+            )
+        r = job.recipe
+        for fname in ("seq_length", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _positive(f"job.recipe.{fname}", getattr(r, fname))
+        if r.hidden_size % r.num_heads:
+            raise ConfigError(
+                f"job.recipe.hidden_size: {r.hidden_size} is not divisible by job.recipe.num_heads ({r.num_heads})"
+            )
+    if job.args and not job.script:
+        raise ConfigError("job.args: only allowed together with job.script")
+    return cfg
+
+
+RECIPES = ("llama_finetune",)
+
+
+def from_dict(raw: Any, source: str = "<config>") -> RunConfig:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    return validate(_build(RunConfig, raw, ""))
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` → (['a','b','c'], YAML-parsed value)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: use --set dotted.key=value")
+    key, _, value = item.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: the key must be a dotted path such as train.steps")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = {}
+                node[part] = nxt
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return raw
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: Path | None, overrides: list[str] | None = None) -> tuple[RunConfig, Path | None]:
+    """Load, override and validate. Returns the config and the resolved file path."""
+    if path is None:
+        path = default_config_path()
+    path = Path(path).resolve()
+    raw = read_yaml(path)
+    raw = apply_overrides(raw, list(overrides or []))
+    return from_dict(raw, str(path)), path
+
+
+def default_config_path() -> Path:
+    """`cluster_configs/local_cpu.yaml` of the project (shipped inside the package too)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "cluster_configs" / "local_cpu.yaml", here / "local_cpu.yaml"):
+        if candidate.exists():
+            return candidate
+    raise ConfigError("no config file given and cluster_configs/local_cpu.yaml is missing")
+
+
+def describe_fields() -> list[tuple[str, str, str]]:
+    """(dotted path, default, doc) for the README's config reference."""
+    import ast
+    import inspect
+
+    rows: list[tuple[str, str, str]] = []
+
+    def docs_of(cls: type) -> dict[str, str]:
+        src = inspect.getsource(cls)
+        tree = ast.parse(src)
+        out: dict[str, str] = {}
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                out[a.target.id] = " ".join(str(b.value.value).split())  # type: ignore[union-attr]
+        return out
+
+    def walk(cls: type, prefix: str) -> None:
+        docs = docs_of(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            path = f"{prefix}{f.name}"
+            tp = hints[f.name]
+            args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+            inner = args[0]
+            if dataclasses.is_dataclass(inner):
+                walk(inner, path + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((path, repr(_to_plain(default)), docs.get(f.name, "")))
+
+    walk(RunConfig, "")
+    return rows

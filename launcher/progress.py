@@ -1,0 +1,66 @@
+"""A one-line progress display: step/total, ETA, loss, samples/s.
+
+On a terminal it redraws in place; when stdout is a file or a pipe it prints a plain
+line at most every 30 s, so log files are not flooded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, TextIO
+
+PLAIN_EVERY_S = 30.0
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "--:--"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def progress_text(progress: dict[str, Any], total: int | None, started: float, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    step = progress.get("step") or 0
+    eta = None
+    if total and step:
+        eta = (now - started) / step * (total - step)
+    loss = progress.get("loss")
+    sps = progress.get("samples_per_s")
+    parts = [f"step {step}/{total}" if total else f"step {step}", f"ETA {format_eta(eta)}" if total else ""]
+    parts.append(f"loss {loss:.4f}" if isinstance(loss, float) else "loss -")
+    parts.append(f"{sps:.1f} samples/s" if isinstance(sps, float) else "")
+    return "  ".join(p for p in parts if p)
+
+
+class ProgressLine:
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self._shown = False
+        self._last_plain = 0.0
+        self._last_step = -1
+
+    def update(self, progress: dict[str, Any], total: int | None, started: float) -> None:
+        step = progress.get("step") or 0
+        if step == 0:
+            return
+        text = progress_text(progress, total, started)
+        if self.tty:
+            self.out.write("\r\x1b[2K" + text)
+            self.out.flush()
+            self._shown = True
+        elif step != self._last_step and time.time() - self._last_plain >= PLAIN_EVERY_S:
+            self.out.write(text + "\n")
+            self.out.flush()
+            self._last_plain = time.time()
+        self._last_step = step
+
+    def clear(self) -> None:
+        if self.tty and self._shown:
+            self.out.write("\r\x1b[2K")
+            self.out.flush()
+            self._shown = False

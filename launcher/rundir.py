@@ -1,0 +1,81 @@
+"""The run directory: `<output.root>/<name>-<YYYYmmdd-HHMMSS>/` and its files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import ConfigError, RunConfig
+
+
+def make_run_dir(cfg: RunConfig, base: Path | None = None) -> Path:
+    root = Path(cfg.output.root)
+    if not root.is_absolute():
+        root = (base or Path.cwd()) / root
+    root = root.resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = (root / f"{cfg.name}-{stamp}").resolve()
+    if root not in run_dir.parents:
+        raise ConfigError(f"name: {cfg.name!r} would place the run outside output.root ({root})")
+    n = 1
+    candidate = run_dir
+    while candidate.exists():
+        n += 1
+        candidate = run_dir.with_name(f"{run_dir.name}.{n}")
+    candidate.mkdir(parents=True)
+    (candidate / "logs").mkdir()
+    return candidate
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """temp file in the same folder, fsync, rename: readers never see a torn file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_config(run_dir: Path, cfg: RunConfig) -> None:
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    write_atomic(run_dir / "config.yaml", text.encode())
+
+
+def json_safe(obj: Any) -> Any:
+    """Strict JSON: NaN/Inf become the strings "nan"/"inf"/"-inf" (jq and browsers reject bare NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> None:
+    text = json.dumps(json_safe(obj), indent=2, default=_json_default, allow_nan=False)
+    write_atomic(path, (text + "\n").encode())
+
+
+def _json_default(x: Any) -> Any:
+    if hasattr(x, "value"):
+        return x.value
+    if hasattr(x, "__dict__"):
+        return x.__dict__
+    return str(x)

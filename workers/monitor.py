@@ -1,0 +1,290 @@
+"""The per-rank monitor: a MindSpore `Callback` for `Model.train`, and `step()` for
+hand-written loops. One line in a user's script:
+
+    model.train(epochs, dataset, callbacks=[Monitor()])
+
+Per step it builds a `StepPacket` (loss, the learning rate of the step just done, grad
+norms, NaN/Inf counts, step time, samples/s, and every `collect_freq` steps a parameter
+fingerprint) and ships it to the run's aggregator; at decision points it waits for the
+directive so that every rank stops after the same step. Launched outside mindpulse it
+still works: it logs the packets and never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mindspore import Tensor, nn
+from mindspore.train.callback import Callback
+
+from mindpulse.aggregator.packets import Action, Directive, EventPacket, StepPacket
+
+from .fingerprint import model_parameters, param_fingerprint
+from .shipping import AggregatorClient, RankEnv
+from .train_cell import split_outputs
+
+log = logging.getLogger(__name__)
+
+
+def lr_of_step(optimizer: Any, step_index: int) -> float | None:
+    """Learning rate used by step `step_index` (0-based).
+
+    `optimizer.get_lr()` inside a callback already points at the next step, so the rate
+    is read from the schedule at the step just done instead.
+    """
+    if optimizer is None:
+        return None
+    try:
+        lr = optimizer.learning_rate
+        if isinstance(lr, nn.learning_rate_schedule.LearningRateSchedule):
+            from mindspore import Tensor as T
+            import mindspore as ms
+
+            return float(lr(T(step_index, ms.int32)).asnumpy())
+        if isinstance(lr, Tensor):
+            arr = lr.asnumpy().reshape(-1)
+            return float(arr[min(step_index, arr.size - 1)]) if arr.size else None
+        if hasattr(lr, "asnumpy"):
+            return float(lr.asnumpy().reshape(-1)[0])
+        return float(lr)
+    except Exception:  # a group learning rate or an exotic schedule: report none
+        return None
+
+
+@dataclass
+class StepOutcome:
+    """What `Monitor.step` tells a hand-written loop."""
+
+    step: int
+    stop: bool
+    reason: str = ""
+
+
+class Monitor(Callback):
+    """Ships each step to the mindpulse aggregator; stops when every rank must stop.
+
+    Args:
+        network: the model whose parameters are fingerprinted; found automatically in
+            `Model.train` (the train cell's `network`).
+        batch_size: samples per step on this rank; found from the dataset in `Model.train`.
+        collect_freq / decision_every: override the run's `monitor.*` settings.
+        total_steps: request a stop after this many steps (the run's `train.steps`).
+    """
+
+    def __init__(
+        self,
+        network: nn.Cell | None = None,
+        batch_size: int | None = None,
+        collect_freq: int | None = None,
+        decision_every: int | None = None,
+        total_steps: int | None = None,
+        client: AggregatorClient | None = None,
+        rank: int | None = None,
+    ):
+        super().__init__()
+        self.renv = RankEnv.from_environ()
+        renv = self.renv
+        self.rank = rank if rank is not None else (renv.rank if renv else int(os.environ.get("RANK_ID", "0")))
+        self.collect_freq = collect_freq or (renv.collect_freq if renv else 10)
+        self.decision_every = decision_every or (renv.decision_every if renv else 1)
+        self.total_steps = total_steps if total_steps is not None else (renv.total_steps if renv else 0)
+        self.batch_size = batch_size or (renv.batch_size if renv and renv.batch_size else None)
+        self.network = network
+        self.client = client
+        if self.client is None and renv is not None:
+            self.client = AggregatorClient.connect(renv)
+        self.step_num = 0
+        self.stopped: Directive | None = None
+        self._t0: float | None = None
+        self._last_end: float | None = None
+        self._started = False
+        self.on_directive: Callable[[Directive], None] | None = None
+
+    # ---- shared by both entry points ------------------------------------------------
+    def _send_event(self, kind: str, message: str = "") -> None:
+        pkt = EventPacket(rank=self.rank, kind=kind, ts=time.time(), step=self.step_num, pid=os.getpid(),
+                          host=socket.gethostname(), message=message[:4000])
+        if self.client:
+            self.client.send(pkt.encode())
+            self.client.flush()
+
+    def start(self, network: nn.Cell | None = None) -> None:
+        """Start of training: announce the rank and send the step-0 fingerprint."""
+        if self._started:
+            return
+        self._started = True
+        if network is not None and self.network is None:
+            self.network = network
+        self._send_event("start")
+        fp, norm = self._fingerprint()
+        pkt = StepPacket(rank=self.rank, step=0, ts=time.time(), fingerprint=fp, param_norm=norm, decision=True)
+        self._ship(pkt)
+
+    def _fingerprint(self) -> tuple[str | None, float | None]:
+        if self.network is None:
+            return None, None
+        try:
+            return param_fingerprint(model_parameters(self.network))
+        except Exception as exc:
+            log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)
+            return None, None
+
+    def _ship(self, pkt: StepPacket) -> Directive | None:
+        if self.client is None:
+            log.info("[rank %d] step %d loss %s", self.rank, pkt.step, pkt.loss)
+            return None
+        if pkt.decision:
+            d = self.client.decide(pkt.encode(), pkt.step)
+            if d.action is Action.STOP:
+                self.stopped = d
+            if self.on_directive:
+                self.on_directive(d)
+            return d
+        self.client.send(pkt.encode())
+        return None
+
+    def record(
+        self,
+        loss: float | None,
+        *,
+        step: int | None = None,
+        epoch: int = 0,
+        lr: float | None = None,
+        grad_norm: float | None = None,
+        grad_norm_local: float | None = None,
+        nan_count: int = 0,
+        inf_count: int = 0,
+        step_time_s: float | None = None,
+        samples: int | None = None,
+        extra: dict[str, float] | None = None,
+    ) -> StepOutcome:
+        self.step_num = step if step is not None else self.step_num + 1
+        s = self.step_num
+        fp = norm = None
+        if s % self.collect_freq == 0:
+            fp, norm = self._fingerprint()
+        decision = s % self.decision_every == 0 or (self.total_steps and s >= self.total_steps)
+        pkt = StepPacket(
+            rank=self.rank,
+            step=s,
+            epoch=epoch,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            grad_norm_local=grad_norm_local,
+            nan_count=int(nan_count),
+            inf_count=int(inf_count),
+            step_time_s=step_time_s,
+            samples=int(samples or self.batch_size or 0),
+            ts=time.time(),
+            fingerprint=fp,
+            param_norm=norm,
+            decision=bool(decision),
+            extra={k: float(v) for k, v in (extra or {}).items()},
+        )
+        self._ship(pkt)
+        stop = self.stopped is not None
+        reason = self.stopped.reason if self.stopped else ""
+        if not stop and self.total_steps and s >= self.total_steps:
+            stop, reason = True, f"reached train.steps={self.total_steps}"
+        return StepOutcome(step=s, stop=stop, reason=reason)
+
+    def finish(self, message: str = "") -> None:
+        if self.client:
+            self.client.flush()
+        self._send_event("end", message)
+
+    # ---- hand-written loops -------------------------------------------------------------
+    def step(
+        self,
+        outputs: Any = None,
+        *,
+        loss: float | None = None,
+        network: nn.Cell | None = None,
+        optimizer: Any = None,
+        epoch: int = 0,
+        samples: int | None = None,
+        extra: dict[str, float] | None = None,
+        **stats: Any,
+    ) -> StepOutcome:
+        """Report one finished step of a hand-written loop; returns whether to stop.
+
+        `outputs` may be what a `MonitoredTrainOneStepCell` returned (loss and grad
+        statistics are then read from it) or a loss tensor/number.
+        """
+        now = time.perf_counter()
+        if not self._started:
+            self.start(network)
+        elif network is not None and self.network is None:
+            self.network = network
+        if outputs is not None:
+            out_loss, out_stats = split_outputs(outputs)
+            loss = out_loss if loss is None else loss
+            for k, v in out_stats.items():
+                stats.setdefault(k, v)
+        step_time = now - self._last_end if self._last_end is not None else None
+        outcome = self.record(
+            loss,
+            epoch=epoch,
+            lr=lr_of_step(optimizer, self.step_num) if optimizer is not None else stats.pop("lr", None),
+            step_time_s=step_time,
+            samples=samples,
+            extra=extra,
+            **{k: stats[k] for k in ("grad_norm", "grad_norm_local", "nan_count", "inf_count") if k in stats},
+        )
+        self._last_end = time.perf_counter()
+        return outcome
+
+    # ---- MindSpore callback ------------------------------------------------------------
+    def on_train_begin(self, run_context):
+        cb = run_context.original_args()
+        net = getattr(cb, "train_network", None)
+        inner = getattr(net, "network", net)
+        if self.batch_size is None:
+            ds = getattr(cb, "train_dataset", None)
+            try:
+                self.batch_size = int(ds.get_batch_size()) if ds is not None else None
+            except Exception:
+                self.batch_size = None
+        self.start(inner)
+
+    def on_train_step_begin(self, run_context):
+        self._t0 = time.perf_counter()
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        now = time.perf_counter()
+        loss, stats = split_outputs(cb.net_outputs)
+        step = int(cb.cur_step_num)
+        # with dataset sinking one callback covers `sink` steps: report the mean step time
+        prev = self.step_num
+        nsteps = max(1, step - prev)
+        start = self._t0 if self._t0 is not None else self._last_end
+        step_time = (now - start) / nsteps if start is not None else None
+        optimizer = getattr(cb, "optimizer", None) or getattr(cb.train_network, "optimizer", None)
+        outcome = self.record(
+            loss,
+            step=step,
+            epoch=int(getattr(cb, "cur_epoch_num", 1)),
+            lr=lr_of_step(optimizer, step - 1),
+            step_time_s=step_time,
+            samples=(self.batch_size or 0) * nsteps,
+            **stats,
+        )
+        self._last_end = time.perf_counter()
+        if outcome.stop:
+            run_context.request_stop()
+            log.info("[rank %d] stopping after step %d: %s", self.rank, step, outcome.reason)
+
+    def on_train_end(self, run_context):
+        self.finish("stopped: " + self.stopped.reason if self.stopped else "")
+
+
+def is_finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)

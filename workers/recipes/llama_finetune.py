@@ -1,0 +1,228 @@
+"""Built-in recipe: fine-tune a small MindFormers LLaMA on a byte-level text corpus.
+
+Reads top to bottom like nanoGPT: context, data, model, optimizer, train. The model is
+built from a config (no download); the base checkpoint it starts from is made by
+`mindpulse pretrain` on a different corpus, so the demo is a real domain fine-tune.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+TRAIN_FILE = DATA_DIR / "corpus_train.txt"
+VALID_FILE = DATA_DIR / "corpus_valid.txt"
+PRETRAIN_FILE = DATA_DIR / "corpus_pretrain.txt"
+BASE_CKPT = DATA_DIR / "base_llama_tiny.ckpt"
+VOCAB = 256  # byte-level tokens
+
+
+@dataclass
+class ModelShape:
+    seq_length: int = 64
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 128
+
+
+def read_tokens(path: Path) -> np.ndarray:
+    data = Path(path).read_bytes()
+    if len(data) < 2:
+        raise ValueError(f"{path}: the corpus is empty; give a UTF-8 text file")
+    return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+
+class ByteWindows:
+    """Iterable source of token windows (length seq_length + 1) for one rank.
+
+    Each epoch the windows are shuffled with `seed + epoch` (the same order on every
+    rank) and rank r takes every world-th one from offset r, so ranks see disjoint data.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_length: int, rank: int, world: int, seed: int,
+                 batch_size: int):
+        self.tokens = tokens
+        self.seq_length = seq_length
+        self.rank, self.world, self.seed = rank, world, seed
+        n_windows = (len(tokens) - 1) // seq_length
+        per_rank = n_windows // world
+        self.steps_per_epoch = per_rank // batch_size
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"corpus too small: {n_windows} windows of {seq_length} tokens for {world} ranks "
+                f"x batch {batch_size}; use a larger corpus, a smaller train.batch_size or job.recipe.seq_length"
+            )
+        self.n_windows = n_windows
+        self.samples_per_epoch = self.steps_per_epoch * batch_size
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray]]:
+        order = np.random.RandomState(self.seed + self.epoch).permutation(self.n_windows)
+        mine = order[self.rank :: self.world][: self.samples_per_epoch]
+        self.epoch += 1
+        L = self.seq_length
+        for w in mine:
+            yield (self.tokens[w * L : w * L + L + 1].copy(),)
+
+
+def build_model(shape: ModelShape, batch_size: int):
+    from mindformers.models.llama import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        batch_size=batch_size,
+        seq_length=shape.seq_length,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        vocab_size=VOCAB,
+        intermediate_size=shape.intermediate_size,
+        use_rope_slice=True,  # required on CPU
+        fused_rms_norm=False,  # the fused RmsNorm kernel is not registered on CPU
+        use_flash_attention=False,
+        compute_dtype="float32",
+        layernorm_compute_type="float32",
+        softmax_compute_type="float32",
+        rotary_dtype="float32",
+        param_init_type="float32",
+        pad_token_id=-100,  # every byte is a real token, nothing is masked
+        ignore_token_id=-100,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def lr_schedule(lr: float, warmup: int, total: int) -> list[float]:
+    """Linear warm-up then cosine decay to 10%; constant when warmup == 0 and total small."""
+    total = max(1, total)
+    out = []
+    for i in range(total):
+        if warmup and i < warmup:
+            out.append(lr * (i + 1) / warmup)
+        elif warmup:
+            t = (i - warmup) / max(1, total - warmup)
+            out.append(lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))))
+        else:
+            out.append(lr)
+    return out
+
+
+def load_base(model, path: Path) -> None:
+    import mindspore as ms
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"job.recipe.init_from: {path} does not exist; run `mindpulse pretrain` to make it")
+    params = ms.load_checkpoint(str(path))
+    not_loaded, _ = ms.load_param_into_net(model, params, strict_load=False)
+    missing = [n for n in not_loaded if not n.startswith("mindpulse_")]
+    if missing:
+        raise ValueError(f"job.recipe.init_from: {path} lacks weights for {missing[:5]} (a different model shape?)")
+
+
+def set_mode(mode: str, device_target: str) -> None:
+    import mindspore as ms
+
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE, device_target=device_target)
+
+
+def main(job: dict[str, Any]) -> None:
+    """Run in every rank by the launcher. `job` is the resolved config as a dict."""
+    import mindspore as ms
+    from mindspore import nn
+    from mindspore.communication import get_group_size, get_rank, init
+    from mindspore.train import Model
+
+    from mindpulse.workers.monitor import Monitor
+    from mindpulse.workers.train_cell import MonitoredTrainOneStepCell
+
+    train, recipe, world = job["train"], job["job"]["recipe"], job["world"]
+    device_target = {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}[world["device"]]
+    set_mode(train["mode"], device_target)
+    distributed = "MS_ROLE" in os.environ or "RANK_SIZE" in os.environ and int(os.environ["RANK_SIZE"]) > 1
+    if distributed:
+        init()
+        rank, size = get_rank(), get_group_size()
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                     device_num=size)
+    else:
+        rank, size = 0, 1
+    ms.set_seed(int(train["seed"]))
+
+    shape = ModelShape(**{k: recipe[k] for k in ModelShape.__dataclass_fields__})
+    bs = int(train["batch_size"])
+    tokens = read_tokens(Path(recipe.get("train_file") or TRAIN_FILE))
+    source = ByteWindows(tokens, shape.seq_length, rank, size, int(train["seed"]), bs)
+    total = int(train["steps"]) or source.steps_per_epoch * int(train["epochs"])
+    epochs = math.ceil(total / source.steps_per_epoch)
+    dataset = ms.dataset.GeneratorDataset(source, ["input_ids"], shuffle=False, num_parallel_workers=1,
+                                          python_multiprocessing=False)
+    dataset = dataset.batch(bs, drop_remainder=True)
+
+    model = build_model(shape, bs)
+    # mindformers' get_context may have switched the mode: set it again (measured quirk)
+    set_mode(train["mode"], device_target)
+    if recipe.get("init_from"):
+        load_base(model, Path(recipe["init_from"]))
+    lrs = lr_schedule(float(train["lr"]), int(train.get("warmup_steps", 0)), total)
+    optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=ms.Tensor(np.array(lrs, np.float32)),
+                                   weight_decay=0.0)
+    train_net = MonitoredTrainOneStepCell(model, optimizer)
+    train_net.set_train()
+    monitor = Monitor(total_steps=total, batch_size=bs)
+    log.info("[rank %d] %d steps (%d epochs of %d), world %d", rank, total, epochs, source.steps_per_epoch, size)
+    Model(train_net).train(epochs, dataset, callbacks=[monitor], dataset_sink_mode=bool(train["dataset_sink_mode"]),
+                           sink_size=int(train.get("sink_size", -1)))
+
+
+def pretrain(out: Path, steps: int = 400, batch_size: int = 16, lr: float = 3e-3, seed: int = 7,
+             shape: ModelShape | None = None, corpus: Path = PRETRAIN_FILE) -> dict[str, float]:
+    """Single-process pretraining that makes the recipe's base checkpoint."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from mindpulse.workers.train_cell import MonitoredTrainOneStepCell, split_outputs
+
+    shape = shape or ModelShape()
+    set_mode("pynative", "CPU")
+    ms.set_seed(seed)
+    source = ByteWindows(read_tokens(corpus), shape.seq_length, 0, 1, seed, batch_size)
+    model = build_model(shape, batch_size)
+    set_mode("pynative", "CPU")
+    lrs = lr_schedule(lr, max(1, steps // 20), steps)
+    opt = nn.AdamWeightDecay(model.trainable_params(), learning_rate=ms.Tensor(np.array(lrs, np.float32)),
+                             weight_decay=0.0)
+    net = MonitoredTrainOneStepCell(model, opt)
+    net.set_train()
+    step, first, last = 0, None, None
+    while step < steps:
+        batch: list[np.ndarray] = []
+        for (w,) in source:
+            batch.append(w)
+            if len(batch) == batch_size:
+                loss, _ = split_outputs(net(ms.Tensor(np.stack(batch))))
+                batch = []
+                step += 1
+                first = loss if first is None else first
+                last = loss
+                if step % 50 == 0 or step == 1:
+                    print(f"pretrain step {step}/{steps} loss {loss:.4f}", flush=True)
+                if step >= steps:
+                    break
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.ckpt")
+    params = [{"name": p.name, "data": p} for p in model.get_parameters()]
+    ms.save_checkpoint(params, str(tmp))
+    os.replace(tmp, out)
+    return {"first_loss": float(first), "last_loss": float(last), "steps": steps}
