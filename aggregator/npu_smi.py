@@ -8,7 +8,9 @@ Two kinds of output are understood, and may even be mixed in one input:
   followed by an optional process table
   (``NPU Chip | Process id | Process name | Process memory(MB) [| Process id in container]``);
 * the per-card ``key : value`` listings of ``npu-smi info -t usages|power|temp|memory|
-  board|common|health -i N [-c CHIP]``.
+  board|common|health -i N [-c CHIP]``.  These give usage *rates*; used memory is derived
+  as capacity * rate / 100, so it has whole-percent resolution.  Several listings of one
+  card are combined with :func:`merge_cards`.
 
 The table is parsed by structure: rows are split on ``|``, the header rows say what
 each cell (and each whitespace-separated sub-column inside a cell) holds, and values are
@@ -27,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 __all__ = [
     "HEALTH_VALUES",
+    "MAX_WARNINGS",
     "NpuCard",
     "ParseResult",
     "parse_npu_smi",
@@ -124,7 +127,7 @@ class _Warnings:
     """Collects warnings, keeping at most ``limit`` of them."""
 
     def __init__(self, limit: int = MAX_WARNINGS) -> None:
-        self.limit = max(1, int(limit))
+        self.limit = limit if isinstance(limit, int) and limit > 0 else MAX_WARNINGS
         self.items: list[str] = []
         self.dropped = 0
         self._once: set[str] = set()
@@ -161,10 +164,6 @@ _BUS_RE = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-
 _NULLS = frozenset({"", "-", "--", "---", "na", "n/a"})
 _MASK_CHARS = frozenset("xX*#?")
 _HEALTH_CANON = {h.lower(): h for h in HEALTH_VALUES}
-
-
-def _is_null(s: str) -> bool:
-    return s.strip().lower() in _NULLS
 
 
 def _is_masked(s: str) -> bool:
@@ -251,11 +250,12 @@ class _Conv:
         return None
 
 
+_TO_MB = {"mb": 1.0, "mib": 1.0, "gb": 1024.0, "gib": 1024.0, "kb": 1 / 1024, "kib": 1 / 1024}
+
+
 def _scale_for_unit(unit: str) -> float | None:
     """Factor turning a memory value in ``unit`` into MB (None: unknown unit)."""
-    return {"mb": 1.0, "mib": 1.0, "gb": 1024.0, "gib": 1024.0, "kb": 1 / 1024, "kib": 1 / 1024}.get(
-        unit
-    )
+    return _TO_MB.get(unit)
 
 
 # ------------------------------------------------------------------ table parsing
@@ -293,7 +293,7 @@ _PROC_COLUMNS: dict[str, str | None] = {
     "processmemory": "memory_mb",
 }
 
-# Header names that only appear in header rows; one of them marks a row as a header.
+# Header names that only appear in header rows; two different ones mark a header row.
 _HEADER_MARKERS = frozenset(
     {"name", "health", "power", "temp", "bus-id", "aicore", "memory-usage", "hbm-usage",
      "hugepages-usage", "phy-id", "processid", "processname", "processmemory"}

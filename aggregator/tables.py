@@ -29,7 +29,8 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None) -> str:
         mark = []
         if r in red.nonfinite_ranks:
             mark.append("NONFINITE")
-        if r == red.step_time_max_rank and red.world_size > 1:
+        if (r == red.step_time_max_rank and red.world_size > 1 and red.step_time_min
+                and red.step_time_max and red.step_time_max > 1.2 * red.step_time_min):
             mark.append("slowest")
         rows.append(
             [

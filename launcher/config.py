@@ -222,6 +222,12 @@ def _coerce(path: str, tp: Any, raw: Any) -> Any:
             raise ConfigError(f"{path}: {raw!r} is not allowed; use an integer")
         return raw
     if tp is float:
+        if isinstance(raw, str):
+            # YAML 1.1 reads `1e-4` (no dot) as a string; users mean the number
+            try:
+                raw = float(raw)
+            except ValueError:
+                pass
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise ConfigError(f"{path}: {raw!r} is not allowed; use a number")
         return float(raw)
@@ -331,8 +337,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    keys = {parse_override(item)[0][:2] == ["job", "recipe"] for item in overrides}
     for item in overrides:
         parts, value = parse_override(item)
+        # the command line's choice of job wins over the file's: --set job.script=x.py
+        # replaces the file's recipe (unless job.recipe is set on the command line too)
+        if parts == ["job", "script"] and value and isinstance(raw.get("job"), dict) and True not in keys:
+            raw["job"].pop("recipe", None)
         node = raw
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)

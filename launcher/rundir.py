@@ -43,6 +43,7 @@ def write_atomic(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; run files are meant to be read by others
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -21,37 +21,28 @@ STATS_LEN = 4
 FAULT_PARAM_PREFIX = "mindpulse_fault_"
 """Names of the fault-injection scalars; they are not model weights and never saved."""
 
-_square_sum = ops.MultitypeFuncGraph("square_sum")
-
-
-@_square_sum.register("Tensor")
-def _tensor_square_sum(x):
-    x = ops.cast(x, ms.float32)
-    return ops.reduce_sum(x * x)
-
-
-_count_nan = ops.MultitypeFuncGraph("count_nan")
-
-
-@_count_nan.register("Tensor")
-def _tensor_count_nan(x):
-    return ops.reduce_sum(ops.cast(ops.isnan(x), ms.float32))
-
-
-_count_inf = ops.MultitypeFuncGraph("count_inf")
-
-
-@_count_inf.register("Tensor")
-def _tensor_count_inf(x):
-    return ops.reduce_sum(ops.cast(ops.isinf(x), ms.float32))
-
-
 _scale = ops.MultitypeFuncGraph("scale")
 
 
 @_scale.register("Tensor", "Tensor")
 def _tensor_scale(s, g):
     return g * ops.cast(s, g.dtype)
+
+
+# Compiled once, even in PYNATIVE mode: eagerly these per-parameter reductions cost one op
+# dispatch each (measured: ~0.3 s a step for 20 parameters on CPU, against ~5 ms compiled).
+@ms.jit
+def local_grad_stats(grads):
+    """[sum of squares, NaN count, Inf count] over all gradients."""
+    sq = ops.addn([ops.reduce_sum(ops.square(ops.cast(g, ms.float32))) for g in grads])
+    nan = ops.addn([ops.reduce_sum(ops.cast(ops.isnan(g), ms.float32)) for g in grads])
+    inf = ops.addn([ops.reduce_sum(ops.cast(ops.isinf(g), ms.float32)) for g in grads])
+    return ops.stack([sq, nan, inf])
+
+
+@ms.jit
+def square_sum(grads):
+    return ops.addn([ops.reduce_sum(ops.square(ops.cast(g, ms.float32))) for g in grads])
 
 
 class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
@@ -67,8 +58,11 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
     before the reduction. Both are 1.0 unless a fault is injected.
     """
 
-    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, sens: float | None = None):
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, sens: float | None = None,
+                 fault_armed: bool = False):
         super().__init__(network, optimizer, sens)
+        # the scaling ops are only in the graph when a fault may be injected in this rank
+        self.fault_armed = bool(fault_armed)
         self.hyper_map = ops.HyperMap()
         self.fault_loss_scale = Parameter(
             Tensor(1.0, ms.float32), name=FAULT_PARAM_PREFIX + "loss_scale", requires_grad=False
@@ -79,17 +73,19 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
 
     def construct(self, *inputs):
         loss = self.network(*inputs)
-        scale = self.fault_loss_scale
-        sens = ops.fill(loss.dtype, loss.shape, self.sens) * ops.cast(scale, loss.dtype)
+        sens = ops.fill(loss.dtype, loss.shape, self.sens)
+        if self.fault_armed:
+            scale = ops.cast(self.fault_loss_scale, loss.dtype)
+            sens = sens * scale
+            loss = loss * scale
         grads = self.grad(self.network, self.weights)(*inputs, sens)
-        loss = loss * ops.cast(scale, loss.dtype)
-        grads = self.hyper_map(ops.partial(_scale, self.fault_grad_scale), grads)
-        local_sq = ops.addn(self.hyper_map(_square_sum, grads))
-        nan = ops.addn(self.hyper_map(_count_nan, grads))
-        inf = ops.addn(self.hyper_map(_count_inf, grads))
+        if self.fault_armed:
+            grads = self.hyper_map(ops.partial(_scale, self.fault_grad_scale), grads)
+        # mutable: without it the tuple is a compile-time constant and recompiles every step
+        local = local_grad_stats(ms.mutable(grads))
         grads = self.grad_reducer(grads)
-        global_sq = ops.addn(self.hyper_map(_square_sum, grads))
-        stats = ops.stack([ops.sqrt(global_sq), ops.sqrt(local_sq), nan, inf])
+        global_sq = square_sum(ms.mutable(grads))
+        stats = ops.stack([ops.sqrt(global_sq), ops.sqrt(local[0]), local[1], local[2]])
         loss = ops.depend(loss, self.optimizer(grads))
         return loss, stats
 

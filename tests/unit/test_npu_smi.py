@@ -457,6 +457,20 @@ def test_chip_with_unparseable_values_warns_per_value():
         assert needle in text_w
 
 
+def test_memory_units_in_headers_are_converted_to_mb():
+    text = """\
+| NPU   Name                | Health        | Power(mW)   Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(GB)  HBM-Usage(Blocks)    |
+| 0     910B3               | OK            | 153700      45                0    / 0             |
+| 0                         | 0000:C1:00.0  | 39          1    / 2          62810/ 65536         |
+"""
+    result = parse_npu_smi(text)
+    assert dicts(result) == [
+        card(0, 0, "910B3", "OK", 153.7, 45.0, 39.0, None, None, 1024.0, 2048.0, "0000:C1:00.0")
+    ]
+    assert result.warnings == ["line 4: unknown unit in 'HBM-Usage(Blocks)'"]
+
+
 # ---------------------------------------------------------- key:value layouts
 
 KV_BOARD_CHIP = """\

@@ -1,0 +1,88 @@
+"""The aggregator's state machine without Ray: store, reduce, decide, report."""
+
+from __future__ import annotations
+
+import msgpack
+
+from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.aggregator.metrics_store import read_packets, read_wire
+from mindpulse.aggregator.packets import Action, EventPacket, StepPacket
+
+
+def step(rank, s, loss=1.0, decision=True, **kw):
+    return StepPacket(rank=rank, step=s, loss=loss, decision=decision, step_time_s=0.1, samples=4, **kw).encode()
+
+
+def test_every_accepted_packet_is_stored_and_rejects_are_counted(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, per_print_step=2)
+    core.ingest([step(0, 1), b"garbage", msgpack.packb({"v": 7, "t": "step"}), step(1, 1)])
+    core.close()
+    stored = list(read_wire(tmp_path / "metrics.msgpack"))
+    assert [(o["rank"], o["step"]) for o in stored] == [(0, 1), (1, 1)]
+    snap = core.snapshot()
+    assert snap["packets"]["accepted"] == 2
+    assert snap["packets"]["rejected_by_reason"] == {"malformed": 1, "version": 1}
+
+
+def test_directive_only_after_every_rank_reported(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2)
+    core.ingest([step(0, 1)])
+    assert core.directive_for(1) is None
+    assert core.missing_for(1) == [1]
+    core.ingest([step(1, 1)])
+    assert core.directive_for(1).action is Action.CONTINUE
+
+
+def test_stop_request_lands_on_the_next_decision_step_for_all(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2)
+    core.ingest([step(0, 1), step(1, 1)])
+    core.request_stop("user interrupt")
+    # step 2 is not a decision step: the stop waits
+    core.ingest([step(0, 2, decision=False), step(1, 2, decision=False)])
+    assert core.directive_for(2).action is Action.CONTINUE
+    core.ingest([step(0, 3), step(1, 3)])
+    d = core.directive_for(3)
+    assert d.action is Action.STOP and "user interrupt" in d.reason
+    assert core.snapshot()["stop"]["step"] == 3
+    # a straggling later step still says stop
+    core.ingest([step(0, 4), step(1, 4)])
+    assert core.directive_for(4).action is Action.STOP
+
+
+def test_tables_every_per_print_step(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, per_print_step=2)
+    for s in range(1, 5):
+        core.ingest([step(0, s, loss=3 - s * 0.1), step(1, s, loss=3 - s * 0.2)])
+    lines = core.drain_console()
+    assert len(lines) == 2
+    assert "step 2" in lines[0] and "step 4" in lines[1]
+    assert "all" in lines[1] and "rank" in lines[1]
+    assert core.drain_console() == []
+
+
+def test_snapshot_fingerprints_losses_and_rank_info(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2)
+    core.ingest([EventPacket(rank=0, kind="start", pid=11, host="a").encode(),
+                 EventPacket(rank=1, kind="start", pid=12, host="b").encode()])
+    core.ingest([step(0, 0, loss=None, fingerprint="f0"), step(1, 0, loss=None, fingerprint="f0")])
+    core.ingest([step(0, 1, loss=2.0), step(1, 1, loss=4.0)])
+    core.ingest([step(0, 2, loss=1.0, fingerprint="f2"), step(1, 2, loss=1.0, fingerprint="f2")])
+    snap = core.snapshot()
+    assert snap["steps_completed"] == 2
+    assert snap["first_loss"] == 3.0 and snap["last_loss"] == 1.0 and snap["best_loss_step"] == 2
+    assert [r["param_fingerprint"] for r in snap["ranks"]] == ["f2", "f2"]
+    assert snap["fingerprints_equal"] is True
+    assert [(r["pid"], r["host"]) for r in snap["ranks"]] == [(11, "a"), (12, "b")]
+
+
+def test_fingerprint_mismatch_names_the_odd_rank(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=3)
+    core.ingest([step(r, 0, loss=None, fingerprint=fp) for r, fp in enumerate(["a", "b", "a"])])
+    assert core.snapshot()["fingerprint_mismatches"] == [{"step": 0, "ranks": [1], "majority": "a"}]
+    assert any("ranks [1] differ" in line for line in core.drain_console())
+
+
+def test_metrics_file_is_readable_while_open(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=1)
+    core.ingest([step(0, 1), step(0, 2)])
+    assert [p.step for p in read_packets(tmp_path / "metrics.msgpack")] == [1, 2]
