@@ -22,12 +22,18 @@ def format_eta(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def progress_text(progress: dict[str, Any], total: int | None, started: float, now: float | None = None) -> str:
+def progress_text(progress: dict[str, Any], total: int | None, started: float, now: float | None = None,
+                  first: tuple[int, float] | None = None) -> str:
+    """`first` is (step, time) of the first step seen: the ETA uses the rate since then,
+    not since launch, so start-up time does not inflate it."""
     now = time.time() if now is None else now
     step = progress.get("step") or 0
     eta = None
     if total and step:
-        eta = (now - started) / step * (total - step)
+        if first is not None and step > first[0]:
+            eta = (now - first[1]) / (step - first[0]) * (total - step)
+        elif first is None:
+            eta = (now - started) / step * (total - step)
     loss = progress.get("loss")
     sps = progress.get("samples_per_s")
     parts = [f"step {step}/{total}" if total else f"step {step}", f"ETA {format_eta(eta)}" if total else ""]
@@ -43,12 +49,15 @@ class ProgressLine:
         self._shown = False
         self._last_plain = 0.0
         self._last_step = -1
+        self._first: tuple[int, float] | None = None
 
     def update(self, progress: dict[str, Any], total: int | None, started: float) -> None:
         step = progress.get("step") or 0
         if step == 0:
             return
-        text = progress_text(progress, total, started)
+        if self._first is None:
+            self._first = (step, time.time())
+        text = progress_text(progress, total, started, first=self._first)
         if self.tty:
             self.out.write("\r\x1b[2K" + text)
             self.out.flush()

@@ -224,5 +224,6 @@ def pretrain(out: Path, steps: int = 400, batch_size: int = 16, lr: float = 3e-3
     tmp = out.with_suffix(".tmp.ckpt")
     params = [{"name": p.name, "data": p} for p in model.get_parameters()]
     ms.save_checkpoint(params, str(tmp))
+    os.chmod(tmp, 0o644)  # MindSpore writes 0400; the base checkpoint is shipped in the repo
     os.replace(tmp, out)
     return {"first_loss": float(first), "last_loss": float(last), "steps": steps}

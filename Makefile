@@ -1,0 +1,33 @@
+# mindpulse: `make demo` runs the default job, `make test` runs every test.
+# Both create .venv and install on a fresh machine; a second run skips the install.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-quick bench pretrain clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "mindpulse needs Python 3.11 (mindspore 2.9 wheels)"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/mindpulse launch cluster_configs/local_cpu.yaml
+
+test: setup
+	$(BIN)/python -m pytest tests -q
+
+test-quick: setup
+	$(BIN)/python -m pytest tests -q -m "not slow"
+
+pretrain: setup
+	$(BIN)/mindpulse pretrain --steps 400
+
+clean:
+	rm -rf runs .pytest_cache .hypothesis

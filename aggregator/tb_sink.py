@@ -1,0 +1,264 @@
+"""TensorBoard event files for a run: one writer under `RUN_DIR/tb/`, owned by the aggregator.
+
+Every public method is safe to call from the aggregator's hot path: a failure is logged
+(once per kind, then only counted) and never raised, so monitoring can not stop training.
+The writer flushes at least every `flush_secs` (tensorboardX's flush thread) and at close.
+
+Tags written:
+
+* cluster scalars: `loss/mean`, `loss/max`, `loss/min`, `grad_norm/global`, `lr`,
+  `throughput/samples_per_s`, `step_time/max`, and `extra/<name>` (the ranks' mean);
+* per-rank scalars: `rank_<r>/loss`, `rank_<r>/grad_norm_local`, `rank_<r>/step_time`;
+* the histogram `grad_norm_local/ranks` of the ranks' local grad norms;
+* per-card scalars: `card_<node>_<card>/util`, `/memory_used_mb`, `/power_w`, `/temp_c`;
+* text: `anomalies`, `loss/nonfinite` (a marker for each step with a NaN/Inf loss), and
+  whatever `on_text` is given (`config`, `milestones`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .reducer import ReducedStep
+
+log = logging.getLogger(__name__)
+
+_CLUSTER_SCALARS: tuple[tuple[str, str], ...] = (
+    ("loss/mean", "loss_mean"),
+    ("loss/max", "loss_max"),
+    ("loss/min", "loss_min"),
+    ("grad_norm/global", "grad_norm"),
+    ("lr", "lr"),
+    ("throughput/samples_per_s", "samples_per_s"),
+    ("step_time/max", "step_time_max"),
+)
+_RANK_SCALARS: tuple[tuple[str, str], ...] = (
+    ("loss", "loss"),
+    ("grad_norm_local", "grad_norm_local"),
+    ("step_time", "step_time_s"),
+)
+_CARD_SCALARS: tuple[tuple[str, str], ...] = (
+    ("util", "util_pct"),
+    ("memory_used_mb", "memory_used_mb"),
+    ("power_w", "power_w"),
+    ("temp_c", "temp_c"),
+)
+_UNSAFE_TAG_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
+_MAX_TEXT_CHARS = 256 * 1024
+
+
+def _number(x: Any) -> float | None:
+    """A plain finite float, or None (None, bools, strings, NaN and Inf are all None)."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _tag_part(x: Any) -> str:
+    """A name safe inside one tag component (no `/`, no spaces)."""
+    s = _UNSAFE_TAG_CHARS.sub("_", str(x)).strip("_")
+    return s or "unknown"
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return repr(x) if not math.isfinite(x) else f"{x:.6g}"
+    return str(x)
+
+
+def _md_escape(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+class TensorBoardSink:
+    """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
+
+    def __init__(self, run_dir: Path, flush_secs: float = 10.0):
+        self.run_dir = Path(run_dir)
+        self.logdir = self.run_dir / "tb"
+        self.flush_secs = flush_secs
+        self.errors: Counter[str] = Counter()
+        """Failures by kind (`open`, `reduced`, `telemetry`, `anomaly`, `text`, `flush`, `close`)."""
+        self.closed = False
+        self._lock = threading.Lock()
+        self._text_steps: dict[str, int] = {}
+        self._writer: Any = None
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=flush_secs)
+        except Exception as exc:
+            self._error("open", exc)
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None and not self.closed
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+    def _error(self, kind: str, exc: BaseException) -> None:
+        self.errors[kind] += 1
+        if self.errors[kind] == 1:
+            log.warning("TensorBoard sink: %s failed (%s: %s); further %s failures are only counted",
+                        kind, type(exc).__name__, exc, kind)
+        else:
+            log.debug("TensorBoard sink: %s failed again: %s", kind, exc)
+
+    def _scalar(self, tag: str, value: Any, step: int, walltime: float | None) -> bool:
+        v = _number(value)
+        if v is None:
+            return False
+        self._writer.add_scalar(tag, v, global_step=step, walltime=walltime)
+        return True
+
+    def _add_text(self, tag: str, text: str, step: int, walltime: float | None = None) -> None:
+        # TensorBoard hides earlier events of a tag when a smaller step follows (it takes
+        # that for a restart), so text steps never go back; the text carries the true step.
+        step = max(int(step), self._text_steps.get(tag, 0))
+        self._text_steps[tag] = step
+        if len(text) > _MAX_TEXT_CHARS:
+            text = text[:_MAX_TEXT_CHARS] + "\n\n... (truncated)"
+        self._writer.add_text(tag, text, global_step=step, walltime=walltime)
+
+    # ---- inputs ------------------------------------------------------------------------
+    def on_reduced(self, red: ReducedStep) -> None:
+        """Cluster, per-rank, histogram and extra scalars of one reduced step."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                self._write_reduced(red)
+        except Exception as exc:
+            self._error("reduced", exc)
+
+    def _write_reduced(self, red: ReducedStep) -> None:
+        step = int(red.step)
+        if step == 0 and red.loss_mean is None:
+            return  # the step-0 report only carries fingerprints
+        wt = red.ts if _number(red.ts) and red.ts > 0 else None
+        for tag, attr in _CLUSTER_SCALARS:
+            self._scalar(tag, getattr(red, attr, None), step, wt)
+        for name, value in (red.extra or {}).items():
+            self._scalar(f"extra/{_tag_part(name)}", value, step, wt)
+        local_norms: list[float] = []
+        for rank, pkt in (red.per_rank or {}).items():
+            for suffix, attr in _RANK_SCALARS:
+                self._scalar(f"rank_{rank}/{suffix}", getattr(pkt, attr, None), step, wt)
+            g = _number(getattr(pkt, "grad_norm_local", None))
+            if g is not None:
+                local_norms.append(g)
+        if local_norms:
+            import numpy as np
+
+            self._writer.add_histogram("grad_norm_local/ranks", np.asarray(local_norms, dtype=np.float64),
+                                       global_step=step, walltime=wt)
+        loss = red.loss_mean
+        if loss is not None and isinstance(loss, (int, float)) and not math.isfinite(loss):
+            bad = {r: p.loss for r, p in (red.per_rank or {}).items()
+                   if p.loss is not None and not math.isfinite(p.loss)}
+            ranks = sorted(set(red.nonfinite_ranks or []) | set(bad))
+            lines = [f"**non-finite loss** at step {step}: loss/mean = {_fmt(loss)}",
+                     f"ranks with non-finite values: {ranks}"]
+            lines += [f"- rank {r}: loss {_fmt(v)}" for r, v in sorted(bad.items())]
+            self._add_text("loss/nonfinite", "\n\n".join(lines), step, wt)
+
+    def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
+        """Per-card util / memory / power / temperature of one node's sample."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                wt = ts if _number(ts) and ts > 0 else None
+                for i, card in enumerate(cards or []):
+                    if not isinstance(card, dict):
+                        continue
+                    cid = card.get("card")
+                    prefix = f"card_{_tag_part(node)}_{_tag_part(i if cid is None else cid)}"
+                    for suffix, key in _CARD_SCALARS:
+                        self._scalar(f"{prefix}/{suffix}", card.get(key), int(step), wt)
+        except Exception as exc:
+            self._error("telemetry", exc)
+
+    def on_anomaly(self, record: dict) -> None:
+        """One anomaly record (rule, step, rank, value, threshold, action, message) as text."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                rec = record if isinstance(record, dict) else {"message": str(record)}
+                step = rec.get("step")
+                step = int(step) if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
+                rows = ["| field | value |", "|---|---|"]
+                for key in ("rule", "step", "rank", "value", "threshold", "action", "message"):
+                    rows.append(f"| {key} | {_md_escape(_fmt(rec.get(key)))} |")
+                others = {k: v for k, v in rec.items()
+                          if k not in ("rule", "step", "rank", "value", "threshold", "action", "message")}
+                if others:
+                    rows.append(f"| other | {_md_escape(json.dumps(others, default=str))} |")
+                head = (f"**{_md_escape(_fmt(rec.get('rule')))}** at step {_fmt(rec.get('step'))}"
+                        f" (rank {_fmt(rec.get('rank'))}): {_md_escape(_fmt(rec.get('action')))}")
+                self._add_text("anomalies", head + "\n\n" + "\n".join(rows), step)
+        except Exception as exc:
+            self._error("anomaly", exc)
+
+    def on_text(self, tag: str, text: str, step: int = 0) -> None:
+        """A free text event (`config` is the resolved config YAML, `milestones` run events)."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                body = str(text)
+                if tag == "config":
+                    # markdown would reflow YAML: indent it as a code block
+                    body = "\n".join("    " + line for line in body.splitlines())
+                self._add_text(str(tag), body, int(step))
+        except Exception as exc:
+            self._error("text", exc)
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def flush(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                self._writer.flush()
+        except Exception as exc:
+            self._error("flush", exc)
+
+    def close(self) -> None:
+        """Flush and close the event file; later calls do nothing."""
+        if self._writer is None or self.closed:
+            return
+        try:
+            with self._lock:
+                self.closed = True
+                self._writer.flush()
+                self._writer.close()
+        except Exception as exc:
+            self._error("close", exc)
+
+    def __enter__(self) -> "TensorBoardSink":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["TensorBoardSink"]
