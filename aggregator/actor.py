@@ -22,8 +22,9 @@ def actor_name(run_id: str) -> str:
 
 
 class AggregatorActor:
-    def __init__(self, run_dir: str, world_size: int, per_print_step: int = 10, total_steps: int | None = None):
-        self.core = AggregatorCore(Path(run_dir), world_size, per_print_step, total_steps)
+    def __init__(self, run_dir: str, world_size: int, per_print_step: int = 10, total_steps: int | None = None,
+                 settings: dict[str, Any] | None = None):
+        self.core = AggregatorCore(Path(run_dir), world_size, per_print_step, total_steps, settings)
         self._reduced = asyncio.Condition()
 
     async def ingest(self, batch: list[bytes]) -> int:
@@ -52,8 +53,8 @@ class AggregatorActor:
             directive = self.core.directive_for(step)
         return directive.encode()
 
-    async def request_stop(self, reason: str, rule: str = "interrupt") -> None:
-        self.core.request_stop(reason, rule=rule)
+    async def request_stop(self, reason: str, rule: str = "interrupt", save: bool = False) -> None:
+        self.core.request_stop(reason, rule=rule, save=save)
 
     async def poll(self) -> dict[str, Any]:
         return {"console": self.core.drain_console(), "progress": self.core.progress()}
@@ -71,7 +72,7 @@ class AggregatorActor:
 
 
 def start_aggregator(run_id: str, namespace: str, run_dir: Path, world_size: int, per_print_step: int,
-                     total_steps: int | None, node_id: str | None = None):
+                     total_steps: int | None, node_id: str | None = None, settings: dict[str, Any] | None = None):
     """Start the named actor; pinned to the driver's node so it can write the run directory."""
     options: dict[str, Any] = dict(
         name=actor_name(run_id),
@@ -85,4 +86,4 @@ def start_aggregator(run_id: str, namespace: str, run_dir: Path, world_size: int
 
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     cls = ray.remote(AggregatorActor)
-    return cls.options(**options).remote(str(run_dir), world_size, per_print_step, total_steps)
+    return cls.options(**options).remote(str(run_dir), world_size, per_print_step, total_steps, settings)

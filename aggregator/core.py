@@ -25,6 +25,8 @@ from .packets import (
     TelemetryPacket,
     decode,
 )
+from .policies import Action as RuleAction
+from .policies import Firing, PolicyEngine, build_rules
 from .reducer import ReducedStep, StepReducer
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,21 @@ class AggregatorCore:
         world_size: int,
         per_print_step: int = 10,
         total_steps: int | None = None,
+        settings: dict[str, Any] | None = None,
     ):
+        """`settings`: the run config's `anomalies`, `checkpoint` and `eval` sections as dicts."""
+        settings = settings or {}
         self.run_dir = Path(run_dir)
+        self.ckpt_cfg: dict[str, Any] = dict(settings.get("checkpoint") or {})
+        self.policies = PolicyEngine(build_rules(list(settings.get("anomalies") or []),
+                                                 extra_kinds=settings.get("extra_rules")))
+        self.anomalies: list[dict[str, Any]] = []
+        self.anomalies_total = 0
+        self.best: tuple[float, int] | None = None
+        """(metric, step) of the best reduced metric that was saved (or asked to be)."""
+        self.checkpoints: list[dict[str, Any]] = []
+        self.best_checkpoint: dict[str, Any] | None = None
+        self.rank_errors: list[dict[str, Any]] = []
         self.world_size = world_size
         self.per_print_step = max(1, per_print_step)
         self.total_steps = total_steps
@@ -96,14 +111,58 @@ class AggregatorCore:
             info = self.rank_info.setdefault(pkt.rank, {})
             if pkt.kind == "start":
                 info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
+            elif pkt.kind == "checkpoint":
+                self._on_checkpoint(pkt)
+            elif pkt.kind == "error":
+                if len(self.rank_errors) < 100:
+                    self.rank_errors.append({"rank": pkt.rank, "step": pkt.step, "message": pkt.message})
+                self.console.append(f"rank {pkt.rank}: {pkt.message}")
             else:
                 info[pkt.kind] = pkt.message or True
             self.last_seen[pkt.rank] = time.time()
         elif isinstance(pkt, TelemetryPacket):
+            cards = []
             for card in pkt.cards:
                 if isinstance(card, dict):
-                    self.telemetry_latest[(pkt.node, card.get("card"))] = dict(card, node=pkt.node, ts=pkt.ts)
+                    rec = dict(card, node=pkt.node, ts=pkt.ts)
+                    self.telemetry_latest[(pkt.node, card.get("card"))] = rec
+                    cards.append(rec)
+            step = self.last_reduced.step if self.last_reduced else 0
+            for f in self.policies.on_telemetry(cards, time.time(), step):
+                self._on_firing(f)
         return []
+
+    def _on_checkpoint(self, pkt: EventPacket) -> None:
+        import json
+
+        try:
+            entries = json.loads(pkt.message)
+        except ValueError:
+            return
+        for e in entries if isinstance(entries, list) else []:
+            if not isinstance(e, dict):
+                continue
+            self.checkpoints.append(e)
+            if e.get("kind") == "best":
+                self.best_checkpoint = {"path": e.get("path"), "step": e.get("step"), "metric": e.get("metric"),
+                                        "metric_name": e.get("metric_name")}
+            self.console.append(f"checkpoint ({e.get('kind')}) step {e.get('step')}: {e.get('path')}")
+        del self.checkpoints[:-200]
+
+    def _on_firing(self, f: Firing) -> None:
+        """Record once (anomalies.json), print once, and stop every rank if the rule says so."""
+        from .rundir_io import write_json_atomic
+
+        rec = f.to_record()
+        self.anomalies_total += 1
+        if len(self.anomalies) < 10_000:
+            self.anomalies.append(rec)
+            write_json_atomic(self.run_dir / "anomalies.json", self.anomalies)
+        where = f" (rank {f.rank})" if f.rank is not None else ""
+        self.console.append(f"ANOMALY {f.rule}{where} -> {f.action.value}: {f.message}")
+        if f.action.stops:
+            self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
+                              save=f.action is RuleAction.SAVE_AND_STOP, threshold=f.threshold)
 
     # ---- reduction → decisions ------------------------------------------------------
     def _on_reduced(self, red: ReducedStep) -> None:
@@ -120,11 +179,17 @@ class AggregatorCore:
         elif loss is not None:
             self.last_loss = loss
         self._check_fingerprints(red)
+        for f in self.policies.on_step(red):
+            self._on_firing(f)
         decision_step = any(p.decision for p in red.per_rank.values())
         directive = Directive(step=red.step)
+        if decision_step:
+            directive = self._save_decision(red, directive)
         if decision_step and self.stop_request is not None and self.stop is None:
             reason, stop = self.stop_request
-            directive = Directive(step=red.step, action=Action.STOP, reason=reason)
+            directive.action, directive.reason = Action.STOP, reason
+            if stop.pop("save", False) and self.ckpt_cfg.get("save_last", True) and "last" not in directive.save_kinds:
+                directive.save = ",".join(directive.save_kinds + ["last"])
             self.stop = dict(stop, step=red.step)
             self.console.append(f"stopping every rank after step {red.step}: {reason}")
         elif self.stop is not None and red.step >= self.stop["step"]:
@@ -132,8 +197,31 @@ class AggregatorCore:
         self.directives[red.step] = directive
         while len(self.directives) > _KEEP_DIRECTIVES:
             self.directives.popitem(last=False)
-        if red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps):
+        if (red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps)
+                or red.extra or directive.action is Action.STOP):
             self.console.append(tables.cluster_table(red, self.total_steps))
+
+    def _save_decision(self, red: ReducedStep, d: Directive) -> Directive:
+        """Which checkpoints rank 0 writes after this step: periodic and/or best."""
+        c = self.ckpt_cfg
+        kinds = []
+        every = int(c.get("save_checkpoint_steps") or 0)
+        if every and red.step > 0 and red.step % every == 0:
+            kinds.append("periodic")
+        if c.get("save_best_ckpt") and red.step > 0 and not red.nonfinite_ranks:
+            name = c.get("best_metric") or "loss"
+            value = red.metric(name)
+            is_eval = name.startswith("eval_")
+            due = is_eval or red.step % int(c.get("best_every_steps") or 1) == 0
+            if value is not None and math.isfinite(value) and due:
+                better = (self.best is None or (value < self.best[0] if c.get("best_mode", "min") == "min"
+                                                else value > self.best[0]))
+                if better:
+                    self.best = (value, red.step)
+                    kinds.append("best")
+                    d.metric, d.metric_name = value, name
+        d.save = ",".join(kinds)
+        return d
 
     def _check_fingerprints(self, red: ReducedStep) -> None:
         fps = red.fingerprints
@@ -155,10 +243,14 @@ class AggregatorCore:
         return self.directives.get(step)
 
     def request_stop(self, reason: str, rule: str = "interrupt", rank: int | None = None,
-                     value: float | None = None) -> None:
-        """Stop every rank after the next decision step (first request wins)."""
-        if self.stop_request is None:
-            self.stop_request = (reason, {"rule": rule, "rank": rank, "value": value, "message": reason})
+                     value: float | None = None, save: bool = False, threshold: float | None = None) -> None:
+        """Stop every rank after the next decision step (first request wins).
+
+        `save`: rank 0 also writes a `last` checkpoint after that step (interrupts and
+        save_and_stop rules)."""
+        if self.stop_request is None and self.stop is None:
+            self.stop_request = (reason, {"rule": rule, "rank": rank, "value": value, "threshold": threshold,
+                                          "message": reason, "save": save})
 
     # ---- output ---------------------------------------------------------------------
     def drain_console(self) -> list[str]:
@@ -210,6 +302,10 @@ class AggregatorCore:
             "best_loss": self.best_loss[0] if self.best_loss else None,
             "best_loss_step": self.best_loss[1] if self.best_loss else None,
             "fingerprints_equal": (len(fps) == 1) if fps else None,
+            "anomalies": self.anomalies_total,
+            "best_checkpoint": self.best_checkpoint,
+            "checkpoints": self.checkpoints[-20:],
+            "rank_errors": self.rank_errors,
             "fingerprint_mismatches": self.fingerprint_mismatches,
             "packets": {
                 "accepted": self.accepted,

@@ -45,6 +45,8 @@ class EventKind(str, enum.Enum):
     START = "start"
     END = "end"
     ERROR = "error"
+    CHECKPOINT = "checkpoint"
+    """Rank 0 wrote a checkpoint; `message` is JSON of the manifest entries written."""
 
 
 def _f(x: Any) -> float | None:
@@ -272,12 +274,20 @@ class Directive:
     action: Action = Action.CONTINUE
     reason: str = ""
     save: str = ""
-    """Non-empty: rank 0 saves a checkpoint of this kind (`best`, `last`) after the step."""
+    """Non-empty: rank 0 saves a checkpoint after the step; comma-separated kinds
+    (`periodic`, `best`, `last`)."""
+    metric: float | None = None
+    """The reduced metric of the step (recorded with a `best` checkpoint)."""
+    metric_name: str = ""
+
+    @property
+    def save_kinds(self) -> list[str]:
+        return [k for k in self.save.split(",") if k]
 
     def encode(self) -> bytes:
         return msgpack.packb(
             {"v": SCHEMA_VERSION, "t": "directive", "step": self.step, "action": self.action.value,
-             "reason": self.reason, "save": self.save},
+             "reason": self.reason, "save": self.save, "metric": self.metric, "metric_name": self.metric_name},
             use_bin_type=True,
         )
 
@@ -287,8 +297,11 @@ class Directive:
             obj = msgpack.unpackb(bytes(data), raw=False, **_UNPACK_LIMITS)
             if obj.get("v") != SCHEMA_VERSION or obj.get("t") != "directive":
                 raise PacketError("version", f"not a directive of schema {SCHEMA_VERSION}")
+            m = obj.get("metric")
             return Directive(step=int(obj["step"]), action=Action(obj["action"]),
-                             reason=str(obj.get("reason", "")), save=str(obj.get("save", "")))
+                             reason=str(obj.get("reason", "")), save=str(obj.get("save", "")),
+                             metric=float(m) if isinstance(m, (int, float)) else None,
+                             metric_name=str(obj.get("metric_name", "")))
         except PacketError:
             raise
         except Exception as exc:

@@ -437,6 +437,8 @@ def _plot_telemetry(data: RunData, path: Path) -> Path:
         return _placeholder(path, "telemetry", "no telemetry")
     have_time = any(_finite(t) and t > 0 for s in series.values() for t, _ in s)
     t0 = min((t for s in series.values() for t, _ in s if _finite(t) and t > 0), default=0.0)
+    all_t = [t - t0 for s in series.values() for t, _ in s if _finite(t) and t > 0]
+    x_range = (min(all_t, default=0.0), max(all_t, default=0.0))
     fig, axes = _figure(2, 2, size=(12.0, 7.0))
     drawn = False
     for ax, (key, label) in zip(axes.flat, _TELEMETRY_PANELS):
@@ -448,7 +450,13 @@ def _plot_telemetry(data: RunData, path: Path) -> Path:
         ax.set_xlabel("seconds since first sample" if have_time else "sample")
         conv = _step_to_time(data, t0) if have_time else None
         if conv is not None:
-            _markers(ax, conv(data.anomaly_steps), conv(data.checkpoint_steps))
+            # only markers inside the sampled time range: the others would stretch the axis
+            lo, hi = x_range
+
+            def inside(xs: list[float]) -> list[float]:
+                return [x for x in xs if lo <= x <= hi]
+
+            _markers(ax, inside(conv(data.anomaly_steps)), inside(conv(data.checkpoint_steps)))
     if not drawn:
         return _placeholder(path, "telemetry", "no telemetry values")
     return _finish(fig, axes, path, "card telemetry")
@@ -495,7 +503,7 @@ _CHECKPOINT_KEYS = ("step", "kind", "metric", "path", "size", "sha256")
 
 
 def _anomaly_rows(data: RunData) -> list[list[str]]:
-    return [[_fmt(a.get(k)) for k in _ANOMALY_KEYS] for a in data.anomalies]
+    return [[_fmt(a.get(k), ".6g") for k in _ANOMALY_KEYS] for a in data.anomalies]
 
 
 def _checkpoint_rows(data: RunData, short_sha: bool = True) -> list[list[str]]:

@@ -44,6 +44,9 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None) -> str:
                 " ".join(mark),
             ]
         )
+    note = f"lr {_num(red.lr, '.2e')}"
+    if red.extra:
+        note += "  " + "  ".join(f"{k} {_num(v)}" for k, v in red.extra.items())
     rows.append(
         [
             "all",
@@ -53,7 +56,7 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None) -> str:
             _ms(red.step_time_max),
             _num(red.samples_per_s, ".1f"),
             "",
-            f"lr {_num(red.lr, '.2e')}",
+            note,
         ]
     )
     of = f"/{total_steps}" if total_steps else ""

@@ -17,11 +17,14 @@ Tags written:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
 import re
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ _CARD_SCALARS: tuple[tuple[str, str], ...] = (
 )
 _UNSAFE_TAG_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
 _MAX_TEXT_CHARS = 256 * 1024
+_WRITER_SEQ = itertools.count()
 
 
 def _number(x: Any) -> float | None:
@@ -100,7 +104,10 @@ class TensorBoardSink:
             from tensorboardX import SummaryWriter
 
             self.logdir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=flush_secs)
+            # the pid in the name: a restarted aggregator never truncates an earlier file
+            # (tensorboardX names files by the second and opens them with "wb")
+            self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=flush_secs,
+                                         filename_suffix=f".{os.getpid()}.{next(_WRITER_SEQ)}")
         except Exception as exc:
             self._error("open", exc)
 
@@ -233,14 +240,34 @@ class TensorBoardSink:
             self._error("text", exc)
 
     # ---- lifetime ----------------------------------------------------------------------
-    def flush(self) -> None:
+    def flush(self, timeout: float = 2.0) -> None:
+        """Write what was handed to the writer so far and flush the file.
+
+        tensorboardX's own `flush()` only flushes what its background thread already
+        took off its queue; this first waits (at most `timeout` seconds) for that queue
+        to drain. Best effort: the periodic flush and `close()` catch anything left.
+        """
         if not self.enabled:
             return
         try:
             with self._lock:
+                self._drain(timeout)
                 self._writer.flush()
         except Exception as exc:
             self._error("flush", exc)
+
+    def _drain(self, timeout: float) -> None:
+        event_writer = getattr(getattr(self._writer, "file_writer", None), "event_writer", None)
+        q = getattr(event_writer, "_event_queue", None)
+        if q is None or not hasattr(q, "empty"):
+            return
+        deadline = time.monotonic() + max(0.0, timeout)
+        while time.monotonic() < deadline:
+            # a multiprocessing queue holds items in a local buffer before its pipe
+            if not getattr(q, "_buffer", None) and q.empty():
+                time.sleep(0.005)  # the last item taken off may still be being written
+                return
+            time.sleep(0.002)
 
     def close(self) -> None:
         """Flush and close the event file; later calls do nothing."""

@@ -24,6 +24,12 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("config", nargs="?", type=Path, help="cluster config YAML (default: cluster_configs/local_cpu.yaml)")
     lp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set train.steps=20 (repeatable)")
+    lp.add_argument("--inject", action="append", default=[], metavar="KIND@RANK:STEP",
+                    help="inject a fault in a real rank, e.g. nan_grad@1:5 (repeatable; see docs/faults.md)")
+    lp.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                    help="continue RUN_DIR's job from its newest valid checkpoint (its config.yaml is used)")
+    lp.add_argument("--resume-from", default="latest", metavar="best|latest|PATH",
+                    help="which checkpoint --resume starts from (default: latest)")
 
     cp = sub.add_parser("config", help="print the resolved config (validates it)")
     cp.add_argument("config", nargs="?", type=Path)
@@ -46,7 +52,23 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0) and int(ExitCode.USAGE)
     try:
         if args.command in ("launch", "config"):
-            cfg, path = load_config(args.config, args.overrides)
+            resume = None
+            config_file = args.config
+            if getattr(args, "resume", None):
+                from .resume import resolve_resume
+
+                resume, resume_cfg = resolve_resume(args.resume, args.resume_from)
+                config_file = config_file or resume_cfg
+                for line in resume.pop("refused", []):
+                    print(f"mindpulse: {line}", file=sys.stderr)
+            cfg, path = load_config(config_file, args.overrides)
+            if getattr(args, "inject", None):
+                from .config import validate
+
+                cfg.faults = list(cfg.faults) + list(args.inject)
+                validate(cfg)
+            if resume is not None:
+                print(f"mindpulse: resuming from {resume['path']} (step {resume['step']})")
             if args.command == "config":
                 import yaml
 
@@ -54,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             from .launch import launch
 
-            return launch(cfg, path)
+            return launch(cfg, path, resume=resume)
         if args.command == "pretrain":
             from mindpulse.workers.recipes import llama_finetune
 

@@ -137,6 +137,104 @@ class MonitorConfig:
     """Seconds without any step from a rank before the job is declared hung."""
 
 
+class RuleKind(str, enum.Enum):
+    NONFINITE = "nonfinite"
+    GRAD_EXPLOSION = "grad_explosion"
+    LOSS_SPIKE = "loss_spike"
+    CARD_OVERLOAD = "card_overload"
+    THRESHOLD = "threshold"
+    DESYNC = "desync"
+    STRAGGLER = "straggler"
+
+
+class RuleAction(str, enum.Enum):
+    WARN = "warn"
+    STOP = "stop"
+    SAVE_AND_STOP = "save_and_stop"
+
+
+@dataclass
+class AnomalyRuleConfig:
+    """One anomaly rule. Entries whose `rule` names a built-in default replace that
+    default; `threshold` rules are always added. Fields a rule does not use are ignored."""
+
+    rule: RuleKind = RuleKind.THRESHOLD
+    """Which test: nonfinite, grad_explosion, loss_spike, card_overload, threshold, desync, straggler."""
+    action: RuleAction | None = None
+    """warn, stop or save_and_stop (empty: the rule's default)."""
+    enabled: bool = True
+    """false turns a default rule off."""
+    name: str = ""
+    """Label used in messages and anomalies.json (default: the rule kind)."""
+    metric: str = ""
+    """threshold: reduced metric (loss, loss_max, grad_norm, grad_norm_local_max, step_time_max,
+    samples_per_s, eval_loss, eval_ppl, or any extra metric); card_overload: temp_c, memory_pct
+    or power_w."""
+    op: str = ">"
+    """threshold: comparison, one of >, >=, <, <=."""
+    threshold: float | None = None
+    """threshold / card_overload: the limit; grad_explosion: absolute grad-norm limit."""
+    for_steps: int = 1
+    """threshold: fire only after this many consecutive steps past the limit."""
+    factor: float = 0.0
+    """grad_explosion: fire when the global grad norm exceeds factor x its rolling median."""
+    z: float = 0.0
+    """loss_spike: robust z-score limit ((loss - median) / (1.4826 MAD))."""
+    window: int = 0
+    """grad_explosion / loss_spike / straggler: rolling window in steps."""
+    warmup: int = -1
+    """grad_explosion / loss_spike: steps before the rule may fire (-1: the rule's default)."""
+    patience: int = 0
+    """loss_spike: consecutive hits needed (0: the rule's default)."""
+    for_s: float = -1.0
+    """card_overload: seconds the card must stay past the limit (-1: the rule's default)."""
+    tolerance: float = 0.0
+    """desync: relative tolerance on parameter norms (0: fingerprints must be bit-equal)."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate every N steps on each rank's shard of the validation split (0: off)."""
+    per_epoch: bool = False
+    """Also evaluate at the end of every epoch."""
+    max_batches: int = 16
+    """Validation batches per rank per evaluation (0: the whole shard)."""
+
+
+class CkptFormat(str, enum.Enum):
+    CKPT = "ckpt"
+    SAFETENSORS = "safetensors"
+
+
+class BestMode(str, enum.Enum):
+    MIN = "min"
+    MAX = "max"
+
+
+@dataclass
+class CheckpointConfig:
+    save_checkpoint_steps: int = 0
+    """Periodic checkpoint every N steps, written by rank 0 (0: none)."""
+    keep_checkpoint_max: int = 5
+    """Periodic checkpoints kept (the newest is never deleted)."""
+    save_best_ckpt: bool = True
+    """Keep the checkpoint of the step whose reduced `best_metric` was best."""
+    best_metric: str = "loss"
+    """Reduced metric that judges "best": loss (mean over ranks), eval_loss, eval_ppl, ..."""
+    best_mode: BestMode = BestMode.MIN
+    """min or max."""
+    best_every_steps: int = 1
+    """Consider a new best only every N steps (saving is I/O; eval metrics are only
+    considered at evaluation steps)."""
+    keep_best_max: int = 1
+    """Best checkpoints kept."""
+    format: CkptFormat = CkptFormat.CKPT
+    """ckpt or safetensors."""
+    save_last: bool = True
+    """Save a `last` checkpoint when the run is interrupted or stopped by save_and_stop."""
+
+
 @dataclass
 class OutputConfig:
     root: str = "runs"
@@ -154,6 +252,12 @@ class RunConfig:
     job: JobConfig = field(default_factory=JobConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    anomalies: list[AnomalyRuleConfig] = field(default_factory=list)
+    """Anomaly rules added to (or replacing) the defaults; see docs/anomalies.md."""
+    faults: list[str] = field(default_factory=list)
+    """Faults to inject, `KIND@RANK:STEP` (see docs/faults.md); --inject adds more."""
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -305,12 +409,54 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(
                 f"job.recipe.hidden_size: {r.hidden_size} is not divisible by job.recipe.num_heads ({r.num_heads})"
             )
+    for i, rc in enumerate(cfg.anomalies):
+        _validate_rule(f"anomalies[{i}]", rc)
+    for i, spec in enumerate(cfg.faults):
+        try:
+            from mindpulse.workers.faults import parse_fault
+
+            parse_fault(spec, world_size=cfg.world.world_size)
+        except ValueError as exc:
+            raise ConfigError(f"faults[{i}]: {exc}") from None
+    ck = cfg.checkpoint
+    _positive("checkpoint.save_checkpoint_steps", ck.save_checkpoint_steps, allow_zero=True)
+    _positive("checkpoint.keep_checkpoint_max", ck.keep_checkpoint_max)
+    _positive("checkpoint.keep_best_max", ck.keep_best_max)
+    _positive("checkpoint.best_every_steps", ck.best_every_steps)
+    if not ck.best_metric:
+        raise ConfigError("checkpoint.best_metric: must not be empty; e.g. loss or eval_loss")
+    if ck.best_metric.startswith("eval_") and not (cfg.eval.every_steps or cfg.eval.per_epoch):
+        raise ConfigError(f"checkpoint.best_metric: {ck.best_metric!r} needs evaluation; set eval.every_steps")
+    _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)
+    _positive("eval.max_batches", cfg.eval.max_batches, allow_zero=True)
     if job.args and not job.script:
         raise ConfigError("job.args: only allowed together with job.script")
     return cfg
 
 
 RECIPES = ("llama_finetune",)
+_OPS = (">", ">=", "<", "<=")
+_CARD_METRICS = ("temp_c", "memory_pct", "power_w")
+
+
+def _validate_rule(path: str, rc: "AnomalyRuleConfig") -> None:
+    if rc.op not in _OPS:
+        raise ConfigError(f"{path}.op: {rc.op!r} is not allowed; use one of " + ", ".join(_OPS))
+    if rc.for_steps < 1:
+        raise ConfigError(f"{path}.for_steps: {rc.for_steps} is not allowed; use 1 or more")
+    for fname in ("factor", "z", "tolerance"):
+        if getattr(rc, fname) < 0:
+            raise ConfigError(f"{path}.{fname}: {getattr(rc, fname)} is not allowed; use 0 or more")
+    if rc.window < 0:
+        raise ConfigError(f"{path}.window: {rc.window} is not allowed; use 0 (default) or more")
+    if rc.rule is RuleKind.THRESHOLD and rc.enabled:
+        if not rc.metric:
+            raise ConfigError(f"{path}.metric: a threshold rule needs a reduced metric, e.g. loss or grad_norm")
+        if rc.threshold is None:
+            raise ConfigError(f"{path}.threshold: a threshold rule needs a number")
+    if rc.rule is RuleKind.CARD_OVERLOAD and rc.metric and rc.metric not in _CARD_METRICS:
+        raise ConfigError(f"{path}.metric: {rc.metric!r} is not allowed for card_overload; use one of "
+                          + ", ".join(_CARD_METRICS))
 
 
 def from_dict(raw: Any, source: str = "<config>") -> RunConfig:

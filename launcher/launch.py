@@ -30,8 +30,10 @@ SCHED_EXIT_WAIT_S = 40.0
 
 
 class Launch:
-    def __init__(self, cfg: RunConfig, config_path: Path | None, out=sys.stdout):
+    def __init__(self, cfg: RunConfig, config_path: Path | None, out=sys.stdout,
+                 resume: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.resume = resume
         self.config_path = config_path
         self.out = out
         self.run_dir = make_run_dir(cfg)
@@ -94,8 +96,8 @@ class Launch:
             self._stop_scheduler()
             for s, h in old.items():
                 signal.signal(s, h)
-        self._write_summary(result, snapshot)
-        return int(result.exit_code)
+        status = self._write_summary(result, snapshot)
+        return int(ExitCode.of(status))
 
     def _run_in_ray(self) -> tuple[RunResult, dict[str, Any]]:
         import ray
@@ -108,8 +110,11 @@ class Launch:
         cfg = self.cfg
         world = cfg.world.world_size
         node_id = ray.get_runtime_context().get_node_id()
+        plain = cfg.to_dict()
+        settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"]}
         self.aggregator = start_aggregator(self.run_id, cfg.ray.namespace, self.run_dir, world,
-                                           cfg.monitor.per_print_step, self.total_steps(), node_id=node_id)
+                                           cfg.monitor.per_print_step, self.total_steps(), node_id=node_id,
+                                           settings=settings)
         ray.get(self.aggregator.ping.remote(), timeout=60)
 
         sched_host = "127.0.0.1" if self.session.embedded else ray.util.get_node_ip_address()
@@ -125,6 +130,15 @@ class Launch:
             "MINDPULSE_TOTAL_STEPS": str(cfg.train.steps),
             "MINDPULSE_BATCH_SIZE": str(cfg.train.batch_size),
             "MINDPULSE_RUN_DIR": str(self.run_dir),
+            "MINDPULSE_FAULTS": ",".join(cfg.faults),
+            "MINDPULSE_EVAL_EVERY": str(cfg.eval.every_steps),
+            "MINDPULSE_EVAL_PER_EPOCH": "1" if cfg.eval.per_epoch else "0",
+            "MINDPULSE_SAVE_STEPS": str(cfg.checkpoint.save_checkpoint_steps),
+            "MINDPULSE_KEEP_CKPT": str(cfg.checkpoint.keep_checkpoint_max),
+            "MINDPULSE_KEEP_BEST": str(cfg.checkpoint.keep_best_max),
+            "MINDPULSE_CKPT_FORMAT": cfg.checkpoint.format.value,
+            "MINDPULSE_RESUME_CKPT": (self.resume or {}).get("path", ""),
+            "MINDPULSE_RESUME_STEP": str((self.resume or {}).get("step", 0)),
             "GLOG_v": os.environ.get("GLOG_v", "2"),
         }
         specs = rank_specs(cfg, sched_host, sched_port, run_env)
@@ -134,6 +148,7 @@ class Launch:
         pg = placement_group([dict(resource) for _ in range(world)], strategy="PACK")
         ray.get(pg.ready(), timeout=120)
         job = cfg.to_dict()
+        job["resume"] = self.resume
         for spec in specs:
             opts: dict[str, Any] = dict(
                 num_cpus=resource.get("CPU", 0),
@@ -266,7 +281,7 @@ class Launch:
                 self.say("mindpulse: interrupt: every rank stops after the next decision step "
                          "(interrupt again to kill)")
                 try:
-                    self.aggregator.request_stop.remote("interrupted by the user (signal)", "interrupt")
+                    self.aggregator.request_stop.remote("interrupted by the user (signal)", "interrupt", True)
                 except Exception:
                     pass
             if self.signals >= 2 and pending:
@@ -294,7 +309,7 @@ class Launch:
         return RunResult(status=status, outcomes=outcomes, message=message)
 
     # ---- the end ---------------------------------------------------------------------------
-    def _write_summary(self, result: RunResult, snap: dict[str, Any]) -> None:
+    def _write_summary(self, result: RunResult, snap: dict[str, Any]) -> RunStatus:
         from mindpulse.aggregator.tables import summary_table, totals_table
 
         status = result.status
@@ -319,7 +334,9 @@ class Launch:
             "steps_completed": snap.get("steps_completed", 0),
             "ranks": ranks,
             "stop": stop if status is not RunStatus.SUCCEEDED else None,
-            "best_checkpoint": None,
+            "best_checkpoint": snap.get("best_checkpoint"),
+            "anomalies": snap.get("anomalies", 0),
+            "resumed_from": self.resume,
             "message": result.message,
             "first_loss": snap.get("first_loss"),
             "last_loss": snap.get("last_loss"),
@@ -343,7 +360,8 @@ class Launch:
         self.say(f"\nmindpulse: {status.value} (exit code {int(ExitCode.of(status))}); "
                  f"run directory {self.run_dir}")
         self.summary = summary
+        return status
 
 
-def launch(cfg: RunConfig, config_path: Path | None) -> int:
-    return Launch(cfg, config_path).run()
+def launch(cfg: RunConfig, config_path: Path | None, resume: dict[str, Any] | None = None) -> int:
+    return Launch(cfg, config_path, resume=resume).run()

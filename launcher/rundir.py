@@ -58,20 +58,10 @@ def write_config(run_dir: Path, cfg: RunConfig) -> None:
     write_atomic(run_dir / "config.yaml", text.encode())
 
 
-def json_safe(obj: Any) -> Any:
-    """Strict JSON: NaN/Inf become the strings "nan"/"inf"/"-inf" (jq and browsers reject bare NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
 def write_json(path: Path, obj: Any) -> None:
-    text = json.dumps(json_safe(obj), indent=2, default=_json_default, allow_nan=False)
-    write_atomic(path, (text + "\n").encode())
+    from mindpulse.aggregator.rundir_io import write_json_atomic
+
+    write_json_atomic(path, obj)
 
 
 def _json_default(x: Any) -> Any:

@@ -25,6 +25,7 @@ from mindspore.train.callback import Callback
 
 from mindpulse.aggregator.packets import Action, Directive, EventPacket, StepPacket
 
+from .faults import FaultInjector
 from .fingerprint import model_parameters, param_fingerprint
 from .shipping import AggregatorClient, RankEnv
 from .train_cell import split_outputs
@@ -75,6 +76,11 @@ class Monitor(Callback):
         batch_size: samples per step on this rank; found from the dataset in `Model.train`.
         collect_freq / decision_every: override the run's `monitor.*` settings.
         total_steps: request a stop after this many steps (the run's `train.steps`).
+        evaluate: a callable returning validation metrics (e.g. `{"eval_loss": 2.1}`) for
+            this rank's shard; run every `eval_every` steps (and every `epoch_steps`
+            steps when `eval_per_epoch`), shipped with the step and reduced over ranks.
+        step_offset: the global step this run starts after (a resumed run).
+        train_cell: what rank 0 checkpoints (found automatically in `Model.train`).
     """
 
     def __init__(
@@ -86,10 +92,26 @@ class Monitor(Callback):
         total_steps: int | None = None,
         client: AggregatorClient | None = None,
         rank: int | None = None,
+        evaluate: Callable[[], dict[str, float]] | None = None,
+        eval_every: int | None = None,
+        eval_per_epoch: bool | None = None,
+        epoch_steps: int | None = None,
+        step_offset: int | None = None,
+        train_cell: nn.Cell | None = None,
     ):
         super().__init__()
         self.renv = RankEnv.from_environ()
         renv = self.renv
+        env = os.environ
+        self.evaluate = evaluate
+        self.eval_every = eval_every if eval_every is not None else int(env.get("MINDPULSE_EVAL_EVERY", "0"))
+        self.eval_per_epoch = (eval_per_epoch if eval_per_epoch is not None
+                               else env.get("MINDPULSE_EVAL_PER_EPOCH", "0") == "1")
+        self.epoch_steps = epoch_steps
+        self.save_steps = int(env.get("MINDPULSE_SAVE_STEPS", "0"))
+        self.step_offset = step_offset if step_offset is not None else int(env.get("MINDPULSE_RESUME_STEP", "0"))
+        self.train_cell = train_cell
+        self.ckpt = None
         self.rank = rank if rank is not None else (renv.rank if renv else int(os.environ.get("RANK_ID", "0")))
         self.collect_freq = collect_freq or (renv.collect_freq if renv else 10)
         self.decision_every = decision_every or (renv.decision_every if renv else 1)
@@ -99,7 +121,18 @@ class Monitor(Callback):
         self.client = client
         if self.client is None and renv is not None:
             self.client = AggregatorClient.connect(renv)
-        self.step_num = 0
+        self.step_num = self.step_offset
+        self.injector = FaultInjector(self.rank)
+        if self.rank == 0 and env.get("MINDPULSE_RUN_DIR"):
+            from .checkpoint import CheckpointManager
+
+            self.ckpt = CheckpointManager(
+                __import__("pathlib").Path(env["MINDPULSE_RUN_DIR"]) / "checkpoints",
+                keep_periodic=int(env.get("MINDPULSE_KEEP_CKPT", "5")),
+                keep_best=int(env.get("MINDPULSE_KEEP_BEST", "1")),
+                fmt=env.get("MINDPULSE_CKPT_FORMAT", "ckpt"),
+            )
+        self.ckpt_failures = 0
         self.stopped: Directive | None = None
         self._t0: float | None = None
         self._last_end: float | None = None
@@ -114,17 +147,29 @@ class Monitor(Callback):
             self.client.send(pkt.encode())
             self.client.flush()
 
-    def start(self, network: nn.Cell | None = None) -> None:
-        """Start of training: announce the rank and send the step-0 fingerprint."""
+    def start(self, network: nn.Cell | None = None, train_cell: nn.Cell | None = None, arm_next: bool = True) -> None:
+        """Start of training: announce the rank and send the step-0 fingerprint.
+
+        In a hand-written loop call it before the first step (faults for step 1 and the
+        fingerprint of the weights before any update need it); `step()` calls it otherwise.
+        """
+        if train_cell is not None:
+            self.train_cell = train_cell
         if self._started:
             return
         self._started = True
         if network is not None and self.network is None:
             self.network = network
+        self.injector.bind(self.train_cell, self.network)
         self._send_event("start")
+        if self.step_offset == 0:
+            self.injector.before_step(0)  # desync@R:0 perturbs the weights before step 0's fingerprint
         fp, norm = self._fingerprint()
-        pkt = StepPacket(rank=self.rank, step=0, ts=time.time(), fingerprint=fp, param_norm=norm, decision=True)
+        pkt = StepPacket(rank=self.rank, step=self.step_offset, ts=time.time(), fingerprint=fp, param_norm=norm,
+                         decision=True)
         self._ship(pkt)
+        if arm_next:
+            self.injector.before_step(self.step_offset + 1)
 
     def _fingerprint(self) -> tuple[str | None, float | None]:
         if self.network is None:
@@ -141,6 +186,8 @@ class Monitor(Callback):
             return None
         if pkt.decision:
             d = self.client.decide(pkt.encode(), pkt.step)
+            if d.save_kinds and self.rank == 0:
+                self._save(d, pkt)
             if d.action is Action.STOP:
                 self.stopped = d
             if self.on_directive:
@@ -148,6 +195,40 @@ class Monitor(Callback):
             return d
         self.client.send(pkt.encode())
         return None
+
+    def _save(self, d: Directive, pkt: StepPacket) -> None:
+        """Rank 0 writes the checkpoint the aggregator asked for; a failed save is
+        reported, never fatal: the previous best and the manifest stay valid."""
+        import json
+
+        if self.ckpt is None or self.train_cell is None:
+            log.warning("[rank 0] asked to save %s at step %d but no checkpoint folder or train cell is known",
+                        d.save, pkt.step)
+            return
+        try:
+            entries = self.ckpt.save(self.train_cell, pkt.step, pkt.epoch, d.save_kinds, metric=d.metric,
+                                     metric_name=d.metric_name)
+            msg = json.dumps([dict(e.__dict__, path=str(self.ckpt.dir / e.path)) for e in entries])
+            self._send_event("checkpoint", msg)
+        except Exception as exc:
+            self.ckpt_failures += 1
+            log.error("[rank 0] checkpoint save at step %d failed: %s", pkt.step, exc)
+            self._send_event("error", f"checkpoint save at step {pkt.step} failed: {exc}")
+
+    def _eval_due(self, s: int) -> bool:
+        if self.evaluate is None:
+            return False
+        if self.eval_every and s % self.eval_every == 0:
+            return True
+        return bool(self.eval_per_epoch and self.epoch_steps and s % self.epoch_steps == 0)
+
+    def _is_decision(self, s: int) -> bool:
+        return bool(
+            s % self.decision_every == 0
+            or (self.total_steps and s >= self.total_steps)
+            or (self.save_steps and s % self.save_steps == 0)
+            or self._eval_due(s)
+        )
 
     def record(
         self,
@@ -169,7 +250,12 @@ class Monitor(Callback):
         fp = norm = None
         if s % self.collect_freq == 0:
             fp, norm = self._fingerprint()
-        decision = s % self.decision_every == 0 or (self.total_steps and s >= self.total_steps)
+        decision = self._is_decision(s)
+        if self._eval_due(s):
+            try:
+                extra = dict(extra or {}, **{k: float(v) for k, v in self.evaluate().items()})
+            except Exception as exc:
+                log.error("[rank %d] evaluation at step %d failed: %s", self.rank, s, exc)
         pkt = StepPacket(
             rank=self.rank,
             step=s,
@@ -238,6 +324,8 @@ class Monitor(Callback):
             extra=extra,
             **{k: stats[k] for k in ("grad_norm", "grad_norm_local", "nan_count", "inf_count") if k in stats},
         )
+        self.injector.after_step(self.step_num)
+        self.injector.before_step(self.step_num + 1)  # faults for the next step of the loop
         self._last_end = time.perf_counter()
         return outcome
 
@@ -246,22 +334,26 @@ class Monitor(Callback):
         cb = run_context.original_args()
         net = getattr(cb, "train_network", None)
         inner = getattr(net, "network", net)
+        if self.train_cell is None:
+            self.train_cell = net
         if self.batch_size is None:
             ds = getattr(cb, "train_dataset", None)
             try:
                 self.batch_size = int(ds.get_batch_size()) if ds is not None else None
             except Exception:
                 self.batch_size = None
-        self.start(inner)
+        self.start(inner, arm_next=False)
 
     def on_train_step_begin(self, run_context):
         self._t0 = time.perf_counter()
+        self.injector.before_step(self.step_num + 1)
 
     def on_train_step_end(self, run_context):
         cb = run_context.original_args()
         now = time.perf_counter()
         loss, stats = split_outputs(cb.net_outputs)
-        step = int(cb.cur_step_num)
+        step = self.step_offset + int(cb.cur_step_num)
+        self.injector.after_step(step)
         # with dataset sinking one callback covers `sink` steps: report the mean step time
         prev = self.step_num
         nsteps = max(1, step - prev)
@@ -271,7 +363,7 @@ class Monitor(Callback):
         outcome = self.record(
             loss,
             step=step,
-            epoch=int(getattr(cb, "cur_epoch_num", 1)),
+            epoch=(step - 1) // self.epoch_steps + 1 if self.epoch_steps else int(getattr(cb, "cur_epoch_num", 1)),
             lr=lr_of_step(optimizer, step - 1),
             step_time_s=step_time,
             samples=(self.batch_size or 0) * nsteps,

@@ -59,9 +59,16 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
     """
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, sens: float | None = None,
-                 fault_armed: bool = False):
+                 fault_armed: bool | None = None):
         super().__init__(network, optimizer, sens)
         # the scaling ops are only in the graph when a fault may be injected in this rank
+        # (known at launch from MINDPULSE_FAULTS): a normal run pays nothing for them
+        if fault_armed is None:
+            import os
+
+            from .faults import cell_faults_armed
+
+            fault_armed = cell_faults_armed(int(os.environ.get("RANK_ID", "0")))
         self.fault_armed = bool(fault_armed)
         self.hyper_map = ops.HyperMap()
         self.fault_loss_scale = Parameter(

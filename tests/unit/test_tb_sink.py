@@ -179,10 +179,38 @@ def test_text_steps_never_go_back(tmp_path):
 
 
 def test_flush_makes_events_readable_before_close(tmp_path):
-    sink = TensorBoardSink(tmp_path, flush_secs=1.0)
-    sink.on_reduced(reduce_all([StepPacket(rank=0, step=1, loss=0.5)], 1)[0])
+    # a long flush period: only the explicit flush can have written the event
+    sink = TensorBoardSink(tmp_path, flush_secs=600.0)
+    for step in range(1, 4):
+        sink.on_reduced(reduce_all([StepPacket(rank=0, step=step, loss=0.5 * step)], 1)[0])
     sink.flush()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert _scalars(acc, "loss/mean") == {1: 0.5}
+    assert _scalars(acc, "loss/mean") == {1: 0.5, 2: 1.0, 3: 1.5}
     sink.close()
+
+
+def test_periodic_flush_without_flush_or_close(tmp_path):
+    sink = TensorBoardSink(tmp_path, flush_secs=0.3)
+    sink.on_reduced(reduce_all([StepPacket(rank=0, step=1, loss=0.25)], 1)[0])
+    deadline = time.monotonic() + 10
+    seen = {}
+    while time.monotonic() < deadline and not seen:
+        time.sleep(0.1)
+        acc = EventAccumulator(str(tmp_path / "tb"))
+        acc.Reload()
+        if "loss/mean" in acc.Tags()["scalars"]:
+            seen = _scalars(acc, "loss/mean")
+    assert seen == {1: 0.25}
+    sink.close()
+
+
+def test_a_second_sink_in_the_same_run_dir_keeps_the_first_file(tmp_path):
+    for step in (1, 2):
+        sink = TensorBoardSink(tmp_path, flush_secs=1.0)
+        sink.on_reduced(reduce_all([StepPacket(rank=0, step=step, loss=float(step))], 1)[0])
+        sink.close()
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert _scalars(acc, "loss/mean") == {1: 1.0, 2: 2.0}

@@ -47,13 +47,16 @@ class ByteWindows:
 
     Each epoch the windows are shuffled with `seed + epoch` (the same order on every
     rank) and rank r takes every world-th one from offset r, so ranks see disjoint data.
+    The stream is addressed by global step, so a resumed run continues at the exact data
+    position: it yields the batches of steps `start_step + 1 .. stop_step`.
     """
 
     def __init__(self, tokens: np.ndarray, seq_length: int, rank: int, world: int, seed: int,
-                 batch_size: int):
+                 batch_size: int, start_step: int = 0, stop_step: int | None = None):
         self.tokens = tokens
         self.seq_length = seq_length
         self.rank, self.world, self.seed = rank, world, seed
+        self.batch_size = batch_size
         n_windows = (len(tokens) - 1) // seq_length
         per_rank = n_windows // world
         self.steps_per_epoch = per_rank // batch_size
@@ -64,18 +67,61 @@ class ByteWindows:
             )
         self.n_windows = n_windows
         self.samples_per_epoch = self.steps_per_epoch * batch_size
-        self.epoch = 0
+        self.start_step = start_step
+        self.stop_step = stop_step if stop_step is not None else self.steps_per_epoch
+        self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
-        return self.samples_per_epoch
+        return max(0, self.stop_step - self.start_step) * self.batch_size
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.RandomState(self.seed + epoch).permutation(self.n_windows)
+                            [self.rank :: self.world][: self.samples_per_epoch]}
+        return self._orders[epoch]
+
+    def window(self, sample: int) -> np.ndarray:
+        """The `sample`-th sample of this rank's stream (0-based, across epochs)."""
+        epoch, pos = divmod(sample, self.samples_per_epoch)
+        w = int(self._order(epoch)[pos])
+        L = self.seq_length
+        return self.tokens[w * L : w * L + L + 1].copy()
 
     def __iter__(self) -> Iterator[tuple[np.ndarray]]:
-        order = np.random.RandomState(self.seed + self.epoch).permutation(self.n_windows)
-        mine = order[self.rank :: self.world][: self.samples_per_epoch]
-        self.epoch += 1
-        L = self.seq_length
-        for w in mine:
-            yield (self.tokens[w * L : w * L + L + 1].copy(),)
+        for i in range(self.start_step * self.batch_size, self.stop_step * self.batch_size):
+            yield (self.window(i),)
+
+
+def eval_windows(tokens: np.ndarray, seq_length: int, rank: int, world: int) -> np.ndarray:
+    """This rank's shard of the validation windows (fixed order)."""
+    n = (len(tokens) - 1) // seq_length
+    idx = np.arange(n)[rank::world]
+    return np.stack([tokens[w * seq_length : w * seq_length + seq_length + 1] for w in idx]) if len(idx) else \
+        np.zeros((0, seq_length + 1), np.int32)
+
+
+def make_evaluator(model, windows: np.ndarray, batch_size: int, max_batches: int):
+    """Mean next-byte loss over this rank's validation shard (and its perplexity).
+
+    The model stays in training mode (it then returns the loss; LLaMA has no dropout),
+    and no gradient is taken, so the weights are untouched."""
+    import mindspore as ms
+
+    n_batches = len(windows) // batch_size
+    if max_batches:
+        n_batches = min(n_batches, max_batches)
+
+    def evaluate() -> dict[str, float]:
+        if n_batches == 0:
+            return {}
+        losses = []
+        for b in range(n_batches):
+            out = model(ms.Tensor(windows[b * batch_size : (b + 1) * batch_size]))
+            losses.append(float(out.asnumpy().reshape(-1).mean()))
+        mean = float(np.mean(losses))
+        return {"eval_loss": mean, "eval_ppl": float(math.exp(min(mean, 50.0)))}
+
+    return evaluate
 
 
 def build_model(shape: ModelShape, batch_size: int):
@@ -162,9 +208,14 @@ def main(job: dict[str, Any]) -> None:
     shape = ModelShape(**{k: recipe[k] for k in ModelShape.__dataclass_fields__})
     bs = int(train["batch_size"])
     tokens = read_tokens(Path(recipe.get("train_file") or TRAIN_FILE))
+    resume = job.get("resume") or {}
+    start = int(resume.get("step", 0))
     source = ByteWindows(tokens, shape.seq_length, rank, size, int(train["seed"]), bs)
     total = int(train["steps"]) or source.steps_per_epoch * int(train["epochs"])
-    epochs = math.ceil(total / source.steps_per_epoch)
+    if start >= total:
+        raise ValueError(f"resume: the checkpoint is at step {start}, the run has {total} steps; raise train.steps")
+    source = ByteWindows(tokens, shape.seq_length, rank, size, int(train["seed"]), bs, start_step=start,
+                         stop_step=total)
     dataset = ms.dataset.GeneratorDataset(source, ["input_ids"], shuffle=False, num_parallel_workers=1,
                                           python_multiprocessing=False)
     dataset = dataset.batch(bs, drop_remainder=True)
@@ -179,10 +230,29 @@ def main(job: dict[str, Any]) -> None:
                                    weight_decay=0.0)
     train_net = MonitoredTrainOneStepCell(model, optimizer)
     train_net.set_train()
-    monitor = Monitor(total_steps=total, batch_size=bs)
-    log.info("[rank %d] %d steps (%d epochs of %d), world %d", rank, total, epochs, source.steps_per_epoch, size)
-    Model(train_net).train(epochs, dataset, callbacks=[monitor], dataset_sink_mode=bool(train["dataset_sink_mode"]),
-                           sink_size=int(train.get("sink_size", -1)))
+    if resume.get("path"):
+        # weights, optimizer moments and its global step (which indexes the lr schedule)
+        not_loaded, _ = ms.load_param_into_net(train_net, ms.load_checkpoint(resume["path"]), strict_load=False)
+        missing = [n for n in not_loaded if not n.startswith("mindpulse_")]
+        if missing:
+            raise ValueError(f"resume: {resume['path']} lacks {missing[:5]}")
+        log.info("[rank %d] resumed from %s at step %d", rank, resume["path"], start)
+    ev = job.get("eval") or {}
+    evaluate = None
+    if ev.get("every_steps") or ev.get("per_epoch"):
+        valid = read_tokens(Path(recipe.get("valid_file") or VALID_FILE))
+        evaluate = make_evaluator(model, eval_windows(valid, shape.seq_length, rank, size), bs,
+                                  int(ev.get("max_batches", 16)))
+    monitor = Monitor(total_steps=total, batch_size=bs, evaluate=evaluate, epoch_steps=source.steps_per_epoch,
+                      step_offset=start, train_cell=train_net)
+    log.info("[rank %d] steps %d..%d of %d (epochs of %d steps), world %d", rank, start + 1, total, total,
+             source.steps_per_epoch, size)
+    sink = bool(train["dataset_sink_mode"])
+    sink_size = int(train.get("sink_size", -1))
+    epochs = 1
+    if sink and sink_size > 0:
+        epochs = math.ceil((total - start) / sink_size)
+    Model(train_net).train(epochs, dataset, callbacks=[monitor], dataset_sink_mode=sink, sink_size=sink_size)
 
 
 def pretrain(out: Path, steps: int = 400, batch_size: int = 16, lr: float = 3e-3, seed: int = 7,
@@ -196,7 +266,7 @@ def pretrain(out: Path, steps: int = 400, batch_size: int = 16, lr: float = 3e-3
     shape = shape or ModelShape()
     set_mode("pynative", "CPU")
     ms.set_seed(seed)
-    source = ByteWindows(read_tokens(corpus), shape.seq_length, 0, 1, seed, batch_size)
+    source = ByteWindows(read_tokens(corpus), shape.seq_length, 0, 1, seed, batch_size, stop_step=steps)
     model = build_model(shape, batch_size)
     set_mode("pynative", "CPU")
     lrs = lr_schedule(lr, max(1, steps // 20), steps)
@@ -205,20 +275,17 @@ def pretrain(out: Path, steps: int = 400, batch_size: int = 16, lr: float = 3e-3
     net = MonitoredTrainOneStepCell(model, opt)
     net.set_train()
     step, first, last = 0, None, None
-    while step < steps:
-        batch: list[np.ndarray] = []
-        for (w,) in source:
-            batch.append(w)
-            if len(batch) == batch_size:
-                loss, _ = split_outputs(net(ms.Tensor(np.stack(batch))))
-                batch = []
-                step += 1
-                first = loss if first is None else first
-                last = loss
-                if step % 50 == 0 or step == 1:
-                    print(f"pretrain step {step}/{steps} loss {loss:.4f}", flush=True)
-                if step >= steps:
-                    break
+    batch: list[np.ndarray] = []
+    for (w,) in source:
+        batch.append(w)
+        if len(batch) == batch_size:
+            loss, _ = split_outputs(net(ms.Tensor(np.stack(batch))))
+            batch = []
+            step += 1
+            first = loss if first is None else first
+            last = loss
+            if step % 50 == 0 or step == 1:
+                print(f"pretrain step {step}/{steps} loss {loss:.4f}", flush=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.ckpt")

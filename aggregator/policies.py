@@ -1,0 +1,321 @@
+"""Anomaly rules: small classes that read a reduced step (or telemetry) and return a
+firing whose message quotes the numbers. Policies decide; the aggregator acts.
+
+Rule configs arrive as plain dicts (the `anomalies` list of the run config, as
+`launcher.config.AnomalyRuleConfig` fields), so this module stays free of the launcher.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from .reducer import ReducedStep
+
+
+class Action(str, enum.Enum):
+    WARN = "warn"
+    STOP = "stop"
+    SAVE_AND_STOP = "save_and_stop"
+
+    @property
+    def stops(self) -> bool:
+        return self is not Action.WARN
+
+
+@dataclass
+class Firing:
+    rule: str
+    step: int
+    rank: int | None
+    value: float | None
+    threshold: float | None
+    action: Action
+    message: str
+
+    def to_record(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["action"] = self.action.value
+        return d
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.6g}"
+
+
+class Rule:
+    kind = "rule"
+    default_action = Action.WARN
+
+    def __init__(self, cfg: dict[str, Any]):
+        self.cfg = cfg
+        self.name = cfg.get("name") or self.kind
+        self.action = Action(cfg["action"]) if cfg.get("action") else self.default_action
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        return None
+
+    def check_telemetry(self, cards: Iterable[dict[str, Any]], now: float, step: int) -> list[Firing]:
+        return []
+
+    def fire(self, red_step: int, rank: int | None, value: float | None, threshold: float | None,
+             message: str) -> Firing:
+        return Firing(self.name, red_step, rank, value, threshold, self.action, message)
+
+
+class NonFiniteRule(Rule):
+    """Loss or gradients NaN/Inf on any rank; names the rank from its local values."""
+
+    kind = "nonfinite"
+    default_action = Action.STOP
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        if red.step == 0:
+            return None
+        bad = red.nonfinite_ranks
+        global_bad = red.grad_norm is not None and not math.isfinite(red.grad_norm)
+        if not bad and not global_bad:
+            return None
+        if bad:
+            r = bad[0]
+            p = red.per_rank[r]
+            what = []
+            if p.loss is not None and not math.isfinite(p.loss):
+                what.append(f"loss {_fmt(p.loss)}")
+            if p.nan_count:
+                what.append(f"{p.nan_count} NaN gradient values")
+            if p.inf_count:
+                what.append(f"{p.inf_count} Inf gradient values")
+            if p.grad_norm_local is not None and not math.isfinite(p.grad_norm_local) and not what:
+                what.append(f"local grad norm {_fmt(p.grad_norm_local)}")
+            value = p.loss if (p.loss is not None and not math.isfinite(p.loss)) else p.grad_norm_local
+            others = f" (also ranks {bad[1:]})" if len(bad) > 1 else ""
+            msg = f"non-finite values on rank {r} at step {red.step}: {', '.join(what)}{others}"
+            return self.fire(red.step, r, value, None, msg)
+        return self.fire(red.step, None, red.grad_norm, None,
+                         f"global grad norm is {_fmt(red.grad_norm)} at step {red.step} (no rank reported it locally)")
+
+
+class GradExplosionRule(Rule):
+    """Global grad norm above `threshold`, or above `factor` x its rolling median."""
+
+    kind = "grad_explosion"
+    default_action = Action.STOP
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        self.limit = cfg.get("threshold")
+        self.factor = cfg.get("factor") or 20.0
+        self.window = cfg.get("window") or 50
+        w = cfg.get("warmup", -1)
+        self.warmup = 5 if w is None or w < 0 else w
+        self.history: deque[float] = deque(maxlen=self.window)
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        g = red.grad_norm
+        if red.step == 0 or g is None or not math.isfinite(g):
+            return None
+        firing = None
+        culprit = red.grad_norm_local_max_rank
+        if self.limit is not None and g > self.limit:
+            firing = self.fire(red.step, culprit, g, self.limit,
+                               f"gradient explosion at step {red.step}: global grad norm {_fmt(g)} > limit "
+                               f"{_fmt(self.limit)} (largest local norm on rank {culprit}: "
+                               f"{_fmt(red.grad_norm_local_max)})")
+        elif len(self.history) >= self.warmup and self.history:
+            med = statistics.median(self.history)
+            if med > 0 and g > self.factor * med:
+                firing = self.fire(red.step, culprit, g, self.factor * med,
+                                   f"gradient explosion at step {red.step}: global grad norm {_fmt(g)} is "
+                                   f"{g / med:.1f}x its rolling median {_fmt(med)} (limit {self.factor:g}x); "
+                                   f"largest local norm on rank {culprit}: {_fmt(red.grad_norm_local_max)}")
+        if firing is None:
+            self.history.append(g)  # spikes stay out of the baseline
+        return firing
+
+
+class LossSpikeRule(Rule):
+    """Robust z-score of the reduced loss over a rolling window (median and MAD)."""
+
+    kind = "loss_spike"
+    default_action = Action.WARN
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        self.z = cfg.get("z") or 6.0
+        self.window = cfg.get("window") or 50
+        w = cfg.get("warmup", -1)
+        self.warmup = 10 if w is None or w < 0 else w
+        self.patience = cfg.get("patience") or 1
+        self.history: deque[float] = deque(maxlen=self.window)
+        self.hits = 0
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        loss = red.loss_mean
+        if red.step == 0 or loss is None or not math.isfinite(loss):
+            return None
+        firing = None
+        if len(self.history) >= max(self.warmup, 3):
+            med = statistics.median(self.history)
+            mad = statistics.median(abs(x - med) for x in self.history)
+            scale = 1.4826 * mad if mad > 0 else max(abs(med) * 1e-3, 1e-12)
+            zs = (loss - med) / scale
+            if zs > self.z:
+                self.hits += 1
+                if self.hits >= self.patience:
+                    rank = red.loss_max_rank
+                    firing = self.fire(red.step, rank, loss, med + self.z * scale,
+                                       f"loss spike at step {red.step}: mean loss {_fmt(loss)} is {zs:.1f} robust "
+                                       f"z-scores above the rolling median {_fmt(med)} (limit z={self.z:g}, "
+                                       f"{self.hits} consecutive); highest on rank {rank}: {_fmt(red.loss_max)}")
+                return firing  # spikes stay out of the baseline
+            self.hits = 0
+        self.history.append(loss)
+        return firing
+
+
+_OPS = {">": lambda a, b: a > b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b}
+
+
+class ThresholdRule(Rule):
+    """A user rule on any reduced metric: `metric op threshold` for `for_steps` steps."""
+
+    kind = "threshold"
+    default_action = Action.WARN
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        self.metric = cfg["metric"]
+        self.op = cfg.get("op") or ">"
+        self.threshold = float(cfg["threshold"])
+        self.for_steps = cfg.get("for_steps") or 1
+        self.count = 0
+        if not cfg.get("name"):
+            self.name = f"{self.metric}{self.op}{self.threshold:g}"
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        v = red.metric(self.metric)
+        if v is None or red.step == 0:
+            return None  # metric absent at this step (e.g. eval_loss between evaluations)
+        if math.isfinite(v) and _OPS[self.op](v, self.threshold):
+            self.count += 1
+            if self.count == self.for_steps:  # fires once per excursion
+                return self.fire(red.step, None, v, self.threshold,
+                                 f"{self.metric} = {_fmt(v)} {self.op} {_fmt(self.threshold)} for "
+                                 f"{self.for_steps} step(s) at step {red.step}")
+        else:
+            self.count = 0
+        return None
+
+
+class CardOverloadRule(Rule):
+    """A card's temperature, HBM use (%) or power above a limit for `for_s` seconds."""
+
+    kind = "card_overload"
+    default_action = Action.WARN
+    DEFAULTS = {"temp_c": 95.0, "memory_pct": 98.0, "power_w": None}
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        self.metric = cfg.get("metric") or "temp_c"
+        self.threshold = cfg.get("threshold")
+        if self.threshold is None:
+            self.threshold = self.DEFAULTS.get(self.metric)
+        f = cfg.get("for_s", -1)
+        self.for_s = 30.0 if f is None or f < 0 else f
+        self.since: dict[tuple[Any, Any], float] = {}
+        self.fired: set[tuple[Any, Any]] = set()
+
+    @staticmethod
+    def value_of(card: dict[str, Any], metric: str) -> float | None:
+        if metric == "memory_pct":
+            used, total = card.get("memory_used_mb"), card.get("memory_total_mb")
+            return 100.0 * used / total if used is not None and total else None
+        v = card.get(metric)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    def check_telemetry(self, cards: Iterable[dict[str, Any]], now: float, step: int) -> list[Firing]:
+        if self.threshold is None:
+            return []
+        out = []
+        for card in cards:
+            key = (card.get("node"), card.get("card"))
+            v = self.value_of(card, self.metric)
+            if v is None or v <= self.threshold:
+                self.since.pop(key, None)
+                self.fired.discard(key)
+                continue
+            start = self.since.setdefault(key, float(card.get("ts") or now))
+            if now - start >= self.for_s and key not in self.fired:
+                self.fired.add(key)
+                ranks = card.get("ranks") or []
+                out.append(self.fire(step, ranks[0] if ranks else None, v, self.threshold,
+                                     f"card overload: node {key[0]} card {key[1]} (ranks {ranks}) {self.metric} "
+                                     f"{_fmt(v)} > {_fmt(self.threshold)} for {now - start:.0f}s "
+                                     f"(limit {self.for_s:g}s)"))
+        return out
+
+
+RULES: dict[str, type[Rule]] = {
+    r.kind: r for r in (NonFiniteRule, GradExplosionRule, LossSpikeRule, ThresholdRule, CardOverloadRule)
+}
+DEFAULT_RULES = ("nonfinite", "grad_explosion", "loss_spike", "card_overload")
+"""On unless turned off with `{rule: NAME, enabled: false}`."""
+
+
+def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]] | None = None) -> list[Rule]:
+    """Defaults, replaced by user entries of the same built-in kind; threshold rules added."""
+    kinds = dict(RULES, **(extra_kinds or {}))
+    chosen: dict[str, dict[str, Any]] = {k: {"rule": k} for k in DEFAULT_RULES if k in kinds}
+    for k in extra_kinds or {}:
+        chosen.setdefault(k, {"rule": k})
+    added: list[dict[str, Any]] = []
+    for c in configs:
+        kind = c.get("rule")
+        if kind == "threshold":
+            added.append(c)
+        else:
+            chosen[kind] = c
+    rules = []
+    for c in list(chosen.values()) + added:
+        if c.get("enabled", True) is False:
+            continue
+        cls = kinds.get(c["rule"])
+        if cls is not None:
+            rules.append(cls(c))
+    return rules
+
+
+class PolicyEngine:
+    def __init__(self, rules: list[Rule]):
+        self.rules = rules
+
+    def on_step(self, red: ReducedStep) -> list[Firing]:
+        out = []
+        for rule in self.rules:
+            try:
+                f = rule.check(red)
+            except Exception as exc:  # a broken rule must not take the aggregator down
+                f = None
+                rule.errors = getattr(rule, "errors", 0) + 1  # type: ignore[attr-defined]
+                rule.last_error = repr(exc)  # type: ignore[attr-defined]
+            if f is not None:
+                out.append(f)
+        return out
+
+    def on_telemetry(self, cards: list[dict[str, Any]], now: float, step: int) -> list[Firing]:
+        out = []
+        for rule in self.rules:
+            try:
+                out.extend(rule.check_telemetry(cards, now, step))
+            except Exception:
+                continue
+        return out
