@@ -198,7 +198,7 @@ class AggregatorCore:
         while len(self.directives) > _KEEP_DIRECTIVES:
             self.directives.popitem(last=False)
         if (red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps)
-                or red.extra or directive.action is Action.STOP):
+                or any(k.startswith("eval_") for k in red.extra) or directive.action is Action.STOP):
             self.console.append(tables.cluster_table(red, self.total_steps))
 
     def _save_decision(self, red: ReducedStep, d: Directive) -> Directive:

@@ -413,7 +413,7 @@ class NpuSmiSampler(Sampler):
         if not cards:
             warnings.append("`npu-smi info` lists no NPU cards")
         self._known = cards
-        self._discovered_at = now
+        self._discovered_at = now if cards else None  # no cards yet: look again next sample
         chips: dict[int | None, int] = {}
         for c in cards:
             chips[c.npu] = chips.get(c.npu, 0) + 1

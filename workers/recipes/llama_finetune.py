@@ -232,8 +232,10 @@ def main(job: dict[str, Any]) -> None:
     train_net.set_train()
     if resume.get("path"):
         # weights, optimizer moments and its global step (which indexes the lr schedule)
-        not_loaded, _ = ms.load_param_into_net(train_net, ms.load_checkpoint(resume["path"]), strict_load=False)
-        missing = [n for n in not_loaded if not n.startswith("mindpulse_")]
+        params = ms.load_checkpoint(resume["path"])
+        params.pop("learning_rate", None)  # the schedule comes from this run's config (train.steps may grow)
+        not_loaded, _ = ms.load_param_into_net(train_net, params, strict_load=False)
+        missing = [n for n in not_loaded if not n.startswith("mindpulse_") and n != "learning_rate"]
         if missing:
             raise ValueError(f"resume: {resume['path']} lacks {missing[:5]}")
         log.info("[rank %d] resumed from %s at step %d", rank, resume["path"], start)

@@ -1,0 +1,178 @@
+"""Global anomaly stops, rank-0 best checkpoints, resume and Ctrl-C, with 2 real CPU ranks."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mindpulse.aggregator.metrics_store import read_wire
+from mindpulse.aggregator.reducer import reduce_all
+from mindpulse.aggregator.packets import from_wire
+
+from conftest import ROOT, mindpulse_cmd
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--set", "monitor.per_print_step=50"]
+
+
+def reduced(run_dir: Path, world: int = 2):
+    pk = [from_wire(o) for o in read_wire(run_dir / "metrics.msgpack") if o.get("t") == "step"]
+    return reduce_all(pk, world)
+
+
+def last_steps(run_dir: Path) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for o in read_wire(run_dir / "metrics.msgpack"):
+        if o.get("t") == "step":
+            out[o["rank"]] = max(out.get(o["rank"], 0), o["step"])
+    return out
+
+
+def test_nan_grad_on_rank1_stops_every_rank_after_the_same_step(run_cli):
+    r = run_cli("launch", "--set", "train.steps=12", "--inject", "nan_grad@1:5", *FAST, timeout=400)
+    assert r.returncode == 3, r.output
+    s = r.summary
+    assert s["status"] == "anomaly_stop"
+    stop = s["stop"]
+    assert stop["rule"] == "nonfinite" and stop["rank"] == 1 and stop["step"] == 5, stop
+    assert "rank 1" in stop["message"] and "NaN" in stop["message"]
+    steps = last_steps(r.run_dir)
+    assert steps[0] == steps[1] and steps[0] <= 6, f"ranks stopped at different steps: {steps}"
+    assert [x["last_step"] for x in s["ranks"]] == [steps[0]] * 2
+    recs = json.loads((r.run_dir / "anomalies.json").read_text())
+    assert recs[0]["rule"] == "nonfinite" and recs[0]["rank"] == 1 and recs[0]["step"] == 5
+    assert set(recs[0]) >= {"rule", "step", "rank", "value", "threshold", "action", "message"}
+    assert r.stdout.count("ANOMALY nonfinite") == 1, "the anomaly must be printed once, not once per rank"
+
+
+@pytest.mark.parametrize(
+    "fault, rule, extra",
+    [
+        ("loss_spike@1:8", "loss_spike",
+         ["--set", "anomalies=[{rule: loss_spike, action: stop, warmup: 4, z: 6}, {rule: grad_explosion, enabled: false}]"]),
+        ("grad_spike@0:8", "grad_explosion", ["--set", "anomalies=[{rule: grad_explosion, warmup: 4, factor: 20}]"]),
+    ],
+)
+def test_spikes_trip_their_rules(run_cli, fault, rule, extra):
+    r = run_cli("launch", "--set", "train.steps=10", "--inject", fault, *extra, *FAST, timeout=400)
+    assert r.returncode == 3, r.output
+    stop = r.summary["stop"]
+    assert stop["rule"] == rule and stop["step"] == 8, stop
+
+
+def test_warn_rule_logs_and_the_run_goes_on(run_cli):
+    r = run_cli("launch", "--set", "train.steps=4", "--set",
+                "anomalies=[{rule: threshold, metric: loss, op: '>', threshold: 0.0, for_steps: 2, action: warn}]",
+                *FAST, timeout=400)
+    assert r.returncode == 0, r.output
+    assert r.summary["status"] == "succeeded"
+    recs = json.loads((r.run_dir / "anomalies.json").read_text())
+    assert len(recs) == 1 and recs[0]["action"] == "warn" and recs[0]["step"] == 2
+
+
+@pytest.fixture(scope="module")
+def ckpt_run(tmp_path_factory):
+    """One 12-step run with periodic, best and eval; shared by the checkpoint tests."""
+    out = tmp_path_factory.mktemp("ckpt") / "runs"
+    proc = subprocess.run(mindpulse_cmd() + [
+        "launch", "--set", "train.steps=12", "--set", "checkpoint.save_checkpoint_steps=3",
+        "--set", "checkpoint.keep_checkpoint_max=2", "--set", "checkpoint.keep_best_max=1",
+        "--set", "monitor.collect_freq=1", "--set", "eval.every_steps=6", "--set", "eval.max_batches=2",
+        "--set", f"output.root={out}", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return next(out.iterdir())
+
+
+def test_best_checkpoint_is_the_lowest_reduced_loss_and_reproduces_its_fingerprint(ckpt_run):
+    import mindspore as ms
+
+    from mindpulse.workers.fingerprint import model_parameters, param_fingerprint
+    from mindpulse.workers.recipes.llama_finetune import ModelShape, build_model, set_mode
+
+    summary = json.loads((ckpt_run / "summary.json").read_text())
+    reds = [x for x in reduced(ckpt_run) if x.step > 0]
+    best = min(reds, key=lambda x: x.loss_mean)
+    bc = summary["best_checkpoint"]
+    assert bc["step"] == best.step and bc["metric"] == pytest.approx(best.loss_mean, rel=1e-6), (bc, best.step)
+    set_mode("pynative", "CPU")
+    model = build_model(ModelShape(), 8)
+    set_mode("pynative", "CPU")
+    ms.load_param_into_net(model, ms.load_checkpoint(bc["path"]))
+    fp, _ = param_fingerprint(model_parameters(model))
+    assert fp == best.fingerprints[0] == best.fingerprints[1], "the best checkpoint does not hold that step's weights"
+    # eval was reduced and shown
+    ev = [x for x in reds if "eval_loss" in x.extra]
+    assert [x.step for x in ev] == [6, 12] and all(x.extra["eval_ppl"] > 1 for x in ev)
+
+
+def test_retention_limits(ckpt_run):
+    man = json.loads((ckpt_run / "checkpoints" / "manifest.json").read_text())
+    kinds = [f["kind"] for f in man["files"]]
+    assert kinds.count("periodic") == 2 and kinds.count("best") == 1, man
+    assert {f["step"] for f in man["files"] if f["kind"] == "periodic"} == {9, 12}
+    on_disk = {p.name for p in (ckpt_run / "checkpoints").glob("step_*")}
+    assert on_disk == {f["path"] for f in man["files"]}
+
+
+def test_resume_continues_steps_and_loss_and_refuses_a_corrupt_file(ckpt_run, run_cli):
+    reds = {x.step: x for x in reduced(ckpt_run)}
+    # corrupt the newest checkpoint: resume must refuse it and use step 9
+    newest = ckpt_run / "checkpoints" / "step_00000012-periodic.ckpt"
+    backup = newest.read_bytes()
+    newest.write_bytes(backup[:-64] + bytes(64))
+    try:
+        r = run_cli("launch", "--resume", str(ckpt_run), "--set", "train.steps=14", *FAST, timeout=400)
+    finally:
+        newest.write_bytes(backup)
+    assert r.returncode == 0, r.output
+    assert "refused step_00000012-periodic.ckpt" in r.stderr and "sha256" in r.stderr, r.output
+    s = r.summary
+    assert s["resumed_from"]["step"] == 9 and s["steps_completed"] == 14
+    new = {x.step: x for x in reduced(r.run_dir)}
+    assert min(new) == 9 and max(new) == 14
+    # same weights at the resume point, and the loss curve continues where it was
+    assert new[9].fingerprints[0] == reds[9].fingerprints[0]
+    assert new[10].loss_mean == pytest.approx(reds[10].loss_mean, rel=1e-4)
+
+
+def test_ctrl_c_stops_every_rank_saves_last_and_exits_130(tmp_path):
+    from conftest import _run_processes
+
+    before = set(_run_processes())
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(mindpulse_cmd() + ["launch", "--set", "train.steps=200", "--set",
+                                               f"output.root={out}", *FAST],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            runs = list(out.glob("*/metrics.msgpack")) if out.exists() else []
+            if runs and max(last_steps(runs[0].parent).values(), default=0) >= 3:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the run never reached step 3")
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stdout[-3000:]
+    run_dir = next(out.iterdir())
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["stop"]["rule"] == "interrupt"
+    steps = last_steps(run_dir)
+    assert steps[0] == steps[1] < 200
+    man = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
+    last = [f for f in man["files"] if f["kind"] == "last"]
+    assert last and last[0]["step"] == steps[0]
+    time.sleep(2)
+    left = {p: c for p, c in _run_processes().items() if p not in before}
+    assert not left, f"processes left after Ctrl-C: {left}"

@@ -1,0 +1,158 @@
+"""Anomaly rules on synthetic reduced steps and telemetry: each fires with the numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.aggregator.packets import Action as DirectiveAction
+from mindpulse.aggregator.packets import StepPacket, TelemetryPacket
+from mindpulse.aggregator.policies import (
+    Action,
+    CardOverloadRule,
+    GradExplosionRule,
+    LossSpikeRule,
+    NonFiniteRule,
+    ThresholdRule,
+    build_rules,
+)
+from mindpulse.aggregator.reducer import reduce_step
+
+
+def red(step, losses, grad_norm=1.0, locals_=None, **kw):
+    packets = {}
+    for r, loss in enumerate(losses):
+        gl = (locals_ or [1.0] * len(losses))[r]
+        packets[r] = StepPacket(rank=r, step=step, loss=loss, grad_norm=grad_norm, grad_norm_local=gl,
+                                step_time_s=0.1, samples=4, **kw.get("per_rank", {}).get(r, {}))
+    return reduce_step(step, packets, len(losses))
+
+
+def test_nonfinite_names_the_rank_from_local_values():
+    rule = NonFiniteRule({})
+    assert rule.check(red(3, [1.0, 1.0])) is None
+    f = rule.check(red(5, [1.0, 1.0], grad_norm=math.nan, locals_=[1.0, math.nan],
+                       per_rank={1: {"nan_count": 42}}))
+    assert f.rule == "nonfinite" and f.rank == 1 and f.step == 5 and f.action is Action.STOP
+    assert "rank 1" in f.message and "42 NaN" in f.message
+    f = rule.check(red(6, [1.0, math.inf]))
+    assert f.rank == 1 and "loss inf" in f.message
+
+
+def test_grad_explosion_absolute_and_relative():
+    rule = GradExplosionRule({"threshold": 100.0})
+    assert rule.check(red(1, [1, 1], grad_norm=50)) is None
+    f = rule.check(red(2, [1, 1], grad_norm=150, locals_=[1, 290]))
+    assert f.value == 150 and f.threshold == 100 and f.rank == 1
+    rel = GradExplosionRule({"factor": 10, "warmup": 3})
+    for s in range(1, 6):
+        assert rel.check(red(s, [1, 1], grad_norm=1.0 + 0.1 * s)) is None
+    f = rel.check(red(6, [1, 1], grad_norm=50.0))
+    assert f is not None and "x its rolling median" in f.message
+    # the spike did not enter the baseline: the next normal step is quiet
+    assert rel.check(red(7, [1, 1], grad_norm=1.2)) is None
+
+
+def test_loss_spike_robust_z_warmup_and_patience():
+    rule = LossSpikeRule({"z": 5, "warmup": 5, "patience": 2})
+    losses = [2.0, 2.02, 1.98, 2.01, 1.99, 2.0]
+    for s, v in enumerate(losses, 1):
+        assert rule.check(red(s, [v, v])) is None
+    assert rule.check(red(7, [5.0, 5.0])) is None  # first hit: patience 2
+    f = rule.check(red(8, [5.0, 6.0]))
+    assert f is not None and f.rule == "loss_spike" and f.rank == 1 and f.action is Action.WARN
+    assert "robust z-scores" in f.message
+    early = LossSpikeRule({"warmup": 10})
+    assert all(early.check(red(s, [v, v])) is None for s, v in enumerate([1, 1, 1, 50], 1))
+
+
+def test_threshold_rule_for_steps_and_absent_metric():
+    rule = ThresholdRule({"metric": "eval_loss", "op": ">", "threshold": 3.0, "for_steps": 2, "action": "stop"})
+    assert rule.check(red(1, [5, 5])) is None  # no eval_loss at this step
+    s2 = red(2, [1, 1], per_rank={0: {"extra": {"eval_loss": 4.0}}, 1: {"extra": {"eval_loss": 4.0}}})
+    s3 = red(3, [1, 1], per_rank={0: {"extra": {"eval_loss": 3.5}}, 1: {"extra": {"eval_loss": 3.5}}})
+    assert rule.check(s2) is None
+    f = rule.check(s3)
+    assert f is not None and f.value == 3.5 and f.action is Action.STOP and f.rule == "eval_loss>3"
+    low = ThresholdRule({"metric": "samples_per_s", "op": "<", "threshold": 1000})
+    assert low.check(red(1, [1, 1])) is not None
+
+
+def test_card_overload_needs_duration():
+    rule = CardOverloadRule({"metric": "temp_c", "threshold": 90, "for_s": 10})
+    hot = [{"node": "n0", "card": 3, "temp_c": 97.0, "ranks": [3], "ts": 100.0}]
+    assert rule.check_telemetry(hot, now=105.0, step=1) == []
+    fs = rule.check_telemetry(hot, now=111.0, step=2)
+    assert len(fs) == 1 and fs[0].rank == 3 and "card 3" in fs[0].message and "97" in fs[0].message
+    assert rule.check_telemetry(hot, now=120.0, step=3) == []  # once per excursion
+    mem = CardOverloadRule({"metric": "memory_pct", "threshold": 90, "for_s": 0})
+    fs = mem.check_telemetry([{"node": "n0", "card": 0, "memory_used_mb": 63000, "memory_total_mb": 65536,
+                               "ranks": [0], "ts": 1.0}], now=1.0, step=1)
+    assert fs and fs[0].value > 90
+
+
+def test_defaults_are_on_and_can_be_replaced_or_disabled():
+    kinds = [r.kind for r in build_rules([])]
+    assert kinds == ["nonfinite", "grad_explosion", "loss_spike", "card_overload"]
+    rules = build_rules([{"rule": "loss_spike", "enabled": False},
+                         {"rule": "grad_explosion", "action": "warn", "factor": 5},
+                         {"rule": "threshold", "metric": "loss", "op": ">", "threshold": 9}])
+    assert [r.kind for r in rules] == ["nonfinite", "grad_explosion", "card_overload", "threshold"]
+    assert rules[1].action is Action.WARN and rules[1].factor == 5
+
+
+def _steps(core, s, losses, **kw):
+    core.ingest([StepPacket(rank=r, step=s, loss=v, decision=True, grad_norm=1.0, grad_norm_local=1.0,
+                            step_time_s=0.1, samples=4, **kw).encode() for r, v in enumerate(losses)])
+
+
+def test_core_records_firings_once_and_stops_at_that_step(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"anomalies": [
+        {"rule": "threshold", "metric": "loss", "op": ">", "threshold": 2.5, "action": "warn"}]})
+    _steps(core, 1, [1.0, 1.0])
+    _steps(core, 2, [3.0, 3.0])  # warn: recorded, run goes on
+    assert core.directive_for(2).action is DirectiveAction.CONTINUE
+    _steps(core, 3, [1.0, math.nan])
+    d = core.directive_for(3)
+    assert d.action is DirectiveAction.STOP and "rank 1" in d.reason
+    recs = json.loads((tmp_path / "anomalies.json").read_text())
+    assert [(r["rule"], r["step"], r["rank"], r["action"]) for r in recs] == [
+        ("loss>2.5", 2, None, "warn"), ("nonfinite", 3, 1, "stop")]
+    assert recs[1]["value"] == "nan"
+    lines = [x for x in core.drain_console() if x.startswith("ANOMALY")]
+    assert len(lines) == 2
+    snap = core.snapshot()
+    assert snap["stop"]["rule"] == "nonfinite" and snap["stop"]["rank"] == 1 and snap["stop"]["step"] == 3
+
+
+def test_core_card_overload_from_synthetic_telemetry(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=1, settings={"anomalies": [
+        {"rule": "card_overload", "metric": "temp_c", "threshold": 90, "for_s": 0, "action": "stop"}]})
+    _steps(core, 1, [1.0])
+    core.ingest([TelemetryPacket(node="n0", ts=1.0, source="test",
+                                 cards=[{"card": 0, "temp_c": 99.0, "ranks": [0]}]).encode()])
+    _steps(core, 2, [1.0])
+    assert core.directive_for(2).action is DirectiveAction.STOP
+    assert core.snapshot()["stop"]["rule"] == "card_overload"
+
+
+def test_save_and_stop_asks_rank0_for_a_last_checkpoint(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=1, settings={
+        "anomalies": [{"rule": "threshold", "metric": "loss", "op": ">", "threshold": 5, "action": "save_and_stop"}],
+        "checkpoint": {"save_last": True}})
+    _steps(core, 1, [9.0])
+    d = core.directive_for(1)
+    assert d.action is DirectiveAction.STOP and "last" in d.save_kinds
+
+
+def test_best_and_periodic_save_decisions(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"checkpoint": {
+        "save_checkpoint_steps": 2, "save_best_ckpt": True, "best_metric": "loss", "best_mode": "min",
+        "best_every_steps": 1}})
+    saves = {}
+    for s, v in enumerate([3.0, 2.0, 2.5, 1.0], 1):
+        _steps(core, s, [v, v])
+        saves[s] = core.directive_for(s).save_kinds
+    assert saves == {1: ["best"], 2: ["periodic", "best"], 3: [], 4: ["periodic", "best"]}
+    assert core.directive_for(4).metric == 1.0
