@@ -57,6 +57,14 @@ class AggregatorCore:
         self.checkpoints: list[dict[str, Any]] = []
         self.best_checkpoint: dict[str, Any] | None = None
         self.rank_errors: list[dict[str, Any]] = []
+        self.tb = None
+        if settings.get("tensorboard", True):
+            from .tb_sink import TensorBoardSink
+
+            self.tb = TensorBoardSink(self.run_dir)
+            if settings.get("config_yaml"):
+                self.tb.on_text("config", "```\n" + settings["config_yaml"] + "\n```")
+            self.milestone("start", 0)
         self.world_size = world_size
         self.per_print_step = max(1, per_print_step)
         self.total_steps = total_steps
@@ -128,9 +136,15 @@ class AggregatorCore:
                     self.telemetry_latest[(pkt.node, card.get("card"))] = rec
                     cards.append(rec)
             step = self.last_reduced.step if self.last_reduced else 0
+            if self.tb is not None:
+                self.tb.on_telemetry(pkt.node, cards, pkt.ts, step)
             for f in self.policies.on_telemetry(cards, time.time(), step):
                 self._on_firing(f)
         return []
+
+    def milestone(self, text: str, step: int) -> None:
+        if self.tb is not None:
+            self.tb.on_text("milestones", f"{time.strftime('%Y-%m-%d %H:%M:%S')} step {step}: {text}", step)
 
     def _on_checkpoint(self, pkt: EventPacket) -> None:
         import json
@@ -147,6 +161,7 @@ class AggregatorCore:
                 self.best_checkpoint = {"path": e.get("path"), "step": e.get("step"), "metric": e.get("metric"),
                                         "metric_name": e.get("metric_name")}
             self.console.append(f"checkpoint ({e.get('kind')}) step {e.get('step')}: {e.get('path')}")
+            self.milestone(f"checkpoint {e.get('kind')} {e.get('path')}", int(e.get("step") or 0))
         del self.checkpoints[:-200]
 
     def _on_firing(self, f: Firing) -> None:
@@ -160,13 +175,20 @@ class AggregatorCore:
             write_json_atomic(self.run_dir / "anomalies.json", self.anomalies)
         where = f" (rank {f.rank})" if f.rank is not None else ""
         self.console.append(f"ANOMALY {f.rule}{where} -> {f.action.value}: {f.message}")
+        if self.tb is not None:
+            self.tb.on_anomaly(rec)
+            self.milestone(f"anomaly {f.rule}: {f.message}", f.step)
         if f.action.stops:
             self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
                               save=f.action is RuleAction.SAVE_AND_STOP, threshold=f.threshold)
 
     # ---- reduction → decisions ------------------------------------------------------
     def _on_reduced(self, red: ReducedStep) -> None:
+        if self.steps_reduced == 1:
+            self.milestone("first step", red.step)
         self.steps_reduced += 1
+        if self.tb is not None:
+            self.tb.on_reduced(red)
         self.last_reduced = red
         self.recent.append(red)
         loss = red.loss_mean
@@ -199,7 +221,10 @@ class AggregatorCore:
             self.directives.popitem(last=False)
         if (red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps)
                 or any(k.startswith("eval_") for k in red.extra) or directive.action is Action.STOP):
-            self.console.append(tables.cluster_table(red, self.total_steps))
+            text = tables.cluster_table(red, self.total_steps)
+            if self.telemetry_latest:
+                text += "\n" + tables.card_table(self.telemetry_latest.values())
+            self.console.append(text)
 
     def _save_decision(self, red: ReducedStep, d: Directive) -> Directive:
         """Which checkpoints rank 0 writes after this step: periodic and/or best."""
@@ -323,3 +348,7 @@ class AggregatorCore:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.tb is not None:
+            last = self.last_reduced.step if self.last_reduced else 0
+            self.milestone("end" + (f" (stopped: {self.stop.get('message')})" if self.stop else ""), last)
+            self.tb.close()

@@ -555,7 +555,10 @@ pre { background: #f7f7f7; border: 1px solid #ddd; padding: 0.8em; overflow-x: a
 .status { display: inline-block; padding: 2px 10px; border-radius: 4px; color: #fff; font-weight: bold; }
 .ok { background: #2e7d32; } .bad { background: #c62828; } .other { background: #ef6c00; }
 .note { color: #8a4b00; } .empty { color: #777; font-style: italic; }
-img { max-width: 100%; border: 1px solid #eee; margin: 0.4em 0; }
+img { max-width: 100%; height: auto; border: 1px solid #eee; margin: 0.4em 0; }
+figure { margin: 1em 0; } figcaption { color: #555; font-size: 0.9em; }
+td.long, code { overflow-wrap: anywhere; }
+td.long { min-width: 12em; }
 """
 
 
@@ -563,11 +566,23 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+_LONG_TOKEN = 32
+"""A cell holding a word longer than this (hashes, paths) may break anywhere, so a table
+never runs past the right edge of a narrow window."""
+
+
+def _html_cell(value: Any) -> str:
+    text = str(value)
+    if any(len(tok) > _LONG_TOKEN for tok in text.split()):
+        return f'<td class="long">{_e(text)}</td>'
+    return f"<td>{_e(text)}</td>"
+
+
 def _html_table(headers: list[str], rows: list[list[Any]], empty: str) -> str:
     if not rows:
         return f'<p class="empty">{_e(empty)}</p>'
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(_html_cell(c) for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 

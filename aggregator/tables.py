@@ -101,3 +101,24 @@ def totals_table(summary: dict[str, Any]) -> str:
     if summary.get("stop"):
         rows.append(["stop", summary["stop"].get("message")])
     return tabulate(rows, tablefmt="simple")
+
+
+def card_table(cards: Iterable[dict[str, Any]]) -> str:
+    """Latest sample per card: node, card, ranks, util, memory, power, temp, health."""
+    rows = []
+    for c in sorted(cards, key=lambda c: (str(c.get("node")), c.get("card") if isinstance(c.get("card"), int) else -9)):
+        used, total = c.get("memory_used_mb"), c.get("memory_total_mb")
+        mem = "-" if used is None else (f"{used:.0f}/{total:.0f} MB" if total else f"{used:.0f} MB")
+        card = c.get("card")
+        rows.append([
+            c.get("node"),
+            c.get("name") if card == -1 else card,
+            ",".join(str(r) for r in c.get("ranks") or []) or "-",
+            _num(c.get("util_pct"), ".0f") + ("%" if c.get("util_pct") is not None else ""),
+            mem,
+            _num(c.get("power_w"), ".1f"),
+            _num(c.get("temp_c"), ".0f"),
+            c.get("health") or "-",
+        ])
+    return tabulate(rows, headers=["node", "card", "ranks", "util", "memory", "power W", "temp C", "health"],
+                    tablefmt="simple", disable_numparse=True)

@@ -35,6 +35,25 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("config", nargs="?", type=Path)
     cp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
+    rp = sub.add_parser("report", help="write RUN_DIR/report/ (plots and report.html) from metrics.msgpack")
+    rp.add_argument("run_dir", type=Path)
+    rp.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/report)")
+
+    tp = sub.add_parser("top", help="live cluster table of a running (or finished) run; q quits")
+    tp.add_argument("run_dir", nargs="?", type=Path, help="run directory (default: the newest under runs/)")
+    tp.add_argument("--root", type=Path, default=Path("runs"))
+    tp.add_argument("--interval", type=float, default=1.0)
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
+
+    tel = sub.add_parser("telemetry", help="card telemetry tools")
+    tsub = tel.add_subparsers(dest="telemetry_command", required=True)
+    tpp = tsub.add_parser("parse-npu-smi", help="parse a saved npu-smi output (table or key:value)")
+    tpp.add_argument("file", type=Path)
+    tpp.add_argument("--json", action="store_true")
+    tsp = tsub.add_parser("sample", help="one sample of this machine with whatever source is present")
+    tsp.add_argument("--device", default="auto", choices=["auto", "ascend", "gpu", "cpu"])
+    tsp.add_argument("--json", action="store_true")
+
     pp = sub.add_parser("pretrain", help="pretrain the recipe's base checkpoint (single process, CPU)")
     pp.add_argument("--out", type=Path, default=None, help="checkpoint to write (default: the recipe's base)")
     pp.add_argument("--steps", type=int, default=400)
@@ -77,6 +96,22 @@ def main(argv: list[str] | None = None) -> int:
             from .launch import launch
 
             return launch(cfg, path, resume=resume)
+        if args.command == "report":
+            from mindpulse.aggregator.report import build_report, final_tables
+
+            if not (args.run_dir / "metrics.msgpack").exists():
+                print(f"mindpulse: {args.run_dir} has no metrics.msgpack; is it a run directory?", file=sys.stderr)
+                return int(ExitCode.USAGE)
+            rep = build_report(args.run_dir, args.out)
+            print(final_tables(args.run_dir))
+            print(f"report: {rep['html']}")
+            return 0
+        if args.command == "top":
+            from .top import main_top
+
+            return main_top(args.run_dir, root=args.root, interval=args.interval, once=args.once)
+        if args.command == "telemetry":
+            return _telemetry(args)
         if args.command == "pretrain":
             from mindpulse.workers.recipes import llama_finetune
 
@@ -90,6 +125,42 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
     return int(ExitCode.USAGE)
+
+
+def _telemetry(args) -> int:
+    if args.telemetry_command == "parse-npu-smi":
+        from mindpulse.aggregator.npu_smi import format_cards_table, parse_npu_smi
+
+        try:
+            data = args.file.read_bytes()
+        except OSError as exc:
+            print(f"mindpulse: cannot read {args.file}: {exc}", file=sys.stderr)
+            return int(ExitCode.USAGE)
+        res = parse_npu_smi(data.decode("utf-8", errors="replace"))
+        for w in res.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if args.json:
+            print(json.dumps([c.to_dict() for c in res.cards], indent=2))
+        else:
+            print(format_cards_table(res.cards))
+        return 0
+    from mindpulse.aggregator.telemetry import TelemetryUnavailable, sample_this_machine
+
+    try:
+        sample = sample_this_machine(args.device)
+    except TelemetryUnavailable as exc:
+        print(f"mindpulse: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if args.json:
+        print(json.dumps(sample, indent=2, default=str))
+    else:
+        from mindpulse.aggregator.tables import card_table
+
+        print(f"source: {sample.get('source')}  node: {sample.get('node')}")
+        print(card_table(sample.get("cards", [])))
+        for w in sample.get("warnings", []):
+            print(f"warning: {w}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -135,6 +135,8 @@ class MonitorConfig:
     """How long a rank waits for a directive before it goes on without one."""
     hang_timeout_s: float = 300.0
     """Seconds without any step from a rank before the job is declared hung."""
+    telemetry_interval_s: float = 5.0
+    """Each node's agent samples its cards (npu-smi/DCMI, NVML or psutil) this often (0: off)."""
 
 
 class RuleKind(str, enum.Enum):
@@ -239,6 +241,10 @@ class CheckpointConfig:
 class OutputConfig:
     root: str = "runs"
     """Folder holding the run directories (`<root>/<name>-<YYYYmmdd-HHMMSS>/`)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under `RUN_DIR/tb/` (the aggregator is the one writer)."""
+    report: bool = True
+    """Write `RUN_DIR/report/` (PNG plots and report.html) at the end of the run."""
 
 
 @dataclass
@@ -387,6 +393,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("monitor.decision_every", cfg.monitor.decision_every)
     _positive("monitor.decision_timeout_s", cfg.monitor.decision_timeout_s)
     _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
+    _positive("monitor.telemetry_interval_s", cfg.monitor.telemetry_interval_s, allow_zero=True)
     if cfg.train.sink_size == 0 or cfg.train.sink_size < -1:
         raise ConfigError(f"train.sink_size: {cfg.train.sink_size!r} is not allowed; use -1 or more than 0")
     if not cfg.output.root:

@@ -111,7 +111,9 @@ class Launch:
         world = cfg.world.world_size
         node_id = ray.get_runtime_context().get_node_id()
         plain = cfg.to_dict()
-        settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"]}
+        settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
+                    "tensorboard": cfg.output.tensorboard,
+                    "config_yaml": (self.run_dir / "config.yaml").read_text()}
         self.aggregator = start_aggregator(self.run_id, cfg.ray.namespace, self.run_dir, world,
                                            cfg.monitor.per_print_step, self.total_steps(), node_id=node_id,
                                            settings=settings)
@@ -163,6 +165,7 @@ class Launch:
             self.actors.append(actor)
         self.say(f"mindpulse: started {world} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
                  f"{cfg.world.device.value}), scheduler on {sched_host}:{sched_port}")
+        infos: list[dict[str, Any]] = []
         try:
             infos = ray.get([a.info.remote() for a in self.actors], timeout=120)
             self.pids["ranks"] = {i["rank"]: i["pid"] for i in infos}
@@ -171,8 +174,10 @@ class Launch:
             self.say(f"mindpulse: ranks did not start: {exc}")
             self.rank_hosts = {}
         refs: dict[Any, int] = {actor.run.remote(job): spec.rank for actor, spec in zip(self.actors, specs)}
+        self._start_agents(specs, infos)
 
         result = self._supervise(refs)
+        self._stop_agents()
         snapshot: dict[str, Any] = {}
         try:
             # drain the last tables, then close the aggregator (flushes metrics.msgpack)
@@ -186,6 +191,43 @@ class Launch:
         except Exception:
             pass
         return result, snapshot
+
+    def _start_agents(self, specs: list, infos: list[dict[str, Any]]) -> None:
+        """One NodeAgent per Ray node hosting ranks: it samples that node's cards."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .node_agent import NodeAgent
+
+        self.agents = []
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for info in infos:
+            by_node.setdefault(info["node_id"], []).append(info)
+        device_of = {s.rank: s.device_id for s in specs}
+        for index, (node_id, ranks) in enumerate(sorted(by_node.items(), key=lambda kv: min(i["rank"] for i in kv[1]))):
+            agent = ray.remote(NodeAgent).options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+                runtime_env={"env_vars": dict(WORKER_ENV)},
+            ).remote(index, self.aggregator, self.cfg.world.device.value,
+                     {i["rank"]: device_of[i["rank"]] for i in ranks}, self.cfg.monitor.telemetry_interval_s)
+            self.agents.append(agent)
+            pids = {i["rank"]: i["pid"] for i in ranks}
+            try:
+                res = ray.get(agent.start.remote(pids), timeout=60)
+                if res.get("source") is None and self.cfg.monitor.telemetry_interval_s > 0:
+                    self.say(f"mindpulse: no telemetry on {res['node']}: {res.get('reason')}")
+            except Exception as exc:
+                self.say(f"mindpulse: node agent {index} did not start: {exc}")
+
+    def _stop_agents(self) -> None:
+        import ray
+
+        for agent in getattr(self, "agents", []):
+            try:
+                ray.get(agent.stop.remote(), timeout=15)
+                ray.kill(agent)
+            except Exception:
+                pass
 
     def _start_scheduler(self, host: str, port: int, world: int) -> None:
         env = dict(os.environ)
@@ -360,6 +402,14 @@ class Launch:
         self.say(f"\nmindpulse: {status.value} (exit code {int(ExitCode.of(status))}); "
                  f"run directory {self.run_dir}")
         self.summary = summary
+        if self.cfg.output.report:
+            try:
+                from mindpulse.aggregator.report import build_report
+
+                rep = build_report(self.run_dir)
+                self.say(f"mindpulse: report {rep['html']}")
+            except Exception as exc:  # the run's outcome stands; say why there is no report
+                self.say(f"mindpulse: could not write the report: {type(exc).__name__}: {exc}")
         return status
 
 

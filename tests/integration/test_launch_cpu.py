@@ -38,7 +38,8 @@ def assert_fingerprints_agree(pk: list[dict]) -> None:
 def test_recipe_two_ranks_data_parallel(run_cli):
     steps = 12
     r = run_cli("launch", "--set", f"train.steps={steps}", "--set", "monitor.per_print_step=4",
-                "--set", "monitor.collect_freq=4", "--set", "train.warmup_steps=2", timeout=600)
+                "--set", "monitor.collect_freq=4", "--set", "train.warmup_steps=2",
+                "--set", "monitor.telemetry_interval_s=1", timeout=600)
     assert r.returncode == 0, r.output
     s = r.summary
     assert s["status"] == "succeeded" and s["world_size"] == 2 and s["steps_completed"] == steps, s
@@ -46,7 +47,8 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     assert [x["last_step"] for x in s["ranks"]] == [steps, steps]
     fps = [x["param_fingerprint"] for x in s["ranks"]]
     assert fps[0] and fps[0] == fps[1], f"ranks' final fingerprints differ: {fps}"
-    assert s["stop"] is None and s["best_checkpoint"] is None
+    assert s["stop"] is None
+    assert s["best_checkpoint"] and Path(s["best_checkpoint"]["path"]).exists()
     pk = assert_every_step_from_every_rank(r.run_dir, steps, 2)
     assert_fingerprints_agree(pk)
     # the loss fell: mean over ranks of the first 3 steps against the last 3
@@ -64,6 +66,45 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     # the tables were printed: one per per_print_step, one row per rank and a cluster row
     assert r.stdout.count("grad norm") >= steps // 4, r.output
     assert "\nall " in r.stdout and "succeeded" in r.stdout
+    check_telemetry(r)
+    check_tensorboard_and_report(r.run_dir, pk)
+
+
+def check_telemetry(r) -> None:
+    tel = [o for o in read_wire(r.run_dir / "metrics.msgpack") if o.get("t") == "telemetry"]
+    assert tel, "metrics.msgpack holds no telemetry packets"
+    assert {o["node"] for o in tel} == {next(iter({o["node"] for o in tel}))}, "one node expected"
+    card = tel[-1]["cards"][0]
+    assert card["source"] == "psutil" and sorted(card["ranks"]) == [0, 1] and card["memory_total_mb"] > 0
+    assert "power W" in r.stdout and "node0-" in r.stdout, "the card table was not printed"
+
+
+def check_tensorboard_and_report(run_dir: Path, pk: list[dict]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("loss/mean", "loss/max", "loss/min", "grad_norm/global", "lr", "throughput/samples_per_s",
+                "step_time/max", "rank_0/loss", "rank_1/grad_norm_local", "rank_1/step_time"):
+        assert tag in tags, f"TensorBoard tag {tag} missing; have {tags}"
+    assert any(t.startswith("card_") and t.endswith("/memory_used_mb") for t in tags), tags
+    by_step = {}
+    for o in pk:
+        if o["step"] > 0:
+            by_step.setdefault(o["step"], {})[o["rank"]] = o["loss"]
+    events = {e.step: e.value for e in acc.Scalars("loss/mean")}
+    assert sorted(events) == sorted(by_step), "loss/mean steps differ from the steps the ranks reported"
+    for step, losses in by_step.items():
+        assert events[step] == pytest.approx(statistics.fmean(losses.values()), rel=1e-5)
+    r0 = {e.step: e.value for e in acc.Scalars("rank_0/loss")}
+    assert r0[3] == pytest.approx(by_step[3][0], rel=1e-5)
+    assert any(t.startswith("config") for t in acc.Tags()["tensors"]), "resolved config text missing"
+    report = run_dir / "report"
+    for name in ("loss.png", "grad_norm.png", "step_time.png", "throughput.png", "telemetry.png", "report.html"):
+        assert (report / name).stat().st_size > 1000, f"report/{name} missing or empty"
+    html = (report / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 5 and "succeeded" in html
 
 
 @pytest.mark.parametrize("loop", ["model", "manual"])
