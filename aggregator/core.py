@@ -27,7 +27,7 @@ from .packets import (
 )
 from .policies import Action as RuleAction
 from .policies import Firing, PolicyEngine, build_rules
-from .reducer import ReducedStep, StepReducer
+from .reducer import ReducedStep, StepReducer, StragglerTracker
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,16 @@ class AggregatorCore:
         settings = settings or {}
         self.run_dir = Path(run_dir)
         self.ckpt_cfg: dict[str, Any] = dict(settings.get("checkpoint") or {})
-        self.policies = PolicyEngine(build_rules(list(settings.get("anomalies") or []),
-                                                 extra_kinds=settings.get("extra_rules")))
+        mon = settings.get("monitor") or {}
+        self.straggler_threshold = float(mon.get("straggler_threshold", 0.8))
+        self.stragglers = StragglerTracker(int(mon.get("straggler_window", 10)))
+        rule_cfgs = [dict(c) for c in settings.get("anomalies") or []]
+        for c in rule_cfgs:
+            if c.get("rule") == "straggler":
+                c.setdefault("default_threshold", self.straggler_threshold)
+        if not any(c.get("rule") == "straggler" for c in rule_cfgs):
+            rule_cfgs.append({"rule": "straggler", "default_threshold": self.straggler_threshold})
+        self.policies = PolicyEngine(build_rules(rule_cfgs, extra_kinds=settings.get("extra_rules")))
         self.anomalies: list[dict[str, Any]] = []
         self.anomalies_total = 0
         self.best: tuple[float, int] | None = None
@@ -201,6 +209,7 @@ class AggregatorCore:
         elif loss is not None:
             self.last_loss = loss
         self._check_fingerprints(red)
+        self.stragglers.update(red)
         for f in self.policies.on_step(red):
             self._on_firing(f)
         decision_step = any(p.decision for p in red.per_rank.values())
@@ -221,7 +230,7 @@ class AggregatorCore:
             self.directives.popitem(last=False)
         if (red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps)
                 or any(k.startswith("eval_") for k in red.extra) or directive.action is Action.STOP):
-            text = tables.cluster_table(red, self.total_steps)
+            text = tables.cluster_table(red, self.total_steps, self.straggler_threshold)
             if self.telemetry_latest:
                 text += "\n" + tables.card_table(self.telemetry_latest.values())
             self.console.append(text)
@@ -260,9 +269,7 @@ class AggregatorCore:
         entry = {"step": red.step, "ranks": odd, "majority": majority}
         if len(self.fingerprint_mismatches) < 100:
             self.fingerprint_mismatches.append(entry)
-        self.console.append(
-            f"WARNING parameters differ across ranks at step {red.step}: ranks {odd} differ from the majority"
-        )
+        # the `desync` rule reports it (once, with the action); this keeps the record
 
     def directive_for(self, step: int) -> Directive | None:
         return self.directives.get(step)

@@ -90,6 +90,12 @@ class StepPacket(Packet):
     nan_count: int = 0
     inf_count: int = 0
     step_time_s: float | None = None
+    data_wait_s: float | None = None
+    """Time from the end of the previous step to the start of this one (fetching the
+    batch, host work): before the collective, so it tells stragglers apart."""
+    compute_s: float | None = None
+    """PYNATIVE: time from the step's start until the local gradients were ready (before
+    the all-reduce); None where the mode does not allow measuring it."""
     samples: int = 0
     ts: float = 0.0
     fingerprint: str | None = None
@@ -111,6 +117,8 @@ class StepPacket(Packet):
         "nan_count": (int,),
         "inf_count": (int,),
         "step_time_s": _OPT_NUM,
+        "data_wait_s": _OPT_NUM,
+        "compute_s": _OPT_NUM,
         "samples": (int,),
         "ts": _NUM,
         "fingerprint": (str, type(None)),

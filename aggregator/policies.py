@@ -264,10 +264,82 @@ class CardOverloadRule(Rule):
         return out
 
 
+class DesyncRule(Rule):
+    """Ranks whose parameter fingerprints differ from the majority (data parallel must keep
+    every rank's weights identical). With `tolerance` > 0 the parameter norms are compared
+    with that relative tolerance instead of the bit-exact hashes."""
+
+    kind = "desync"
+    default_action = Action.STOP
+    CAUSES = ("ranks initialised without a common seed or a broadcast of the weights; "
+              "a rank loaded another checkpoint; silent data corruption on a card")
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        self.tolerance = float(cfg.get("tolerance") or 0.0)
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        fps = red.fingerprints
+        if len(fps) < 2:
+            return None
+        if self.tolerance > 0:
+            norms = {r: p.param_norm for r, p in red.per_rank.items() if p.param_norm is not None}
+            if len(norms) < 2:
+                return None
+            ref = statistics.median(norms.values())
+            odd = sorted(r for r, n in norms.items()
+                         if not math.isfinite(n) or abs(n - ref) > self.tolerance * max(abs(ref), 1e-12))
+            if not odd:
+                return None
+            detail = ", ".join(f"rank {r} norm {_fmt(norms[r])}" for r in odd) + f" vs median {_fmt(ref)}"
+        else:
+            groups: dict[str, list[int]] = {}
+            for r, fp in sorted(fps.items()):
+                groups.setdefault(fp, []).append(r)
+            if len(groups) == 1:
+                return None
+            # the majority; on a tie, the group holding the lowest rank (rank 0) is the reference
+            majority = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
+            odd = sorted(r for r in fps if r not in majority)
+            detail = f"ranks {odd} differ from the majority {majority} (fingerprint {fps[majority[0]]})"
+        return self.fire(red.step, odd[0], None, self.tolerance or None,
+                         f"parameters out of sync at step {red.step}: {detail}. Likely causes: {self.CAUSES}")
+
+
+class StragglerRule(Rule):
+    """A rank whose straggler score (fastest / its effective step time) stays below
+    `threshold` (monitor.straggler_threshold by default). Fires once per excursion."""
+
+    kind = "straggler"
+    default_action = Action.WARN
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        t = cfg.get("threshold")
+        self.threshold = float(t) if t is not None else float(cfg.get("default_threshold", 0.8))
+        self.flagged: set[int] = set()
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        scores = red.straggler_scores
+        slow = sorted((r for r, s in scores.items() if s < self.threshold), key=lambda r: scores[r])
+        self.flagged &= set(slow)
+        new = [r for r in slow if r not in self.flagged]
+        if not new:
+            return None
+        r = new[0]
+        self.flagged.add(r)
+        p = red.per_rank.get(r)
+        wait = f"; its data wait {p.data_wait_s * 1000:.0f} ms" if p and p.data_wait_s is not None else ""
+        return self.fire(red.step, r, scores[r], self.threshold,
+                         f"straggler: rank {r} scores {scores[r]:.2f} against the fastest rank (limit "
+                         f"{self.threshold:g}) at step {red.step}{wait}")
+
+
 RULES: dict[str, type[Rule]] = {
-    r.kind: r for r in (NonFiniteRule, GradExplosionRule, LossSpikeRule, ThresholdRule, CardOverloadRule)
+    r.kind: r for r in (NonFiniteRule, GradExplosionRule, LossSpikeRule, ThresholdRule, CardOverloadRule,
+                        DesyncRule, StragglerRule)
 }
-DEFAULT_RULES = ("nonfinite", "grad_explosion", "loss_spike", "card_overload")
+DEFAULT_RULES = ("nonfinite", "grad_explosion", "loss_spike", "card_overload", "desync", "straggler")
 """On unless turned off with `{rule: NAME, enabled: false}`."""
 
 

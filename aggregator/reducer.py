@@ -48,6 +48,9 @@ class ReducedStep:
     """Means over ranks of the packets' `extra` scalars."""
     ts: float = 0.0
     per_rank: dict[int, StepPacket] = field(default_factory=dict)
+    straggler_scores: dict[int, float] = field(default_factory=dict)
+    """Per rank, fastest / this rank's effective step time over a window (1.0 best);
+    filled by the aggregator's StragglerTracker."""
 
     def metric(self, name: str) -> float | None:
         """A reduced metric by name, for rules and best-checkpoint choice."""
@@ -62,6 +65,7 @@ class ReducedStep:
         """A JSON/msgpack-friendly dict without the per-rank packets."""
         d = {k: v for k, v in self.__dict__.items() if k != "per_rank"}
         d["fingerprints"] = {str(k): v for k, v in self.fingerprints.items()}
+        d["straggler_scores"] = {str(k): v for k, v in self.straggler_scores.items()}
         return d
 
 
@@ -224,3 +228,43 @@ def reduce_all(packets: Iterable[StepPacket], world_size: int) -> list[ReducedSt
     for p in packets:
         out.extend(red.add(p))
     return out
+
+
+class StragglerTracker:
+    """Scores each rank against the fastest over a rolling window (1.0 is the fastest).
+
+    The all-reduce makes every rank's step end at the same moment, so step times cannot
+    name a straggler: the fast ranks' step time includes their wait inside the collective.
+    The score uses what a rank does *before* the collective, its busy time:
+    `data_wait_s` (getting the batch ready) + `compute_s` (forward and backward up to the
+    gradient reduction, measured in PYNATIVE mode). Where the compute time cannot be
+    measured (GRAPH mode, dataset sinking) the shortest step time of the step stands in
+    for everyone's compute (it is the last-arriving rank's, which waited for nobody), so
+    the score then sees data-path stragglers only. Median over `window` steps, so one
+    slow batch does not make a straggler.
+    """
+
+    def __init__(self, window: int = 10, min_steps: int = 3):
+        self.window = max(1, window)
+        self.min_steps = max(1, min(min_steps, self.window))
+        self.history: dict[int, deque[float]] = {}
+
+    def update(self, red: ReducedStep) -> dict[int, float]:
+        if red.step == 0:
+            return {}
+        times = [p.step_time_s for p in red.per_rank.values()
+                 if p.step_time_s is not None and math.isfinite(p.step_time_s)]
+        if not times:
+            return {}
+        common = min(times)
+        for r, p in red.per_rank.items():
+            wait = p.data_wait_s if p.data_wait_s is not None and math.isfinite(p.data_wait_s) else 0.0
+            comp = p.compute_s if p.compute_s is not None and math.isfinite(p.compute_s) else common
+            self.history.setdefault(r, deque(maxlen=self.window)).append(max(0.0, wait) + max(0.0, comp))
+        meds = {r: statistics.median(h) for r, h in self.history.items() if len(h) >= self.min_steps}
+        if len(meds) < 2:
+            return {}
+        fastest = min(meds.values())
+        scores = {r: (fastest / m if m > 0 else 1.0) for r, m in sorted(meds.items())}
+        red.straggler_scores = scores
+        return scores

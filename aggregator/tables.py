@@ -22,16 +22,16 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
 
-def cluster_table(red: ReducedStep, total_steps: int | None = None) -> str:
+def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.8) -> str:
     rows = []
     for r, p in red.per_rank.items():
         sps = p.samples / p.step_time_s if p.step_time_s else None
         mark = []
         if r in red.nonfinite_ranks:
             mark.append("NONFINITE")
-        if (r == red.step_time_max_rank and red.world_size > 1 and red.step_time_min
-                and red.step_time_max and red.step_time_max > 1.2 * red.step_time_min):
-            mark.append("slowest")
+        score = red.straggler_scores.get(r)
+        if score is not None and score < straggler_threshold:
+            mark.append(f"STRAGGLER {score:.2f}")
         rows.append(
             [
                 r,

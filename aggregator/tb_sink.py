@@ -171,6 +171,8 @@ class TensorBoardSink:
             g = _number(getattr(pkt, "grad_norm_local", None))
             if g is not None:
                 local_norms.append(g)
+        for rank, score in (getattr(red, "straggler_scores", None) or {}).items():
+            self._scalar(f"rank_{rank}/straggler_score", score, step, wt)
         if local_norms:
             import numpy as np
 

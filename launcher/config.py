@@ -135,6 +135,10 @@ class MonitorConfig:
     """How long a rank waits for a directive before it goes on without one."""
     hang_timeout_s: float = 300.0
     """Seconds without any step from a rank before the job is declared hung."""
+    straggler_threshold: float = 0.8
+    """Ranks scoring below this (fastest rank's effective step time / theirs) are stragglers."""
+    straggler_window: int = 10
+    """Steps in the rolling window of the straggler score."""
     telemetry_interval_s: float = 5.0
     """Each node's agent samples its cards (npu-smi/DCMI, NVML or psutil) this often (0: off)."""
 
@@ -394,6 +398,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("monitor.decision_timeout_s", cfg.monitor.decision_timeout_s)
     _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
     _positive("monitor.telemetry_interval_s", cfg.monitor.telemetry_interval_s, allow_zero=True)
+    _positive("monitor.straggler_window", cfg.monitor.straggler_window)
+    if not 0 < cfg.monitor.straggler_threshold <= 1:
+        raise ConfigError(f"monitor.straggler_threshold: {cfg.monitor.straggler_threshold!r} is not allowed; "
+                          "use a number in (0, 1]")
     if cfg.train.sink_size == 0 or cfg.train.sink_size < -1:
         raise ConfigError(f"train.sink_size: {cfg.train.sink_size!r} is not allowed; use -1 or more than 0")
     if not cfg.output.root:

@@ -112,7 +112,7 @@ class Launch:
         node_id = ray.get_runtime_context().get_node_id()
         plain = cfg.to_dict()
         settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
-                    "tensorboard": cfg.output.tensorboard,
+                    "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"],
                     "config_yaml": (self.run_dir / "config.yaml").read_text()}
         self.aggregator = start_aggregator(self.run_id, cfg.ray.namespace, self.run_dir, world,
                                            cfg.monitor.per_print_step, self.total_steps(), node_id=node_id,

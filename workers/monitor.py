@@ -25,6 +25,7 @@ from mindspore.train.callback import Callback
 
 from mindpulse.aggregator.packets import Action, Directive, EventPacket, StepPacket
 
+from .errors import StopTraining
 from .faults import FaultInjector
 from .fingerprint import model_parameters, param_fingerprint
 from .shipping import AggregatorClient, RankEnv
@@ -244,6 +245,8 @@ class Monitor(Callback):
         step_time_s: float | None = None,
         samples: int | None = None,
         extra: dict[str, float] | None = None,
+        data_wait_s: float | None = None,
+        compute_s: float | None = None,
     ) -> StepOutcome:
         self.step_num = step if step is not None else self.step_num + 1
         s = self.step_num
@@ -267,6 +270,8 @@ class Monitor(Callback):
             nan_count=int(nan_count),
             inf_count=int(inf_count),
             step_time_s=step_time_s,
+            data_wait_s=data_wait_s,
+            compute_s=compute_s,
             samples=int(samples or self.batch_size or 0),
             ts=time.time(),
             fingerprint=fp,
@@ -336,6 +341,8 @@ class Monitor(Callback):
         inner = getattr(net, "network", net)
         if self.train_cell is None:
             self.train_cell = net
+        if hasattr(self.train_cell, "enable_pre_reduce_timing"):
+            self.train_cell.enable_pre_reduce_timing()
         if self.batch_size is None:
             ds = getattr(cb, "train_dataset", None)
             try:
@@ -343,10 +350,16 @@ class Monitor(Callback):
             except Exception:
                 self.batch_size = None
         self.start(inner, arm_next=False)
+        self._last_end = time.perf_counter()
 
     def on_train_step_begin(self, run_context):
-        self._t0 = time.perf_counter()
+        if self.stopped is not None:  # stopped at the start (e.g. desync at step 0): no step may run
+            self.finish("stopped: " + self.stopped.reason)
+            raise StopTraining(self.stopped.reason)
+        # an injected `slow` delay belongs to the data path: it happens before t0
         self.injector.before_step(self.step_num + 1)
+        self._t0 = time.perf_counter()
+        self._data_wait = self._t0 - self._last_end if self._last_end is not None else None
 
     def on_train_step_end(self, run_context):
         cb = run_context.original_args()
@@ -367,12 +380,20 @@ class Monitor(Callback):
             lr=lr_of_step(optimizer, step - 1),
             step_time_s=step_time,
             samples=(self.batch_size or 0) * nsteps,
+            data_wait_s=getattr(self, "_data_wait", None),
+            compute_s=self._compute_time(),
             **stats,
         )
         self._last_end = time.perf_counter()
         if outcome.stop:
             run_context.request_stop()
             log.info("[rank %d] stopping after step %d: %s", self.rank, step, outcome.reason)
+
+    def _compute_time(self) -> float | None:
+        ts = getattr(self.train_cell, "pre_reduce_ts", None)
+        if ts is None or self._t0 is None or ts < self._t0:
+            return None
+        return ts - self._t0
 
     def on_train_end(self, run_context):
         self.finish("stopped: " + self.stopped.reason if self.stopped else "")

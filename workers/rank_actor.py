@@ -18,6 +18,8 @@ import time
 import traceback
 from typing import Any
 
+from .errors import StopTraining
+
 
 def _redirect_output(log_path: str) -> None:
     """Point fds 1 and 2 (Python and MindSpore's C++ logs) at the rank's log file."""
@@ -64,6 +66,8 @@ class RankActor:
                 from mindpulse.workers.recipes import llama_finetune
 
                 llama_finetune.main(job)
+        except StopTraining as exc:
+            print(f"[rank {self.rank}] stopped before the next step: {exc}", flush=True)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if code:

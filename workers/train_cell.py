@@ -78,6 +78,31 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
             Tensor(1.0, ms.float32), name=FAULT_PARAM_PREFIX + "grad_scale", requires_grad=False
         )
 
+    def enable_pre_reduce_timing(self) -> bool:
+        """PYNATIVE only: time-stamp the moment the local gradients are ready, just before
+        the all-reduce (a forward pre-hook on the gradient reducer, after a device sync).
+        `pre_reduce_ts` then holds that `time.perf_counter()` value for the last step.
+        GRAPH mode compiles the whole step, so there is no such point to observe."""
+        import time
+
+        if ms.get_context("mode") != ms.PYNATIVE_MODE or getattr(self, "_timing_on", False):
+            return getattr(self, "_timing_on", False)
+        self.pre_reduce_ts = None
+
+        def _mark(cell, inputs):
+            try:
+                ms.runtime.synchronize()
+            except Exception:
+                pass
+            self.pre_reduce_ts = time.perf_counter()
+
+        try:
+            self.grad_reducer.register_forward_pre_hook(_mark)
+        except Exception:
+            return False
+        self._timing_on = True
+        return True
+
     def construct(self, *inputs):
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, self.sens)

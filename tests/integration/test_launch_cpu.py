@@ -66,6 +66,8 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     # the tables were printed: one per per_print_step, one row per rank and a cluster row
     assert r.stdout.count("grad norm") >= steps // 4, r.output
     assert "\nall " in r.stdout and "succeeded" in r.stdout
+    assert not (r.run_dir / "anomalies.json").exists(), "a normal run tripped a rule: " + (
+        (r.run_dir / "anomalies.json").read_text() if (r.run_dir / "anomalies.json").exists() else "")
     check_telemetry(r)
     check_tensorboard_and_report(r.run_dir, pk)
 

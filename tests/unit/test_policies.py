@@ -94,11 +94,12 @@ def test_card_overload_needs_duration():
 
 def test_defaults_are_on_and_can_be_replaced_or_disabled():
     kinds = [r.kind for r in build_rules([])]
-    assert kinds == ["nonfinite", "grad_explosion", "loss_spike", "card_overload"]
+    assert kinds == ["nonfinite", "grad_explosion", "loss_spike", "card_overload", "desync", "straggler"]
     rules = build_rules([{"rule": "loss_spike", "enabled": False},
                          {"rule": "grad_explosion", "action": "warn", "factor": 5},
                          {"rule": "threshold", "metric": "loss", "op": ">", "threshold": 9}])
-    assert [r.kind for r in rules] == ["nonfinite", "grad_explosion", "card_overload", "threshold"]
+    assert [r.kind for r in rules] == ["nonfinite", "grad_explosion", "card_overload", "desync", "straggler",
+                                       "threshold"]
     assert rules[1].action is Action.WARN and rules[1].factor == 5
 
 
@@ -156,3 +157,46 @@ def test_best_and_periodic_save_decisions(tmp_path):
         saves[s] = core.directive_for(s).save_kinds
     assert saves == {1: ["best"], 2: ["periodic", "best"], 3: [], 4: ["periodic", "best"]}
     assert core.directive_for(4).metric == 1.0
+
+
+def test_desync_names_ranks_off_the_majority_and_ties_keep_rank0():
+    from mindpulse.aggregator.policies import DesyncRule
+
+    rule = DesyncRule({})
+    r3 = reduce_step(0, {r: StepPacket(rank=r, step=0, fingerprint=fp) for r, fp in enumerate("aab")}, 3)
+    f = rule.check(r3)
+    assert f.rank == 2 and f.step == 0 and "ranks [2] differ from the majority [0, 1]" in f.message
+    assert "seed" in f.message and f.action is Action.STOP
+    r2 = reduce_step(4, {r: StepPacket(rank=r, step=4, fingerprint=fp) for r, fp in enumerate("xy")}, 2)
+    assert rule.check(r2).rank == 1
+    same = reduce_step(4, {r: StepPacket(rank=r, step=4, fingerprint="z") for r in range(2)}, 2)
+    assert rule.check(same) is None
+    tol = DesyncRule({"tolerance": 1e-3})
+    close = reduce_step(5, {0: StepPacket(rank=0, step=5, fingerprint="a", param_norm=100.0),
+                            1: StepPacket(rank=1, step=5, fingerprint="b", param_norm=100.01)}, 2)
+    assert tol.check(close) is None
+
+
+def test_straggler_scores_and_rule():
+    from mindpulse.aggregator.policies import StragglerRule
+    from mindpulse.aggregator.reducer import StragglerTracker
+
+    tr = StragglerTracker(window=5, min_steps=3)
+    rule = StragglerRule({"default_threshold": 0.8})
+    fired = []
+    for s in range(1, 9):
+        slow = 1.5 if s >= 3 else 0.001
+        rs = reduce_step(s, {0: StepPacket(rank=0, step=s, step_time_s=1.0, data_wait_s=0.001),
+                             1: StepPacket(rank=1, step=s, step_time_s=1.0, data_wait_s=slow)}, 2)
+        tr.update(rs)
+        f = rule.check(rs)
+        if f:
+            fired.append(f)
+    assert len(fired) == 1 and fired[0].rank == 1 and fired[0].value < 0.8 and fired[0].step == 4
+    assert rs.straggler_scores[0] == 1.0
+    even = StragglerTracker(window=5)
+    for s in range(1, 6):
+        rs = reduce_step(s, {r: StepPacket(rank=r, step=s, step_time_s=1.0, data_wait_s=0.001 * (r + 1))
+                             for r in range(2)}, 2)
+        even.update(rs)
+    assert min(rs.straggler_scores.values()) > 0.99

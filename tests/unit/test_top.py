@@ -220,9 +220,10 @@ def test_not_a_tty_prints_frames_until_the_summary_appears(run_dir):
     path = run_dir / "metrics.msgpack"
 
     def finish():
-        time.sleep(0.3)
+        # each change only after the previous frame was printed
+        _wait_for(lambda: "status running" in out.getvalue(), 20, 0.02)
         _append(path, b"".join(p.encode() for p in _packets(6, 9)))
-        time.sleep(0.3)
+        _wait_for(lambda: "step 9" in out.getvalue(), 20, 0.02)
         (run_dir / "summary.json").write_text(json.dumps({"status": "succeeded", "world_size": 2}))
 
     t = threading.Thread(target=finish)
@@ -244,8 +245,9 @@ def test_not_a_tty_prints_frames_until_the_summary_appears(run_dir):
 
 
 def _tmux(sock: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TMUX"}  # works inside a tmux session too
     return subprocess.run(["tmux", "-L", sock, *args], capture_output=True, text=True, timeout=10,
-                          check=check)
+                          check=check, env=env)
 
 
 def _wait_for(pred, timeout: float, step: float = 0.1):
@@ -269,7 +271,7 @@ def test_terminal_view_in_tmux(run_dir, tmp_path, key):
     cmd = (f"cd {shlex.quote(str(ROOT))} && {shlex.quote(sys.executable)} -c {shlex.quote(code)} "
            f"{shlex.quote(str(run_dir))}; echo $? > {shlex.quote(str(rc_file))}; "
            f"stty -a > {shlex.quote(str(stty_file))}; sleep 30")
-    _tmux(sock, "new-session", "-d", "-s", "top", "-x", "160", "-y", "50", cmd)
+    _tmux(sock, "new-session", "-d", "-s", "top", "-x", "250", "-y", "50", cmd)
     try:
         def pane() -> str:
             return _tmux(sock, "capture-pane", "-p", "-t", "top", check=False).stdout

@@ -17,13 +17,14 @@ from mindpulse.workers import Monitor, MonitoredTrainOneStepCell
 parser = argparse.ArgumentParser()
 parser.add_argument("--loop", choices=["model", "manual"], default="model")
 parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--seed-per-rank", action="store_true", help="a deliberate bug: each rank its own seed")
 args = parser.parse_args()
 
 ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
 init()
 rank, size = get_rank(), get_group_size()
 ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
-ms.set_seed(3)
+ms.set_seed(3 + (rank if args.seed_per_rank else 0))
 
 # y = x @ w_true: a regression every rank shards by rank
 rng = np.random.RandomState(100 + rank)
