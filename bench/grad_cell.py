@@ -1,51 +1,117 @@
 """Step time of MonitoredTrainOneStepCell against nn.TrainOneStepCell, interleaved.
 
-Usage: .venv/bin/python bench/grad_cell.py [--steps 40] [--mode pynative|graph]
+Same model, same batch, same optimizer settings; one process. Each repeat runs `--steps`
+steps of each cell, alternating the cells step by step (the first cell alternates
+between repeats). A step is timed until its outputs are on the host (the loss, and the
+statistics vector for the monitored cell, as `Monitor` reads them). Reported per case:
+median step time of each cell over the repeats, and the ratio monitored/plain (median
+and range of the per-repeat ratios).
+
+Cases: GRAPH mode with the small (recipe) and the larger model of bench/overhead.py,
+and PYNATIVE mode (the recipe's default mode) with the small model.
+
+Usage: .venv/bin/python bench/grad_cell.py [--steps 10] [--repeats 5] [--cases graph:small,...] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+import os
 
-import numpy as np
+os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import _common as C  # noqa: E402
+
+MODELS = {
+    "small": dict(seq_length=64, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, batch_size=8),
+    "larger": dict(seq_length=128, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, batch_size=8),
+}
+CASES = ["graph:small", "graph:larger", "pynative:small"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--mode", choices=["pynative", "graph"], default="pynative")
-    ap.add_argument("--batch-size", type=int, default=8)
-    args = ap.parse_args()
+def run_case(mode: str, mname: str, steps: int, repeats: int) -> dict:
     import mindspore as ms
     from mindspore import nn
 
     from mindpulse.workers.recipes.llama_finetune import ModelShape, build_model, set_mode
     from mindpulse.workers.train_cell import MonitoredTrainOneStepCell
 
-    set_mode(args.mode, "CPU")
-    model = build_model(ModelShape(), args.batch_size)
-    set_mode(args.mode, "CPU")
-    opt = nn.AdamWeightDecay(model.trainable_params(), 1e-4)
-    cells = {"plain": nn.TrainOneStepCell(model, opt), "monitored": MonitoredTrainOneStepCell(model, opt)}
-    x = ms.Tensor(np.random.RandomState(0).randint(0, 256, (args.batch_size, 65)).astype(np.int32))
-    times: dict[str, list[float]] = {k: [] for k in cells}
-    for k, c in cells.items():  # warm-up/compile
+    spec = MODELS[mname]
+    shape = ModelShape(**{k: spec[k] for k in ModelShape.__dataclass_fields__})
+    bs = spec["batch_size"]
+    set_mode(mode, "CPU")
+    ms.set_seed(1234)
+    model = build_model(shape, bs)
+    set_mode(mode, "CPU")  # mindformers may have switched the mode
+    opt = nn.AdamWeightDecay(model.trainable_params(), 1e-4, weight_decay=0.0)
+    cells = {"plain": nn.TrainOneStepCell(model, opt),
+             "monitored": MonitoredTrainOneStepCell(model, opt, fault_armed=False)}
+    for c in cells.values():
         c.set_train()
+    x = ms.Tensor(np.random.RandomState(0).randint(0, 256, (bs, shape.seq_length + 1)).astype(np.int32))
+
+    def step(name: str) -> float:
+        t = time.perf_counter()
+        out = cells[name](x)
+        if isinstance(out, tuple):
+            for o in out:
+                o.asnumpy()
+        else:
+            out.asnumpy()
+        return time.perf_counter() - t
+
+    for name in cells:  # compile and warm up
         for _ in range(3):
-            out = c(x)
-    for i in range(args.steps):
-        for k, c in (cells.items() if i % 2 == 0 else reversed(list(cells.items()))):
-            t = time.perf_counter()
-            out = c(x)
-            (out[0] if isinstance(out, tuple) else out).asnumpy()
-            times[k].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    for k, v in times.items():
-        q = statistics.quantiles(v, n=4)
-        print(f"{k:10s} median {med[k] * 1000:8.2f} ms  IQR {q[0] * 1000:.2f}-{q[2] * 1000:.2f} ms")
-    print(f"ratio monitored/plain: {med['monitored'] / med['plain']:.3f} ({args.mode})")
+            step(name)
+    if ms.get_context("mode") != (ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE):
+        raise RuntimeError(f"the execution mode is not {mode}")
+    per_rep: dict[str, list[float]] = {k: [] for k in cells}
+    for rep in range(repeats):
+        times: dict[str, list[float]] = {k: [] for k in cells}
+        names = list(cells) if rep % 2 == 0 else list(reversed(list(cells)))
+        for i in range(steps):
+            for name in (names if i % 2 == 0 else list(reversed(names))):
+                times[name].append(step(name))
+        for k in cells:
+            per_rep[k].append(statistics.median(times[k]))
+    ratios = [m / p for m, p in zip(per_rep["monitored"], per_rep["plain"])]
+    return {"mode": mode, "model": mname, "shape": spec, "steps": steps, "repeats": repeats,
+            "plain_s": C.summary(per_rep["plain"]), "monitored_s": C.summary(per_rep["monitored"]),
+            "ratio": C.summary(ratios)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10, help="timed steps of each cell per repeat")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t0 = time.time()
+    results = []
+    for case in args.cases.split(","):
+        mode, mname = case.split(":")
+        results.append(run_case(mode, mname, args.steps, args.repeats))
+        print(f"[grad_cell] {case} done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    out = {"cases": results}
+    print(render(out))
+    C.write_result(args.json, "grad_cell", out, t0)
+
+
+def render(out: dict) -> str:
+    rows = []
+    for r in out["cases"]:
+        p, m, q = r["plain_s"], r["monitored_s"], r["ratio"]
+        rows.append([r["mode"].upper(), r["model"], C.fmt_ms(p["median"]), C.fmt_ms(m["median"]),
+                     f"{q['median']:.3f}", f"{q['min']:.3f}-{q['max']:.3f}", f"{r['repeats']} x {r['steps']}"])
+    return C.table(["mode", "model", "TrainOneStepCell ms", "MonitoredTrainOneStepCell ms", "ratio",
+                    "ratio range", "repeats x steps"], rows)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("config", nargs="?", type=Path)
     cp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
+    pl = sub.add_parser("plan", help="print every rank's node, device, environment and command; starts nothing")
+    pl.add_argument("config", nargs="?", type=Path)
+    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--json", action="store_true", help="a JSON list: node, rank, local_rank, device_id, env, command")
+
     rp = sub.add_parser("report", help="write RUN_DIR/report/ (plots and report.html) from metrics.msgpack")
     rp.add_argument("run_dir", type=Path)
     rp.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/report)")
@@ -96,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             from .launch import launch
 
             return launch(cfg, path, resume=resume)
+        if args.command == "plan":
+            from .spec import rank_specs
+
+            cfg, _ = load_config(args.config, args.overrides)
+            specs = rank_specs(cfg)
+            if args.json:
+                print(json.dumps([sp.to_dict() for sp in specs], indent=2))
+            else:
+                _print_plan(cfg, specs)
+            return 0
         if args.command == "report":
             from mindpulse.aggregator.report import build_report, final_tables
 
@@ -125,6 +140,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
     return int(ExitCode.USAGE)
+
+
+def _print_plan(cfg, specs) -> None:
+    from tabulate import tabulate
+
+    print(f"{cfg.name}: backend {cfg.backend.value}, {cfg.world.nodes} node(s) x {cfg.world.ranks_per_node} "
+          f"{cfg.world.device.value} rank(s)")
+    rows = [[s.node, s.rank, s.local_rank, s.device_id, s.env.get("DEVICE_ID"),
+             s.env.get("ASCEND_RT_VISIBLE_DEVICES") or s.env.get("CUDA_VISIBLE_DEVICES") or "-"] for s in specs]
+    print(tabulate(rows, headers=["node", "rank", "local", "card", "DEVICE_ID", "visible"], tablefmt="simple"))
+    shown = set()
+    for s in specs:
+        cmd = " ".join(s.command)
+        if cmd in shown:
+            continue
+        shown.add(cmd)
+        print(f"\nnode {s.node}: {cmd}")
+    common = {k: v for k, v in specs[0].env.items() if all(sp.env.get(k) == v for sp in specs)}
+    print("\nenvironment of every rank:")
+    for k, v in sorted(common.items()):
+        print(f"  {k}={v}")
+    print("per rank: " + ", ".join(sorted(k for k in specs[0].env if k not in common)))
 
 
 def _telemetry(args) -> int:

@@ -60,6 +60,9 @@ class WorldConfig:
     """Ranks (MindSpore processes, one per card) per node."""
     device: Device = Device.CPU
     """`cpu`, `ascend` or `gpu`: MindSpore's device_target for the ranks."""
+    devices: list[int] = field(default_factory=list)
+    """Physical card ids each node uses, in local-rank order (empty: 0 .. ranks_per_node-1).
+    They become ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES; DEVICE_ID is the local rank."""
 
     @property
     def world_size(self) -> int:
@@ -87,6 +90,20 @@ class RecipeConfig:
     """Training text (UTF-8); empty uses the corpus shipped with mindpulse."""
     valid_file: str = ""
     """Validation text; empty uses the shipped validation split."""
+
+
+@dataclass
+class MsrunConfig:
+    master_port: int = 0
+    """--master_port / MS_SCHED_PORT: the MindSpore scheduler's port on node 0 (msrun's
+    default is 8118); 0 picks a free port at launch."""
+    cluster_time_out: int = 600
+    """msrun --cluster_time_out: seconds the ranks wait for each other to join."""
+    bind_core: bool = False
+    """msrun --bind_core: pin each rank to CPU cores near its card."""
+    master_addr: str = ""
+    """Node 0's address for the other nodes (empty: node 0's IP as Ray sees it; 127.0.0.1
+    on one machine)."""
 
 
 @dataclass
@@ -258,6 +275,7 @@ class RunConfig:
     backend: Backend = Backend.RAY
     """How ranks are started: `ray` (rank actors)."""
     ray: RayConfig = field(default_factory=RayConfig)
+    msrun: MsrunConfig = field(default_factory=MsrunConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     job: JobConfig = field(default_factory=JobConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -266,6 +284,9 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     anomalies: list[AnomalyRuleConfig] = field(default_factory=list)
     """Anomaly rules added to (or replacing) the defaults; see docs/anomalies.md."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every rank (e.g. HCCL_CONNECT_TIMEOUT); MS_*/RANK_*/DEVICE_ID
+    are mindpulse's and cannot be set here."""
     faults: list[str] = field(default_factory=list)
     """Faults to inject, `KIND@RANK:STEP` (see docs/faults.md); --inject adds more."""
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -309,6 +330,17 @@ def _coerce(path: str, tp: Any, raw: Any) -> Any:
         if raw is None:
             return None
         return _coerce(path, args[0], raw)
+    if origin is dict:
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {raw!r}")
+        out = {}
+        for k, v in raw.items():
+            if not isinstance(k, str) or isinstance(v, (dict, list)) or v is None:
+                raise ConfigError(f"{path}.{k}: {v!r} is not allowed; use a string, number or boolean")
+            out[k] = str(v).lower() if isinstance(v, bool) else str(v)
+        return out
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if raw is None:
@@ -383,8 +415,20 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"name: {cfg.name!r} is not allowed; use 1-64 letters, digits, '.', '_' or '-'"
             " starting with a letter or digit (it becomes a folder name)"
         )
-    if cfg.backend is Backend.MSRUN:
-        raise ConfigError("backend: 'msrun' is not available in this version; use 'ray'")
+    if cfg.world.devices:
+        if len(cfg.world.devices) != cfg.world.ranks_per_node:
+            raise ConfigError(f"world.devices: {cfg.world.devices} lists {len(cfg.world.devices)} cards; "
+                              f"world.ranks_per_node is {cfg.world.ranks_per_node}: give one id per rank")
+        if len(set(cfg.world.devices)) != len(cfg.world.devices) or min(cfg.world.devices) < 0:
+            raise ConfigError(f"world.devices: {cfg.world.devices} is not allowed; use distinct ids >= 0")
+    if not 0 <= cfg.msrun.master_port <= 65535 or 0 < cfg.msrun.master_port < 1024:
+        raise ConfigError(f"msrun.master_port: {cfg.msrun.master_port} is not allowed; use 0 or 1024-65535")
+    for key in cfg.env:
+        if key.startswith(("MS_ROLE", "MS_SCHED", "MS_WORKER_NUM", "MS_NODE_ID", "RANK_", "DEVICE_ID",
+                           "MINDPULSE_")) or key in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+            raise ConfigError(f"env.{key}: set by mindpulse for every rank; use world.devices for visibility")
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            raise ConfigError(f"env.{key}: not a valid environment variable name")
     _positive("world.nodes", cfg.world.nodes)
     _positive("world.ranks_per_node", cfg.world.ranks_per_node)
     _positive("train.steps", cfg.train.steps, allow_zero=True)

@@ -22,7 +22,9 @@ from .config import RunConfig
 from .progress import ProgressLine
 from .rundir import make_run_dir, write_config, write_json
 from .ray_session import WORKER_ENV, RaySession
-from .spec import ExitCode, RankOutcome, RunResult, RunStatus, free_port, rank_specs
+from .config import Backend
+from .preflight import LaunchRefused
+from .spec import ExitCode, RankOutcome, RunResult, RunStatus, free_port, node_devices, rank_specs
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,8 @@ class Launch:
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self.signals = 0
         self.started = time.time()
-        self.sched: subprocess.Popen | None = None
         self.actors: list[Any] = []
+        self.agents: list[Any] = []
         self.aggregator = None
         self.pids: dict[str, Any] = {}
         self.progress = ProgressLine(out)
@@ -80,6 +82,16 @@ class Launch:
     # ---- the run -------------------------------------------------------------------------
     def run(self) -> int:
         self._resolve_paths()
+        from .preflight import check_local
+
+        try:
+            check_local(self.cfg)
+        except LaunchRefused as exc:
+            print(f"mindpulse: {exc}", file=sys.stderr, flush=True)
+            import shutil
+
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return int(ExitCode.USAGE)
         write_config(self.run_dir, self.cfg)
         self.say(f"mindpulse: run directory {self.run_dir}")
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -88,12 +100,20 @@ class Launch:
         try:
             with RaySession(self.cfg) as session:
                 self.session = session
+                self.pids["ray_temp_dir"] = session.temp_dir
                 result, snapshot = self._run_in_ray()
+        except LaunchRefused as exc:
+            for s, h in old.items():
+                signal.signal(s, h)
+            print(f"mindpulse: {exc}", file=sys.stderr, flush=True)
+            import shutil
+
+            shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing ran: leave nothing behind
+            return int(ExitCode.USAGE)
         except Exception as exc:
             log.exception("launcher failed")
             result = RunResult(status=RunStatus.FAILED, message=f"launcher error: {type(exc).__name__}: {exc}")
         finally:
-            self._stop_scheduler()
             for s, h in old.items():
                 signal.signal(s, h)
         status = self._write_summary(result, snapshot)
@@ -101,27 +121,94 @@ class Launch:
 
     def _run_in_ray(self) -> tuple[RunResult, dict[str, Any]]:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from mindpulse.aggregator.actor import actor_name, start_aggregator
         from mindpulse.workers.rank_actor import RankActor
 
+        from .node_agent import NodeAgent
+        from .preflight import check_cluster
+
         cfg = self.cfg
-        world = cfg.world.world_size
-        node_id = ray.get_runtime_context().get_node_id()
+        w = cfg.world
+        world = w.world_size
+        check_cluster(cfg, ray.cluster_resources(), [n for n in ray.nodes() if n.get("Alive")])
+
         plain = cfg.to_dict()
         settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
                     "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"],
                     "config_yaml": (self.run_dir / "config.yaml").read_text()}
         self.aggregator = start_aggregator(self.run_id, cfg.ray.namespace, self.run_dir, world,
-                                           cfg.monitor.per_print_step, self.total_steps(), node_id=node_id,
-                                           settings=settings)
+                                           cfg.monitor.per_print_step, self.total_steps(),
+                                           node_id=ray.get_runtime_context().get_node_id(), settings=settings)
         ray.get(self.aggregator.ping.remote(), timeout=60)
 
-        sched_host = "127.0.0.1" if self.session.embedded else ray.util.get_node_ip_address()
-        sched_port = free_port(sched_host)
-        run_env = {
+        # one bundle per node holding that node's ranks; STRICT_SPREAD puts nodes apart
+        key = {"cpu": "CPU", "ascend": "NPU", "gpu": "GPU"}[w.device.value]
+        bundles = [{key: float(w.ranks_per_node)} for _ in range(w.nodes)]
+        pg = placement_group(bundles, strategy="PACK" if w.nodes == 1 else "STRICT_SPREAD")
+        try:
+            ray.get(pg.ready(), timeout=120)
+        except Exception as exc:
+            raise LaunchRefused(f"the Ray cluster cannot place {w.nodes} node(s) x {w.ranks_per_node} {key}: {exc}")
+        self.pg = pg
+        bundle_nodes = placement_group_table(pg).get("bundles_to_node_id", {})
+        devices = node_devices(cfg)
+
+        self.agents = []
+        for n in range(w.nodes):
+            self.agents.append(ray.remote(NodeAgent).options(
+                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
+                runtime_env={"env_vars": dict(WORKER_ENV)}, max_restarts=0,
+            ).remote(n, self.aggregator, w.device.value,
+                     {n * w.ranks_per_node + i: devices[i] for i in range(w.ranks_per_node)},
+                     cfg.monitor.telemetry_interval_s, w.ranks_per_node, cfg.monitor.decision_timeout_s))
+        self.agent_infos = ray.get([a.info.remote() for a in self.agents], timeout=120)
+        node0 = self.agent_infos[0]
+        sched_host = "127.0.0.1" if (self.session.embedded or w.nodes == 1 and node0["ip"] == ray.util.get_node_ip_address()) \
+            else (cfg.msrun.master_addr or node0["ip"])
+        sched_port = cfg.msrun.master_port or free_port("127.0.0.1" if sched_host == "127.0.0.1" else "")
+        run_env = self._run_env()
+        specs = rank_specs(cfg, sched_host, sched_port, run_env, run_dir=str(self.run_dir))
+        for spec in specs:
+            spec.env["MINDPULSE_RELAY"] = self.agent_infos[spec.node]["relay"]
+            spec.env["MINDPULSE_NODE_RANK"] = str(spec.node)
+        job = cfg.to_dict()
+        job["resume"] = self.resume
+        write_json(self.run_dir / "job.json", job)
+        write_json(self.run_dir / "plan.json", [s.to_dict() for s in specs])
+        self.pids["agents"] = {i["node"]: i["pid"] for i in self.agent_infos}
+
+        if cfg.backend is Backend.MSRUN:
+            refs = self._start_msrun(specs, sched_host, sched_port)
+        else:
+            refs = self._start_rank_actors(specs, sched_host, sched_port, job, RankActor,
+                                           PlacementGroupSchedulingStrategy, pg, key)
+        result = self._supervise(refs)
+        for a in self.agents:  # final telemetry sample, relay flushed
+            try:
+                ray.get(a.stop.remote(kill=result.status is RunStatus.FAILED), timeout=20)
+            except Exception:
+                pass
+        snapshot: dict[str, Any] = {}
+        try:
+            self._poll(final=True)
+            snapshot = ray.get(self.aggregator.close.remote(), timeout=30)
+        except Exception as exc:
+            self.say(f"mindpulse: aggregator did not answer at the end: {exc}")
+        self._terminate(graceful=result.status is not RunStatus.FAILED)
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+        return result, snapshot
+
+    def _run_env(self) -> dict[str, str]:
+        cfg = self.cfg
+        from mindpulse.aggregator.actor import actor_name
+
+        return {
             "MINDPULSE_RUN_ID": self.run_id,
             "MINDPULSE_NAMESPACE": cfg.ray.namespace,
             "MINDPULSE_AGGREGATOR": actor_name(self.run_id),
@@ -143,119 +230,70 @@ class Launch:
             "MINDPULSE_RESUME_STEP": str((self.resume or {}).get("step", 0)),
             "GLOG_v": os.environ.get("GLOG_v", "2"),
         }
-        specs = rank_specs(cfg, sched_host, sched_port, run_env)
-        self._start_scheduler(sched_host, sched_port, world)
 
-        resource = {"cpu": {"CPU": 1}, "ascend": {"NPU": 1}, "gpu": {"GPU": 1}}[cfg.world.device.value]
-        pg = placement_group([dict(resource) for _ in range(world)], strategy="PACK")
-        ray.get(pg.ready(), timeout=120)
-        job = cfg.to_dict()
-        job["resume"] = self.resume
+    def _start_rank_actors(self, specs, sched_host, sched_port, job, RankActor, PGStrategy, pg, key) -> dict:
+        import ray
+
+        cfg = self.cfg
+        self.pids["scheduler"] = ray.get(self.agents[0].start_scheduler.remote(
+            sched_host, sched_port, cfg.world.world_size, str(self.run_dir / "logs" / "scheduler.log"),
+            cfg.world.device.device_target, dict(cfg.env)), timeout=60)
         for spec in specs:
             opts: dict[str, Any] = dict(
-                num_cpus=resource.get("CPU", 0),
-                resources={k: v for k, v in resource.items() if k != "CPU"},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.rank),
+                num_cpus=1 if key == "CPU" else 0,
+                resources={} if key == "CPU" else {key: 1},
+                scheduling_strategy=PGStrategy(pg, placement_group_bundle_index=spec.node),
                 runtime_env={"env_vars": dict(WORKER_ENV, **spec.env)},
                 max_restarts=0,
                 name=f"{self.run_id}-rank-{spec.rank}",
                 namespace=cfg.ray.namespace,
             )
-            actor = ray.remote(RankActor).options(**opts).remote(spec.rank, str(self.run_dir / "logs" / f"rank_{spec.rank}.log"))
-            self.actors.append(actor)
-        self.say(f"mindpulse: started {world} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
-                 f"{cfg.world.device.value}), scheduler on {sched_host}:{sched_port}")
+            self.actors.append(ray.remote(RankActor).options(**opts).remote(
+                spec.rank, str(self.run_dir / "logs" / f"rank_{spec.rank}.log")))
+        self.say(f"mindpulse: started {len(specs)} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
+                 f"{cfg.world.device.value}, ray backend), scheduler on {sched_host}:{sched_port}")
         infos: list[dict[str, Any]] = []
         try:
             infos = ray.get([a.info.remote() for a in self.actors], timeout=120)
-            self.pids["ranks"] = {i["rank"]: i["pid"] for i in infos}
-            self.rank_hosts = {i["rank"]: i["host"] for i in infos}
         except Exception as exc:
             self.say(f"mindpulse: ranks did not start: {exc}")
-            self.rank_hosts = {}
-        refs: dict[Any, int] = {actor.run.remote(job): spec.rank for actor, spec in zip(self.actors, specs)}
-        self._start_agents(specs, infos)
+        self.pids["ranks"] = {i["rank"]: i["pid"] for i in infos}
+        self.rank_hosts = {i["rank"]: i["host"] for i in infos}
+        self.rank_nodes = {i["rank"]: i["node_id"] for i in infos}
+        refs = {actor.run.remote(job): ("rank", spec.rank) for actor, spec in zip(self.actors, specs)}
+        self._start_telemetry(infos)
+        return refs
 
-        result = self._supervise(refs)
-        self._stop_agents()
-        snapshot: dict[str, Any] = {}
-        try:
-            # drain the last tables, then close the aggregator (flushes metrics.msgpack)
-            self._poll(final=True)
-            snapshot = ray.get(self.aggregator.close.remote(), timeout=30)
-        except Exception as exc:
-            self.say(f"mindpulse: aggregator did not answer at the end: {exc}")
-        self._terminate_actors(graceful=result.status is not RunStatus.FAILED)
-        try:
-            remove_placement_group(pg)
-        except Exception:
-            pass
-        return result, snapshot
+    def _start_msrun(self, specs, sched_host, sched_port) -> dict:
+        cfg = self.cfg
+        refs = {}
+        for n, agent in enumerate(self.agents):
+            spec = next(s for s in specs if s.node == n)
+            env = {k: v for k, v in spec.env.items()
+                   if k.startswith("MINDPULSE_") or k in cfg.env or k in (
+                       "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GLOG_v")}
+            refs[agent.run_msrun.remote(spec.command, env, str(self.run_dir / "logs" / f"msrun_node{n}.log"))] = \
+                ("node", n)
+        self.rank_hosts = {s.rank: self.agent_infos[s.node]["host"] for s in specs}
+        self.rank_nodes = {s.rank: self.agent_infos[s.node]["node_id"] for s in specs}
+        self.say(f"mindpulse: started msrun on {cfg.world.nodes} node(s) x {cfg.world.ranks_per_node} ranks "
+                 f"({cfg.world.device.value}), scheduler on {sched_host}:{sched_port}")
+        self._start_telemetry([])
+        return refs
 
-    def _start_agents(self, specs: list, infos: list[dict[str, Any]]) -> None:
-        """One NodeAgent per Ray node hosting ranks: it samples that node's cards."""
+    def _start_telemetry(self, infos: list[dict[str, Any]]) -> None:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from .node_agent import NodeAgent
-
-        self.agents = []
-        by_node: dict[str, list[dict[str, Any]]] = {}
-        for info in infos:
-            by_node.setdefault(info["node_id"], []).append(info)
-        device_of = {s.rank: s.device_id for s in specs}
-        for index, (node_id, ranks) in enumerate(sorted(by_node.items(), key=lambda kv: min(i["rank"] for i in kv[1]))):
-            agent = ray.remote(NodeAgent).options(
-                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-                runtime_env={"env_vars": dict(WORKER_ENV)},
-            ).remote(index, self.aggregator, self.cfg.world.device.value,
-                     {i["rank"]: device_of[i["rank"]] for i in ranks}, self.cfg.monitor.telemetry_interval_s)
-            self.agents.append(agent)
-            pids = {i["rank"]: i["pid"] for i in ranks}
+        for n, agent in enumerate(self.agents):
+            pids = {i["rank"]: i["pid"] for i in infos if i["rank"] // self.cfg.world.ranks_per_node == n}
             try:
-                res = ray.get(agent.start.remote(pids), timeout=60)
+                res = ray.get(agent.start_telemetry.remote(pids), timeout=60)
                 if res.get("source") is None and self.cfg.monitor.telemetry_interval_s > 0:
                     self.say(f"mindpulse: no telemetry on {res['node']}: {res.get('reason')}")
             except Exception as exc:
-                self.say(f"mindpulse: node agent {index} did not start: {exc}")
+                self.say(f"mindpulse: node agent {n} did not start telemetry: {exc}")
 
-    def _stop_agents(self) -> None:
-        import ray
-
-        for agent in getattr(self, "agents", []):
-            try:
-                ray.get(agent.stop.remote(), timeout=15)
-                ray.kill(agent)
-            except Exception:
-                pass
-
-    def _start_scheduler(self, host: str, port: int, world: int) -> None:
-        env = dict(os.environ)
-        env.update(WORKER_ENV)
-        env.update({"MS_ROLE": "MS_SCHED", "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port),
-                    "MS_WORKER_NUM": str(world), "GLOG_v": os.environ.get("GLOG_v", "2"),
-                    "MINDPULSE_DEVICE_TARGET": self.cfg.world.device.device_target})
-        logf = open(self.run_dir / "logs" / "scheduler.log", "ab")
-        self.sched = subprocess.Popen([sys.executable, "-m", "mindpulse.workers.scheduler"], env=env,
-                                      stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
-        logf.close()
-        self.pids["scheduler"] = self.sched.pid
-
-    def _stop_scheduler(self) -> None:
-        if self.sched is None or self.sched.poll() is not None:
-            return
-        try:
-            self.sched.wait(timeout=SCHED_EXIT_WAIT_S if self.signals < 2 else 1)
-        except subprocess.TimeoutExpired:
-            self.sched.terminate()
-            try:
-                self.sched.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.sched.kill()
-                self.sched.wait()
-
-    def _terminate_actors(self, graceful: bool) -> None:
+    def _terminate(self, graceful: bool) -> None:
         import ray
 
         for a in self.actors:
@@ -266,11 +304,35 @@ class Launch:
                     ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        if self.sched is not None and self.sched.poll() is None:
+        if self.agents and self.cfg.backend is Backend.RAY:
             try:
-                self.sched.wait(timeout=SCHED_EXIT_WAIT_S if graceful else 2)
-            except subprocess.TimeoutExpired:
-                self.sched.kill()
+                ray.get(self.agents[0].wait_scheduler.remote(SCHED_EXIT_WAIT_S if graceful else 2),
+                        timeout=SCHED_EXIT_WAIT_S + 10)
+            except Exception:
+                pass
+        for a in self.agents:
+            try:
+                ray.get(a.stop.remote(kill=True), timeout=20)
+            except Exception:
+                pass
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+
+    def _kill_ranks(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        for a in self.agents:
+            try:
+                a.kill_ranks.remote()
+            except Exception:
+                pass
 
     def _poll(self, final: bool = False) -> None:
         import ray
@@ -284,7 +346,26 @@ class Launch:
         if not final:
             self.progress.update(info["progress"], self.total_steps(), self.started)
 
-    def _supervise(self, refs: dict[Any, int]) -> RunResult:
+    def _collect(self, ref: Any, what: tuple[str, int], outcomes: dict[int, RankOutcome]) -> None:
+        import ray
+
+        kind, idx = what
+        rpn = self.cfg.world.ranks_per_node
+        ranks = [idx] if kind == "rank" else list(range(idx * rpn, (idx + 1) * rpn))
+        try:
+            res = ray.get(ref)
+            for r in ranks:
+                outcomes[r] = RankOutcome(rank=r, exit_code=res["exit_code"], error=res.get("error", "") if
+                                          kind == "rank" else ("" if res["exit_code"] == 0 else
+                                                               f"msrun on node {idx} exited {res['exit_code']}"),
+                                          traceback=res.get("traceback", ""), pid=res.get("pid"),
+                                          host=self.rank_hosts.get(r))
+        except Exception as exc:  # the actor died: killed, OOM, segfault
+            for r in ranks:
+                outcomes[r] = RankOutcome(rank=r, exit_code=None, error=f"rank process died: {exc}",
+                                          host=self.rank_hosts.get(r))
+
+    def _supervise(self, refs: dict[Any, tuple[str, int]]) -> RunResult:
         import ray
 
         outcomes: dict[int, RankOutcome] = {}
@@ -293,28 +374,20 @@ class Launch:
         interrupted_at: float | None = None
         message = ""
         last_poll = 0.0
+        world = self.cfg.world.world_size
         while not status.is_terminal():
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
             for ref in done:
-                rank = refs[ref]
-                try:
-                    res = ray.get(ref)
-                    outcomes[rank] = RankOutcome(rank=rank, exit_code=res["exit_code"], error=res["error"],
-                                                 traceback=res["traceback"], pid=res["pid"],
-                                                 host=self.rank_hosts.get(rank))
-                except Exception as exc:  # the actor died: killed, OOM, segfault
-                    outcomes[rank] = RankOutcome(rank=rank, exit_code=None, error=f"rank process died: {exc}",
-                                                 host=self.rank_hosts.get(rank))
+                self._collect(ref, refs[ref], outcomes)
             failed = [o for o in outcomes.values() if o.exit_code != 0]
             if failed and pending:
                 first = failed[0]
                 message = f"rank {first.rank} failed: {first.error or 'exit code ' + str(first.exit_code)}"
                 self.say(f"mindpulse: {message}; stopping the other ranks")
-                for a in self.actors:
-                    ray.kill(a, no_restart=True)
-                for ref in pending:
-                    outcomes.setdefault(refs[ref], RankOutcome(rank=refs[ref], exit_code=None,
-                                                               error="stopped after another rank failed"))
+                self._kill_ranks()
+                for r in range(world):
+                    outcomes.setdefault(r, RankOutcome(rank=r, exit_code=None,
+                                                       error="stopped after another rank failed"))
                 pending = []
                 status = RunStatus.FAILED
                 break
@@ -328,10 +401,9 @@ class Launch:
                     pass
             if self.signals >= 2 and pending:
                 self.say("mindpulse: second interrupt: killing every rank")
-                for a in self.actors:
-                    ray.kill(a, no_restart=True)
-                for ref in pending:
-                    outcomes.setdefault(refs[ref], RankOutcome(rank=refs[ref], exit_code=None, error="killed"))
+                self._kill_ranks()
+                for r in range(world):
+                    outcomes.setdefault(r, RankOutcome(rank=r, exit_code=None, error="killed"))
                 pending = []
                 status = RunStatus.INTERRUPTED
                 break
@@ -366,7 +438,9 @@ class Launch:
                                                                                "param_fingerprint": None})
             o = result.outcomes.get(r)
             ranks.append(dict(base, exit_code=o.exit_code if o else None, error=o.error if o else "",
-                              pid=base.get("pid") or (o.pid if o else None)))
+                              pid=base.get("pid") or (o.pid if o else None),
+                              node=r // self.cfg.world.ranks_per_node,
+                              node_id=getattr(self, "rank_nodes", {}).get(r)))
         summary = {
             "status": status.value,
             "exit_code": int(ExitCode.of(status)),

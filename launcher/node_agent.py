@@ -1,20 +1,45 @@
-"""One NodeAgent per node (a Ray actor pinned to it): samples the node's cards on an
-interval and ships telemetry packets to the aggregator. One sampler per node, never one
-per rank: `npu-smi` is slow and must not run concurrently."""
+"""One NodeAgent per node (a Ray actor placed in that node's placement-group bundle).
+
+It owns what is per node, never per rank:
+- the packet relay: the node's ranks send their packets to it over loopback; it batches
+  them to the aggregator, so the aggregator's load grows with nodes, not ranks;
+- the telemetry sampler (npu-smi/DCMI, NVML or psutil), on an interval;
+- on node 0 (ray backend) the MindSpore scheduler subprocess;
+- with the msrun backend, the `msrun` process that starts the node's ranks.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
+WORKER_ENV = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
+
 
 class NodeAgent:
     def __init__(self, node: int, aggregator: Any, device: str, rank_devices: dict[int, int],
-                 interval_s: float = 5.0):
+                 interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0):
+        from mindpulse.aggregator.relay import RelayServer
+
         self.node = node
         self.name = f"node{node}-{socket.gethostname()}"
         self.aggregator = aggregator
@@ -24,9 +49,69 @@ class NodeAgent:
         self.sampler = None
         self.sent = 0
         self.errors: list[str] = []
+        self.sched: subprocess.Popen | None = None
+        self.msrun: subprocess.Popen | None = None
+        self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks)
+        self.relay_port = self.relay.start()
 
-    def start(self, rank_pids: dict[int, int]) -> dict[str, Any]:
-        """Start sampling; returns what source is used (or why there is none)."""
+    # ---- relay -------------------------------------------------------------------------------
+    def _forward_send(self, batch: list[bytes]) -> None:
+        self.aggregator.ingest.remote(batch)
+
+    def _forward_decide(self, batch: list[bytes], step: int, timeout: float) -> bytes:
+        import ray
+
+        return ray.get(self.aggregator.decide.remote(batch, step, timeout), timeout=timeout + 10)
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"node": self.node, "name": self.name, "ip": node_ip(), "host": socket.gethostname(),
+                "relay": f"127.0.0.1:{self.relay_port}", "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "python": sys.executable}
+
+    # ---- MindSpore scheduler (ray backend, node 0) ------------------------------------------
+    def start_scheduler(self, host: str, port: int, world: int, log_path: str, device_target: str,
+                        extra_env: dict[str, str]) -> int:
+        env = dict(os.environ)
+        env.update(WORKER_ENV)
+        env.update(extra_env)
+        env.update({"MS_ROLE": "MS_SCHED", "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port),
+                    "MS_WORKER_NUM": str(world), "MINDPULSE_DEVICE_TARGET": device_target})
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as logf:
+            self.sched = subprocess.Popen([sys.executable, "-m", "mindpulse.workers.scheduler"], env=env,
+                                          stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+        return self.sched.pid
+
+    def wait_scheduler(self, timeout_s: float) -> int | None:
+        return _wait(self.sched, timeout_s)
+
+    # ---- msrun backend ---------------------------------------------------------------------------
+    def run_msrun(self, command: list[str], env: dict[str, str], log_path: str) -> dict[str, Any]:
+        """Run this node's msrun (it starts the node's ranks) until it ends."""
+        full = dict(os.environ)
+        full.update(WORKER_ENV)
+        full.update(env)
+        # msrun starts workers with the `python` on PATH: make it this interpreter's
+        full["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full.get("PATH", "")
+        cmd = [os.path.join(os.path.dirname(sys.executable), "msrun")] + command[1:]
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with open(log_path, "ab") as logf:
+            logf.write(("$ " + " ".join(cmd) + "\n").encode())
+            logf.flush()
+            self.msrun = subprocess.Popen(cmd, env=full, stdout=logf, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            code = self.msrun.wait()
+        return {"node": self.node, "exit_code": code, "seconds": time.time() - t0, "pid": self.msrun.pid}
+
+    def msrun_pid(self) -> int | None:
+        return self.msrun.pid if self.msrun else None
+
+    # ---- telemetry ---------------------------------------------------------------------------------
+    def start_telemetry(self, rank_pids: dict[int, int]) -> dict[str, Any]:
         from mindpulse.aggregator.telemetry import NodeSampler, TelemetryUnavailable, pick_sampler
 
         if self.interval_s <= 0:
@@ -36,8 +121,8 @@ class NodeAgent:
         except TelemetryUnavailable as exc:
             self.errors.append(str(exc))
             return {"node": self.name, "source": None, "reason": str(exc)}
-        self.sampler = NodeSampler(self.name, sampler, self.rank_devices, {int(k): int(v) for k, v in rank_pids.items()},
-                                   interval_s=self.interval_s)
+        self.sampler = NodeSampler(self.name, sampler, self.rank_devices,
+                                   {int(k): int(v) for k, v in rank_pids.items()}, interval_s=self.interval_s)
         self.sampler.start(self._ship)
         return {"node": self.name, "source": sampler.name}
 
@@ -51,16 +136,70 @@ class NodeAgent:
             self.errors.append(repr(exc))
             del self.errors[:-20]
 
-    def stop(self) -> dict[str, Any]:
+    # ---- end ------------------------------------------------------------------------------------
+    def stop(self, kill: bool = False) -> dict[str, Any]:
         if self.sampler is not None:
             self.sampler.stop()
-            # one last sample so short runs still have telemetry at the end
             try:
-                self._ship(self.sampler.sample_once())
+                self._ship(self.sampler.sample_once())  # short runs still end with a sample
             except Exception:
                 pass
             self.sampler = None
-        return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:]}
+        for proc in (self.msrun, self.sched):
+            if proc is not None and proc.poll() is None and kill:
+                _killpg(proc)
+        self.relay.stop()
+        return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:], "relay": dict(self.relay.stats)}
+
+    def kill_ranks(self) -> None:
+        """Stop this node's ranks now (another rank failed): msrun's whole process group."""
+        if self.msrun is not None and self.msrun.poll() is None:
+            _killpg(self.msrun)
 
     def ping(self) -> float:
         return time.time()
+
+
+def _wait(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
+    if proc is None:
+        return None
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _killpg(proc)
+        return proc.poll()
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    """TERM, then KILL, the process's whole session (msrun's workers run in their own
+    process groups: kill them by the pids msrun spawned too)."""
+    try:
+        import psutil
+
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:
+        children = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [proc.pid] + [c.pid for c in children]:
+            try:
+                os.killpg(os.getpgid(pid), sig)
+            except (ProcessLookupError, PermissionError, OSError):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        deadline = time.time() + 5
+        while time.time() < deadline and (proc.poll() is None or any(_alive(c.pid) for c in children)):
+            time.sleep(0.1)
+        if proc.poll() is not None and not any(_alive(c.pid) for c in children):
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False

@@ -20,6 +20,7 @@ class RaySession:
         self.cfg = cfg
         self.embedded = not cfg.ray.address
         self.address = ""
+        self.temp_dir = ""
 
     def __enter__(self) -> "RaySession":
         import ray
@@ -32,11 +33,16 @@ class RaySession:
             runtime_env={"env_vars": dict(WORKER_ENV)},
         )
         if self.embedded:
-            # one CPU slot per rank plus headroom for agents; bound to loopback only
+            # one CPU slot per rank plus headroom for agents; bound to loopback only; a temp
+            # dir of its own so this run's Ray processes can be told from anyone else's
+            import uuid
+
+            self.temp_dir = f"/tmp/mindpulse-ray-{uuid.uuid4().hex[:8]}"
             kwargs.update(
                 num_cpus=self.cfg.world.world_size + 1,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
+                _temp_dir=self.temp_dir,
             )
             ctx = ray.init(**kwargs)
         else:
@@ -49,3 +55,7 @@ class RaySession:
 
         if ray.is_initialized():
             ray.shutdown()
+        if self.temp_dir:
+            import shutil
+
+            shutil.rmtree(self.temp_dir, ignore_errors=True)

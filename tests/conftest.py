@@ -73,15 +73,20 @@ def run_cli(tmp_path):
         return r
 
     yield _run
-    # every pid the run reported, and every Ray/MindSpore process that appeared, must be gone
+    # every pid the run reported, and every process of the run's own Ray session (its temp
+    # dir is in their command lines), must be gone; other Ray users on the machine are not ours
     deadline = time.time() + 20
     leftovers: dict[int, str] = {}
     while time.time() < deadline:
-        leftovers = {p: c for p, c in _run_processes().items() if p not in before}
+        leftovers = {}
         for r in runs:
             if r.run_dir and (r.run_dir / "summary.json").exists():
                 pids = json.loads((r.run_dir / "summary.json").read_text()).get("pids", {})
-                for pid in list((pids.get("ranks") or {}).values()) + [pids.get("scheduler")]:
+                tdir = pids.get("ray_temp_dir")
+                if tdir:
+                    leftovers.update({p: c for p, c in _run_processes().items() if p not in before and tdir in c})
+                ranks = list((pids.get("ranks") or {}).values()) + list((pids.get("agents") or {}).values())
+                for pid in ranks + [pids.get("scheduler")]:
                     if pid and psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                         leftovers[pid] = "reported by the run"
         if not leftovers:

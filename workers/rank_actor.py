@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-import runpy
 import socket
 import sys
-import time
-import traceback
 from typing import Any
-
-from .errors import StopTraining
 
 
 def _redirect_output(log_path: str) -> None:
@@ -52,44 +47,7 @@ class RankActor:
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Run the rank's work; returns exit code, error text and traceback (never raises)."""
-        t0 = time.time()
-        code, error, tb = 0, "", ""
-        print(f"[rank {self.rank}] pid {os.getpid()} starting", flush=True)
-        try:
-            if job["job"].get("script"):
-                script = job["job"]["script"]
-                sys.argv = [script] + list(job["job"].get("args") or [])
-                sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-                runpy.run_path(script, run_name="__main__")
-            else:
-                from mindpulse.workers.recipes import llama_finetune
+        """Run the rank's work (the same entry msrun runs); never raises."""
+        from .rank_main import run_job
 
-                llama_finetune.main(job)
-        except StopTraining as exc:
-            print(f"[rank {self.rank}] stopped before the next step: {exc}", flush=True)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if code:
-                error = f"SystemExit({exc.code!r})"
-        except BaseException as exc:  # report everything; the launcher decides
-            code, error, tb = 1, f"{type(exc).__name__}: {exc}", traceback.format_exc()
-            print(tb, file=sys.stderr, flush=True)
-        finally:
-            self._release()
-        print(f"[rank {self.rank}] finished with exit code {code} after {time.time() - t0:.1f}s", flush=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        return {"rank": self.rank, "exit_code": code, "error": error, "traceback": tb, "pid": os.getpid()}
-
-    def _release(self) -> None:
-        if "mindspore" not in sys.modules:
-            return
-        try:
-            from mindspore.communication import release
-            from mindspore.communication.management import GlobalComm
-
-            if getattr(GlobalComm, "INITED", False):
-                release()
-        except Exception as exc:
-            print(f"[rank {self.rank}] communication release failed: {exc}", file=sys.stderr, flush=True)
+        return run_job(job, self.rank)

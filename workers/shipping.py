@@ -35,6 +35,8 @@ class RankEnv:
     decision_timeout_s: float
     total_steps: int
     batch_size: int
+    relay: str = ""
+    """host:port of the node agent's packet relay (empty: talk to the aggregator directly)."""
 
     @staticmethod
     def from_environ(env: dict[str, str] | None = None) -> "RankEnv | None":
@@ -54,6 +56,7 @@ class RankEnv:
             decision_timeout_s=float(env.get("MINDPULSE_DECISION_TIMEOUT_S", "120")),
             total_steps=int(env.get("MINDPULSE_TOTAL_STEPS", "0")),
             batch_size=int(env.get("MINDPULSE_BATCH_SIZE", "0")),
+            relay=env.get("MINDPULSE_RELAY", ""),
         )
 
 
@@ -69,7 +72,13 @@ class AggregatorClient:
         self.failures = 0
 
     @staticmethod
-    def connect(renv: RankEnv) -> "AggregatorClient":
+    def connect(renv: RankEnv):
+        """The node agent's relay when there is one (the normal case), else the aggregator."""
+        if renv.relay:
+            from mindpulse.aggregator.relay import RelayClient
+
+            host, _, port = renv.relay.rpartition(":")
+            return RelayClient(host, int(port), renv.decision_timeout_s)
         import ray
 
         if not ray.is_initialized():

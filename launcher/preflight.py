@@ -1,0 +1,60 @@
+"""Checks before anything starts: is the hardware the config asks for there?
+
+On a machine or cluster without it, `launch` stops with exit code 2 and says what is
+missing (no `npu-smi`, no `NPU` resource in the Ray cluster, too few nodes), instead of
+starting ranks that would fail one by one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+from .config import Device, RunConfig
+
+
+class LaunchRefused(RuntimeError):
+    """The cluster cannot run this config; nothing was started (exit code 2)."""
+
+
+def _has_ascend_tools() -> str | None:
+    """None when this machine has the Ascend driver tools; else what is missing."""
+    import os
+
+    if shutil.which("npu-smi") or any(os.path.exists(p) for p in (
+            "/usr/local/sbin/npu-smi", "/usr/local/Ascend/driver/lib64/driver/libdcmi.so")):
+        return None
+    return "this machine has no `npu-smi` (and no libdcmi.so): the Ascend driver is not installed"
+
+
+def check_local(cfg: RunConfig) -> None:
+    """Checks of the driver's own machine, for an embedded local cluster."""
+    if cfg.ray.address:
+        return
+    if cfg.world.device is Device.ASCEND:
+        missing = _has_ascend_tools()
+        if missing:
+            raise LaunchRefused(f"world.device is ascend but {missing}. Run on an Ascend host, "
+                                "or use world.device=cpu (e.g. --set world.device=cpu) to try the job here.")
+    if cfg.world.device is Device.GPU and not shutil.which("nvidia-smi"):
+        raise LaunchRefused("world.device is gpu but this machine has no `nvidia-smi` (no NVIDIA driver). "
+                            "Use world.device=cpu to try the job here.")
+    if cfg.world.nodes > 1:
+        raise LaunchRefused(f"world.nodes is {cfg.world.nodes} but ray.address is empty (an embedded one-machine "
+                            "cluster). Start a Ray cluster and set ray.address (see README, multi-node).")
+
+
+def check_cluster(cfg: RunConfig, resources: dict[str, Any], nodes: list[dict[str, Any]]) -> None:
+    """Checks of the Ray cluster: enough nodes, each with enough of the device resource."""
+    w = cfg.world
+    key = {"cpu": "CPU", "ascend": "NPU", "gpu": "GPU"}[w.device.value]
+    have = float(resources.get(key, 0))
+    if have < w.world_size:
+        raise LaunchRefused(f"the Ray cluster has {have:g} {key} in all; the config needs {w.world_size} "
+                            f"({w.nodes} node(s) x {w.ranks_per_node}). "
+                            + ("No NPU resource: start Ray on the Ascend hosts (Ray detects NPUs itself) "
+                               "or pass --resources='{\"NPU\": 8}'." if key == "NPU" else ""))
+    fitting = [n for n in nodes if float(n.get("Resources", {}).get(key, 0)) >= w.ranks_per_node]
+    if len(fitting) < w.nodes:
+        raise LaunchRefused(f"the config needs {w.nodes} node(s) with {w.ranks_per_node} {key} each; the Ray "
+                            f"cluster has {len(fitting)} such node(s) of {len(nodes)}")

@@ -1,0 +1,134 @@
+"""Scale out on this machine: the msrun backend, and a real two-node Ray cluster
+(`ray start` twice, one CPU each) running the ray and msrun backends across both nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, mindpulse_cmd
+from mindpulse.aggregator.metrics_store import read_wire
+from mindpulse.launcher.spec import free_port
+
+pytestmark = pytest.mark.slow
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def every_step_from_every_rank(run_dir: Path, steps: int, world: int) -> None:
+    seen = {(o["rank"], o["step"]) for o in read_wire(run_dir / "metrics.msgpack") if o.get("t") == "step"}
+    missing = [(r, s) for r in range(world) for s in range(steps + 1) if (r, s) not in seen]
+    assert not missing, f"the aggregator never got {missing}"
+
+
+def test_msrun_backend_two_ranks(run_cli):
+    r = run_cli("launch", "--set", "backend=msrun", "--set", "train.steps=6", "--set", "monitor.per_print_step=3",
+                "--set", "monitor.collect_freq=3", timeout=400)
+    assert r.returncode == 0, r.output
+    s = r.summary
+    assert s["status"] == "succeeded" and s["steps_completed"] == 6
+    fps = {x["param_fingerprint"] for x in s["ranks"]}
+    assert len(fps) == 1 and None not in fps
+    every_step_from_every_rank(r.run_dir, 6, 2)
+    logs = r.run_dir / "logs"
+    assert (logs / "rank_0.log").exists() and (logs / "rank_1.log").exists() and (logs / "scheduler.log").exists()
+    assert "msrun --worker_num=2 --local_worker_num=2" in (logs / "msrun_node0.log").read_text()
+    relay = [o for o in read_wire(r.run_dir / "metrics.msgpack") if o.get("t") == "step"]
+    assert relay, "no packets came through the node's relay"
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(tmp_path_factory):
+    """A Ray cluster of two nodes on this machine, with token authentication on."""
+    tmp = tmp_path_factory.mktemp("raycluster")
+    token = tmp / "token"
+    token.write_text(secrets.token_hex(32))
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
+    port = free_port()
+    before = {p.pid for p in psutil.process_iter()}
+    # a short temp dir: Ray's socket paths must stay under 107 bytes
+    temp = f"/tmp/mp-cluster-{secrets.token_hex(3)}"
+    head = subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
+                           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert head.returncode == 0, head.stdout + head.stderr
+    worker = subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
+                             "--num-cpus=1"], env=env, capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    try:
+        yield {"address": f"127.0.0.1:{port}", "env": env}
+    finally:
+        # stop this cluster only (`ray stop` would stop every Ray on the machine): its
+        # processes carry its temp dir, its workers appeared after `before`
+        import shutil
+
+        for rounds in range(2):
+            for p in psutil.process_iter(["pid", "cmdline"]):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if p.pid not in before and (temp in cmd or cmd.startswith("ray::")):
+                    try:
+                        p.terminate() if rounds == 0 else p.kill()
+                    except psutil.Error:
+                        pass
+            time.sleep(2)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def launch_on(cluster, tmp_path, *args, timeout=500):
+    out = tmp_path / "runs"
+    proc = subprocess.run(mindpulse_cmd() + ["launch", "--set", f"ray.address={cluster['address']}",
+                                             "--set", f"output.root={out}", *args],
+                          cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=timeout)
+    run_dir = next(out.iterdir()) if out.exists() and any(out.iterdir()) else None
+    return proc, run_dir
+
+
+def assert_no_rank_left(summary: dict) -> None:
+    pids = list((summary.get("pids", {}).get("ranks") or {}).values())
+    time.sleep(2)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"rank processes still alive: {alive}"
+
+
+def test_ray_backend_across_two_nodes(two_node_cluster, tmp_path):
+    proc, run_dir = launch_on(two_node_cluster, tmp_path, "--set", "world.nodes=2", "--set", "world.ranks_per_node=1",
+                              "--set", "train.steps=5", "--set", "monitor.per_print_step=5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "succeeded" and s["steps_completed"] == 5
+    nodes = {x["node_id"] for x in s["ranks"]}
+    assert len(nodes) == 2 and None not in nodes, f"ranks were not placed on both nodes: {s['ranks']}"
+    every_step_from_every_rank(run_dir, 5, 2)
+    tel_nodes = {o["node"] for o in read_wire(run_dir / "metrics.msgpack") if o.get("t") == "telemetry"}
+    assert len(tel_nodes) == 2, f"telemetry from {tel_nodes}"
+    assert len({x["param_fingerprint"] for x in s["ranks"]}) == 1
+    assert_no_rank_left(s)
+
+
+def test_msrun_across_two_nodes(two_node_cluster, tmp_path):
+    proc, run_dir = launch_on(two_node_cluster, tmp_path, "--set", "backend=msrun", "--set", "world.nodes=2",
+                              "--set", "world.ranks_per_node=1", "--set", "train.steps=5",
+                              "--set", "msrun.master_addr=127.0.0.1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "succeeded" and s["steps_completed"] == 5
+    every_step_from_every_rank(run_dir, 5, 2)
+    log0 = (run_dir / "logs" / "msrun_node0.log").read_text()
+    log1 = (run_dir / "logs" / "msrun_node1.log").read_text()
+    assert "--node_rank=0" in log0 and "--node_rank=1" in log1
+    assert (run_dir / "logs" / "rank_1.log").exists()
+
+
+def test_no_npu_in_the_cluster_is_refused_before_anything_starts(two_node_cluster, tmp_path):
+    proc, run_dir = launch_on(two_node_cluster, tmp_path, "--set", "world.device=ascend", "--set", "world.nodes=2",
+                              "--set", "world.ranks_per_node=1", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "NPU" in proc.stderr and "needs 2" in proc.stderr
+    assert run_dir is None

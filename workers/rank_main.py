@@ -1,0 +1,98 @@
+"""The rank's entry point: `python rank_main.py --job RUN_DIR/job.json`.
+
+msrun starts it once per rank (and once more as the scheduler, MS_ROLE=MS_SCHED, on the
+master node); the Ray backend's rank actor calls `run_job` in-process, so both backends
+run the same code with the same environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import runpy
+import sys
+import time
+import traceback
+from typing import Any
+
+# mindspore's generated protobuf code needs the pure-Python implementation when something
+# imported protobuf before it; set before anything imports protobuf
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
+if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` importable the same way
+    sys.path.pop(0)
+
+from mindpulse.workers.errors import StopTraining  # noqa: E402
+
+
+def run_job(job: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Run the recipe or the user's script; returns exit code, error and traceback."""
+    t0 = time.time()
+    code, error, tb = 0, "", ""
+    print(f"[rank {rank}] pid {os.getpid()} starting", flush=True)
+    try:
+        if job["job"].get("script"):
+            script = job["job"]["script"]
+            sys.argv = [script] + list(job["job"].get("args") or [])
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+        else:
+            from mindpulse.workers.recipes import llama_finetune
+
+            llama_finetune.main(job)
+    except StopTraining as exc:
+        print(f"[rank {rank}] stopped before the next step: {exc}", flush=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code:
+            error = f"SystemExit({exc.code!r})"
+    except BaseException as exc:  # report everything; the launcher decides
+        code, error, tb = 1, f"{type(exc).__name__}: {exc}", traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+    finally:
+        release_communication(rank)
+    print(f"[rank {rank}] finished with exit code {code} after {time.time() - t0:.1f}s", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return {"rank": rank, "exit_code": code, "error": error, "traceback": tb, "pid": os.getpid()}
+
+
+def release_communication(rank: int) -> None:
+    """Leave the MindSpore cluster gracefully: a hard exit makes the scheduler wait ~30 s."""
+    if "mindspore" not in sys.modules:
+        return
+    try:
+        from mindspore.communication import release
+        from mindspore.communication.management import GlobalComm
+
+        if getattr(GlobalComm, "INITED", False):
+            release()
+    except Exception as exc:
+        print(f"[rank {rank}] communication release failed: {exc}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", required=True, help="the run's job.json (the resolved config)")
+    args = ap.parse_args(argv)
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        # msrun starts the scheduler from the same script on every node whose address is
+        # the master's; only node 0 hosts it (on one machine all "nodes" look like masters)
+        if os.environ.get("MINDPULSE_NODE_RANK", "0") != "0":
+            print("not node 0: no MindSpore scheduler here", flush=True)
+            return 0
+        from mindpulse.workers.scheduler import main as sched_main
+
+        return sched_main()
+    with open(args.job) as fh:
+        job = json.load(fh)
+    rank = int(os.environ.get("RANK_ID", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s")
+    res = run_job(job, rank)
+    return int(res["exit_code"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
