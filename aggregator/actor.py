@@ -67,8 +67,13 @@ class AggregatorActor:
         self.core.close()
         return snap
 
-    async def ping(self) -> bool:
-        return True
+    async def hang_check(self, timeout_s: float, heartbeat_stale_s: float):
+        return self.core.hang_check(timeout_s, heartbeat_stale_s)
+
+    async def ping(self) -> int:
+        import os
+
+        return os.getpid()
 
 
 def start_aggregator(run_id: str, namespace: str, run_dir: Path, world_size: int, per_print_step: int,

@@ -95,6 +95,10 @@ class AggregatorCore:
         self.fingerprint_mismatches: list[dict[str, Any]] = []
         self.telemetry_latest: dict[tuple[str, Any], dict[str, Any]] = {}
         self.started = time.time()
+        self.last_progress = time.time()
+        """When any rank last finished a step it had not reported before."""
+        self.heartbeat: dict[int, tuple[float, int]] = {}
+        self.ended: set[int] = set()
 
     # ---- input ---------------------------------------------------------------------
     def ingest(self, batch: list[bytes]) -> list[ReducedStep]:
@@ -118,7 +122,11 @@ class AggregatorCore:
 
     def _accept(self, pkt: Packet) -> list[ReducedStep]:
         if isinstance(pkt, StepPacket):
-            self.last_seen[pkt.rank] = time.time()
+            now = time.time()
+            self.last_seen[pkt.rank] = now
+            if pkt.step > self.reducer.last_step_of_rank.get(pkt.rank, -1):
+                self.last_progress = now
+            self.heartbeat[pkt.rank] = (now, pkt.step)
             out = self.reducer.add(pkt)
             for red in out:
                 self._on_reduced(red)
@@ -129,6 +137,12 @@ class AggregatorCore:
                 info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
             elif pkt.kind == "checkpoint":
                 self._on_checkpoint(pkt)
+            elif pkt.kind == "heartbeat":
+                self.heartbeat[pkt.rank] = (time.time(), pkt.step)
+                info.setdefault("pid", pkt.pid)
+            elif pkt.kind == "end":
+                self.ended.add(pkt.rank)
+                info["end"] = pkt.message or True
             elif pkt.kind == "error":
                 if len(self.rank_errors) < 100:
                     self.rank_errors.append({"rank": pkt.rank, "step": pkt.step, "message": pkt.message})
@@ -349,6 +363,24 @@ class AggregatorCore:
             },
             "last_step": self.last_reduced.to_record() if self.last_reduced else None,
         }
+
+    def hang_check(self, timeout_s: float, heartbeat_stale_s: float) -> dict[str, Any] | None:
+        """None, or the ranks to blame when no rank has made progress for `timeout_s`:
+        those whose heartbeat went silent (stopped processes), else the ones behind."""
+        now = time.time()
+        if now - self.last_progress < timeout_s or len(self.ended) == self.world_size:
+            return None
+        live = [r for r in range(self.world_size) if r not in self.ended]
+        silent = [r for r in live if now - self.heartbeat.get(r, (self.started, 0))[0] > heartbeat_stale_s]
+        steps = {r: self.reducer.last_step_of_rank.get(r, 0) for r in range(self.world_size)}
+        if silent:
+            stuck = silent
+        else:
+            low = min(steps[r] for r in live) if live else 0
+            stuck = [r for r in live if steps[r] == low]
+        return {"stuck": sorted(stuck), "steps": steps, "silent": sorted(silent),
+                "no_progress_s": now - self.last_progress,
+                "pids": {r: self.rank_info.get(r, {}).get("pid") for r in range(self.world_size)}}
 
     def missing_for(self, step: int) -> list[int]:
         return self.reducer.missing_ranks(step)

@@ -23,6 +23,7 @@ from .progress import ProgressLine
 from .rundir import make_run_dir, write_config, write_json
 from .ray_session import WORKER_ENV, RaySession
 from .config import Backend
+from .failures import VICTIM
 from .preflight import LaunchRefused
 from .spec import ExitCode, RankOutcome, RunResult, RunStatus, free_port, node_devices, rank_specs
 
@@ -44,6 +45,7 @@ class Launch:
         self.started = time.time()
         self.actors: list[Any] = []
         self.agents: list[Any] = []
+        self.failure_order: list[int] = []
         self.aggregator = None
         self.pids: dict[str, Any] = {}
         self.progress = ProgressLine(out)
@@ -101,6 +103,9 @@ class Launch:
             with RaySession(self.cfg) as session:
                 self.session = session
                 self.pids["ray_temp_dir"] = session.temp_dir
+                # Ray's core installs its own SIGTERM handler at init: ours must come after
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    signal.signal(sig, self._on_signal)
                 result, snapshot = self._run_in_ray()
         except LaunchRefused as exc:
             for s, h in old.items():
@@ -228,6 +233,7 @@ class Launch:
             "MINDPULSE_CKPT_FORMAT": cfg.checkpoint.format.value,
             "MINDPULSE_RESUME_CKPT": (self.resume or {}).get("path", ""),
             "MINDPULSE_RESUME_STEP": str((self.resume or {}).get("step", 0)),
+            "MINDPULSE_HANG_TIMEOUT_S": str(cfg.monitor.hang_timeout_s),
             "GLOG_v": os.environ.get("GLOG_v", "2"),
         }
 
@@ -346,9 +352,41 @@ class Launch:
         if not final:
             self.progress.update(info["progress"], self.total_steps(), self.started)
 
+    def _check_hang(self) -> list[int]:
+        """Ask the aggregator whether the job is hung; if so name the ranks, dump stacks."""
+        import ray
+
+        now = time.time()
+        if now - getattr(self, "_last_hang_check", 0.0) < 2.0:
+            return []
+        self._last_hang_check = now
+        timeout = self.cfg.monitor.hang_timeout_s
+        try:
+            info = ray.get(self.aggregator.hang_check.remote(timeout, max(3.0, min(15.0, timeout / 2))), timeout=10)
+        except Exception:
+            return []
+        if not info:
+            return []
+        stuck = info["stuck"]
+        self.say(f"mindpulse: HANG: no rank made progress for {info['no_progress_s']:.0f}s; stuck ranks {stuck} "
+                 f"at steps {[info['steps'][r] for r in stuck]}"
+                 + (f" (heartbeats silent: {info['silent']})" if info["silent"] else "")
+                 + "; dumping every rank's stacks into logs/")
+        pids = {int(r): p for r, p in info["pids"].items() if p}
+        pids.update({r: p for r, p in (self.pids.get("ranks") or {}).items() if r not in pids})
+        rpn = self.cfg.world.ranks_per_node
+        for n, agent in enumerate(self.agents):
+            mine = {r: p for r, p in pids.items() if r // rpn == n}
+            try:
+                ray.get(agent.dump_stacks.remote(mine, str(self.run_dir / "logs")), timeout=90)
+            except Exception as exc:
+                self.say(f"mindpulse: stack dump on node {n} failed: {exc}")
+        return stuck
+
     def _collect(self, ref: Any, what: tuple[str, int], outcomes: dict[int, RankOutcome]) -> None:
         import ray
 
+        before = set(outcomes)
         kind, idx = what
         rpn = self.cfg.world.ranks_per_node
         ranks = [idx] if kind == "rank" else list(range(idx * rpn, (idx + 1) * rpn))
@@ -361,9 +399,13 @@ class Launch:
                                           traceback=res.get("traceback", ""), pid=res.get("pid"),
                                           host=self.rank_hosts.get(r))
         except Exception as exc:  # the actor died: killed, OOM, segfault
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             for r in ranks:
-                outcomes[r] = RankOutcome(rank=r, exit_code=None, error=f"rank process died: {exc}",
+                outcomes[r] = RankOutcome(rank=r, exit_code=None, error=f"rank process died: {text}",
                                           host=self.rank_hosts.get(r))
+        for r in ranks:
+            if r not in before and (outcomes[r].exit_code != 0 or outcomes[r].error):
+                self.failure_order.append(r)
 
     def _supervise(self, refs: dict[Any, tuple[str, int]]) -> RunResult:
         import ray
@@ -375,6 +417,7 @@ class Launch:
         message = ""
         last_poll = 0.0
         world = self.cfg.world.world_size
+        hang: list[int] = []
         while not status.is_terminal():
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
             for ref in done:
@@ -386,8 +429,7 @@ class Launch:
                 self.say(f"mindpulse: {message}; stopping the other ranks")
                 self._kill_ranks()
                 for r in range(world):
-                    outcomes.setdefault(r, RankOutcome(rank=r, exit_code=None,
-                                                       error="stopped after another rank failed"))
+                    outcomes.setdefault(r, RankOutcome(rank=r, exit_code=None, error=VICTIM))
                 pending = []
                 status = RunStatus.FAILED
                 break
@@ -410,6 +452,17 @@ class Launch:
             if time.time() - last_poll > 0.5:
                 self._poll()
                 last_poll = time.time()
+                stuck = self._check_hang()
+                if stuck and pending:
+                    hang = stuck
+                    message = f"hang: ranks {stuck} made no progress for {self.cfg.monitor.hang_timeout_s:g}s"
+                    self._kill_ranks()
+                    for r in range(world):
+                        outcomes.setdefault(r, RankOutcome(rank=r, exit_code=None,
+                                                           error="stuck" if r in stuck else VICTIM))
+                    pending = []
+                    status = RunStatus.FAILED
+                    break
             if not pending:
                 if failed:
                     status = RunStatus.FAILED
@@ -420,7 +473,8 @@ class Launch:
                 else:
                     status = RunStatus.SUCCEEDED
         self.progress.clear()
-        return RunResult(status=status, outcomes=outcomes, message=message)
+        return RunResult(status=status, outcomes=outcomes, message=message, order=list(self.failure_order),
+                         hang=hang)
 
     # ---- the end ---------------------------------------------------------------------------
     def _write_summary(self, result: RunResult, snap: dict[str, Any]) -> RunStatus:
@@ -464,10 +518,16 @@ class Launch:
             "started": self.started,
             "wall_time_s": time.time() - self.started,
         }
-        failures = result.failures
-        if failures:
-            summary["errors"] = {str(r): {"error": o.error, "traceback": o.traceback[-4000:]}
-                                 for r, o in failures.items()}
+        summary["failure"] = None
+        if status is RunStatus.FAILED:
+            from .failures import FailureKind, describe_failure, format_failure
+
+            last_steps = {x["rank"]: x["last_step"] for x in ranks}
+            kind = FailureKind.HANG if result.hang else (
+                FailureKind.LAUNCHER if not result.outcomes else FailureKind.CRASH)
+            summary["failure"] = describe_failure(result.outcomes, result.order, self.run_dir / "logs", last_steps,
+                                                  kind, stuck=result.hang, message=result.message)
+            self.say(format_failure(summary["failure"]))
         write_json(self.run_dir / "summary.json", summary)
         self.say("")
         self.say(summary_table(ranks))

@@ -151,6 +151,36 @@ class NodeAgent:
         self.relay.stop()
         return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:], "relay": dict(self.relay.stats)}
 
+    def dump_stacks(self, pids: dict[int, int], out_dir: str) -> dict[int, str]:
+        """Every given rank's Python stacks into `out_dir/stacks_rank_<r>.txt` (py-spy, which
+        also reads a stopped process), and SIGUSR1 to live ranks (faulthandler writes all
+        threads' stacks into the rank's own log)."""
+        import shutil
+
+        spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        out: dict[int, str] = {}
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for rank, pid in pids.items():
+            if not pid:
+                continue
+            path = Path(out_dir) / f"stacks_rank_{rank}.txt"
+            text = ""
+            if os.path.exists(spy):
+                try:
+                    proc = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
+                                          text=True, timeout=30)
+                    text = proc.stdout + proc.stderr
+                except Exception as exc:
+                    text = f"py-spy failed: {exc}"
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                text += f"\n(SIGUSR1 sent: faulthandler wrote all threads' stacks into logs/rank_{rank}.log)\n"
+            except OSError as exc:
+                text += f"\n(SIGUSR1 not delivered: {exc})\n"
+            path.write_text(f"rank {rank} pid {pid}\n{text}")
+            out[rank] = str(path)
+        return out
+
     def kill_ranks(self) -> None:
         """Stop this node's ranks now (another rank failed): msrun's whole process group."""
         if self.msrun is not None and self.msrun.poll() is None:

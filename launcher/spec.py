@@ -73,6 +73,10 @@ class RunResult:
     status: RunStatus
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
     message: str = ""
+    order: list[int] = field(default_factory=list)
+    """Ranks in the order their failure was seen: the first is the root cause."""
+    hang: list[int] = field(default_factory=list)
+    """Ranks that stopped making progress (a hang), if that ended the run."""
 
     @property
     def exit_code(self) -> ExitCode:

@@ -12,10 +12,13 @@ still works: it logs the packets and never blocks.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -134,6 +137,8 @@ class Monitor(Callback):
                 fmt=env.get("MINDPULSE_CKPT_FORMAT", "ckpt"),
             )
         self.ckpt_failures = 0
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
         self.stopped: Directive | None = None
         self._t0: float | None = None
         self._last_end: float | None = None
@@ -163,6 +168,7 @@ class Monitor(Callback):
             self.network = network
         self.injector.bind(self.train_cell, self.network)
         self._send_event("start")
+        self._start_heartbeat()
         if self.step_offset == 0:
             self.injector.before_step(0)  # desync@R:0 perturbs the weights before step 0's fingerprint
         fp, norm = self._fingerprint()
@@ -171,6 +177,39 @@ class Monitor(Callback):
         self._ship(pkt)
         if arm_next:
             self.injector.before_step(self.step_offset + 1)
+
+    def _start_heartbeat(self) -> None:
+        """A thread independent of the training loop says "alive, at step N" every few
+        seconds: a rank whose heartbeat stops (SIGSTOP, a dead host) is told apart from
+        ranks that are alive but blocked in a collective. SIGUSR1 dumps every thread's
+        Python stack into the rank's log (the launcher uses it on a hang)."""
+        if self.renv is None or self._hb_thread is not None:
+            return
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (ValueError, AttributeError, RuntimeError):
+            pass  # not the main thread, or no such signal: stacks then come from py-spy only
+        interval = max(0.5, min(5.0, float(os.environ.get("MINDPULSE_HANG_TIMEOUT_S", "300")) / 4))
+        renv = self.renv
+
+        def beat() -> None:
+            client = None
+            try:
+                client = AggregatorClient.connect(renv)
+            except Exception as exc:
+                log.warning("[rank %d] heartbeat has no connection: %s", self.rank, exc)
+                return
+            while not self._hb_stop.wait(interval):
+                pkt = EventPacket(rank=self.rank, kind="heartbeat", ts=time.time(), step=self.step_num,
+                                  pid=os.getpid())
+                try:
+                    client.send(pkt.encode())
+                    client.flush()
+                except Exception:
+                    pass
+
+        self._hb_thread = threading.Thread(target=beat, name="mindpulse-heartbeat", daemon=True)
+        self._hb_thread.start()
 
     def _fingerprint(self) -> tuple[str | None, float | None]:
         if self.network is None:
@@ -287,6 +326,7 @@ class Monitor(Callback):
         return StepOutcome(step=s, stop=stop, reason=reason)
 
     def finish(self, message: str = "") -> None:
+        self._hb_stop.set()
         if self.client:
             self.client.flush()
         self._send_event("end", message)

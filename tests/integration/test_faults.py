@@ -1,0 +1,140 @@
+"""Survive faults with real processes: a killed rank, a stopped (hung) rank, a killed launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, _run_processes, mindpulse_cmd
+from mindpulse.aggregator.metrics_store import read_wire
+
+pytestmark = pytest.mark.slow
+
+
+class LiveRun:
+    def __init__(self, tmp_path: Path, *args: str):
+        self.out = tmp_path / "runs"
+        self.before = set(_run_processes())
+        self.proc = subprocess.Popen(mindpulse_cmd() + ["launch", "--set", f"output.root={self.out}",
+                                                        "--set", "monitor.per_print_step=100", *args],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+
+    @property
+    def run_dir(self) -> Path | None:
+        dirs = list(self.out.iterdir()) if self.out.exists() else []
+        return dirs[0] if dirs else None
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            d = self.run_dir
+            if d and (d / "metrics.msgpack").exists():
+                steps = {}
+                for o in read_wire(d / "metrics.msgpack"):
+                    if o.get("t") == "step":
+                        steps[o["rank"]] = max(steps.get(o["rank"], 0), o["step"])
+                if len(steps) >= 2 and min(steps.values()) >= step:
+                    return
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run ended early:\n{self.proc.stdout.read()[-3000:]}")
+            time.sleep(0.3)
+        pytest.fail(f"the run never reached step {step}")
+
+    def rank_pid(self, rank: int) -> int:
+        text = (self.run_dir / "logs" / f"rank_{rank}.log").read_text(errors="replace")
+        return int(re.search(rf"\[rank {rank}\] pid (\d+) starting", text).group(1))
+
+    def finish(self, timeout: float) -> tuple[int, str, float]:
+        t0 = time.time()
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, _ = self.proc.communicate()
+            pytest.fail(f"the launcher did not exit within {timeout}s:\n{out[-3000:]}")
+        return self.proc.returncode, out, time.time() - t0
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def assert_nothing_left(self, extra_pids=()) -> None:
+        time.sleep(2)
+        s = self.summary()
+        pids = list((s["pids"].get("ranks") or {}).values()) + list(extra_pids)
+        tdir = s["pids"].get("ray_temp_dir") or "\0"
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive += [p for p, c in _run_processes().items() if p not in self.before and tdir in c]
+        for p in alive:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        assert not alive, f"processes left behind: {alive}"
+
+
+def test_sigkill_of_rank_1_names_it_as_root_cause(tmp_path):
+    run = LiveRun(tmp_path, "--set", "train.steps=200", "--set", "checkpoint.save_checkpoint_steps=2")
+    run.wait_for_step(3)
+    victim = run.rank_pid(1)
+    os.kill(victim, signal.SIGKILL)
+    code, out, seconds = run.finish(timeout=60)
+    assert code == 1, out[-3000:]
+    assert seconds < 15, f"the launcher took {seconds:.1f}s to exit after the kill"
+    s = run.summary()
+    f = s["failure"]
+    assert s["status"] == "failed" and f["kind"] == "crash" and f["root_cause_rank"] == 1, f
+    assert 1 in f["ranks"] and f["step"] >= 3
+    assert "root cause rank 1" in out
+    run.assert_nothing_left([victim])
+    # the last checkpoint loads
+    import mindspore as ms
+
+    man = json.loads((run.run_dir / "checkpoints" / "manifest.json").read_text())
+    newest = max(man["files"], key=lambda e: e["step"])
+    params = ms.load_checkpoint(str(run.run_dir / "checkpoints" / newest["path"]))
+    assert int(params["step"].asnumpy()) == newest["step"]
+
+
+def test_sigstop_of_rank_1_is_reported_as_a_hang_with_stacks(tmp_path):
+    run = LiveRun(tmp_path, "--set", "train.steps=300", "--set", "monitor.hang_timeout_s=15")
+    run.wait_for_step(2)
+    victim = run.rank_pid(1)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        code, out, seconds = run.finish(timeout=15 + 10 + 60)
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass
+    assert code == 1, out[-3000:]
+    s = run.summary()
+    f = s["failure"]
+    assert f["kind"] == "hang" and f["ranks"] == [1] and f["root_cause_rank"] == 1, f
+    assert "HANG" in out and "stuck ranks [1]" in out
+    stacks = run.run_dir / "logs" / "stacks_rank_0.txt"
+    assert stacks.exists() and "pid" in stacks.read_text()
+    assert (run.run_dir / "logs" / "stacks_rank_1.txt").exists()
+    run.assert_nothing_left([victim])
+
+
+def test_sigterm_to_the_launcher_is_like_ctrl_c(tmp_path):
+    run = LiveRun(tmp_path, "--set", "train.steps=200")
+    run.wait_for_step(2)
+    run.proc.send_signal(signal.SIGTERM)
+    code, out, _ = run.finish(timeout=120)
+    assert code == 130, out[-3000:]
+    s = run.summary()
+    assert s["status"] == "interrupted"
+    steps = {x["last_step"] for x in s["ranks"]}
+    assert len(steps) == 1, f"ranks stopped at different steps: {s['ranks']}"
+    run.assert_nothing_left()
