@@ -170,3 +170,87 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     sep = "| " + " | ".join("-" * w for w in widths) + " |"
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
+
+
+class ForeignLoad:
+    """Samples, in a thread, how much CPU processes outside this process tree use.
+
+    On a shared machine this tells which benchmark figures were taken while someone
+    else's work ran: `window(t0, t1)` gives the mean and peak cores used by foreign
+    processes between two times, and the busiest of them.
+    """
+
+    def __init__(self, interval_s: float = 2.0):
+        import threading
+
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, list[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._last: dict[int, float] = {}
+
+    def start(self) -> "ForeignLoad":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _mine(self, psutil) -> set[int]:
+        me = psutil.Process()
+        out = {me.pid}
+        try:
+            out |= {c.pid for c in me.children(recursive=True)}
+        except psutil.Error:
+            pass
+        p = me.parent()
+        while p is not None:
+            out.add(p.pid)
+            p = p.parent()
+        return out
+
+    def _loop(self) -> None:
+        import psutil
+
+        last_t = time.time()
+        while not self._stop.is_set():
+            mine = self._mine(psutil)
+            now_cpu: dict[int, float] = {}
+            names: dict[int, str] = {}
+            for p in psutil.process_iter(["pid", "name", "cmdline"]):
+                if p.pid in mine:
+                    continue
+                try:
+                    t = p.cpu_times()
+                    now_cpu[p.pid] = t.user + t.system
+                    cmd = " ".join((p.info["cmdline"] or [])[:4]) or p.info["name"] or "?"
+                    names[p.pid] = cmd[:80]
+                except psutil.Error:
+                    continue
+            t = time.time()
+            if self._last:
+                deltas = {pid: c - self._last.get(pid, c) for pid, c in now_cpu.items()}
+                used = sum(max(0.0, d) for d in deltas.values()) / max(1e-3, t - last_t)
+                top = [f"{names[pid]} ({d / max(1e-3, t - last_t):.2f} cores)"
+                       for pid, d in sorted(deltas.items(), key=lambda kv: -kv[1])[:3] if d > 0.1 * (t - last_t)]
+                self.samples.append((t, used, top))
+            self._last, last_t = now_cpu, t
+            self._stop.wait(self.interval_s)
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        xs = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not xs:
+            return {"mean_cores": 0.0, "max_cores": 0.0, "top": []}
+        top: dict[str, int] = {}
+        for _, _, names in xs:
+            for n in names:
+                key = n.rsplit(" (", 1)[0]
+                top[key] = top.get(key, 0) + 1
+        return {"mean_cores": sum(s[1] for s in xs) / len(xs), "max_cores": max(s[1] for s in xs),
+                "top": [k for k, _ in sorted(top.items(), key=lambda kv: -kv[1])[:3]]}
+
+    def current(self, over_s: float = 4.0) -> float:
+        t = time.time()
+        xs = [s[1] for s in self.samples if s[0] >= t - over_s]
+        return sum(xs) / len(xs) if xs else 0.0

@@ -146,6 +146,19 @@ class Noop:
         return True
 
 
+def _aggregator_class():
+    from mindpulse.aggregator.actor import AggregatorActor
+
+    class BenchAggregator(AggregatorActor):
+        """The real actor plus one method: the CPU seconds its process has used."""
+
+        async def cpu_seconds(self) -> float:
+            t = os.times()
+            return t.user + t.system
+
+    return BenchAggregator
+
+
 def raw_rate(sims, n_packets: int, duration_s: float = 2.0, window: int = 256) -> dict:
     from mindpulse.aggregator.actor import AggregatorActor  # noqa: F401  (same import cost as the real one)
 
@@ -162,10 +175,13 @@ def raw_rate(sims, n_packets: int, duration_s: float = 2.0, window: int = 256) -
 
 def run_config(sims, tmp: Path, settings: dict, ranks: int, rate: float, batched: bool, n_steps: int,
                seq: int, timeout_s: float = 30.0) -> dict:
-    from mindpulse.aggregator.actor import start_aggregator
+    from mindpulse.aggregator.actor import actor_name
 
     run_dir = tmp / f"cfg{seq}"
-    agg = start_aggregator(f"bench{seq}", "mindpulse-bench", run_dir, ranks, 10, None, settings=settings)
+    # the options `start_aggregator` uses (named, async, max_concurrency 4096, no CPU slot)
+    agg = ray.remote(_aggregator_class()).options(
+        name=actor_name(f"bench{seq}"), namespace="mindpulse-bench", num_cpus=0, max_concurrency=4096,
+    ).remote(str(run_dir), ranks, 10, None, settings)
     ray.get(agg.ping.remote(), timeout=60)
     g = NODE if batched else 1
     groups = [list(range(i, min(i + g, ranks))) for i in range(0, ranks, g)]
@@ -173,7 +189,11 @@ def run_config(sims, tmp: Path, settings: dict, ranks: int, rate: float, batched
     ray.get([s.setup.remote([agg], groups[k:: len(active)]) for k, s in enumerate(active)])
     ray.get([s.warm.remote(timeout_s) for s in active])
     t0 = time.time() + 0.3
+    tc = time.time()
+    cpu0 = ray.get(agg.cpu_seconds.remote())
     res = ray.get([s.run.remote(t0, rate, n_steps, timeout_s) for s in active])
+    cpu1 = ray.get(agg.cpu_seconds.remote())
+    wall = time.time() - tc
     snap = ray.get(agg.close.remote())
     ray.kill(agg)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -196,6 +216,7 @@ def run_config(sims, tmp: Path, settings: dict, ranks: int, rate: float, batched
         "elapsed_s": elapsed, "achieved_steps_per_s": achieved, "packets_per_s": ranks * (n_steps - 1) / elapsed,
         "decision_latency_s": C.summary(lat), "reduce_latency_s": C.summary(reduce_lat),
         "timeouts": sum(r["timeouts"] for r in res), "kept_up": achieved >= 0.95 * rate,
+        "aggregator_cpu_pct": 100 * (cpu1 - cpu0) / wall, "aggregator_cpu_ms_per_step": 1000 * (cpu1 - cpu0) / n_steps,
         "accepted": snap["packets"]["accepted"], "rejected": snap["packets"]["rejected"],
         "steps_completed": snap["steps_completed"],
     }
@@ -303,12 +324,15 @@ def render(out: dict) -> str:
                 dl, rl = c["decision_latency_s"], c["reduce_latency_s"]
                 rows.append([c["ranks"], c["rate"], f"{c['achieved_steps_per_s']:.2f}" + ("" if c["kept_up"] else " *"),
                              f"{c['packets_per_s']:.0f}", f"{dl['median'] * 1000:.1f}", f"{dl['p99'] * 1000:.1f}",
-                             f"{rl['median'] * 1000:.1f}", f"{rl['p99'] * 1000:.1f}", c["steps"], c["timeouts"]])
+                             f"{rl['median'] * 1000:.1f}", f"{rl['p99'] * 1000:.1f}",
+                             f"{c['aggregator_cpu_ms_per_step']:.0f} ({c['aggregator_cpu_pct']:.0f}%)", c["steps"],
+                             c["timeouts"]])
             if rows:
                 tb = "TensorBoard on (default)" if variant == "tb_on" else "TensorBoard off"
                 lines.append(f"\n{tb}, {'per-node batching (8 ranks per call)' if batched else 'no batching (1 call per rank)'}:")
                 lines.append(C.table(["ranks", "steps/s asked", "steps/s achieved", "packets/s", "decision p50 ms",
-                                      "decision p99 ms", "reduce p50 ms", "reduce p99 ms", "steps", "timeouts"], rows))
+                                      "decision p99 ms", "reduce p50 ms", "reduce p99 ms",
+                                      "aggregator CPU ms/step (% of a core)", "steps", "timeouts"], rows))
     lines.append("\n(* = could not keep the asked rate: the achieved rate is the aggregator's limit there)")
     t = out["target_spec"]
     for x in out["targets"]:

@@ -37,7 +37,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-import mindspore as ms  # noqa: E402  (mindspore before ray)
 
 import _common as C  # noqa: E402
 
@@ -65,6 +64,7 @@ class Rig:
     """One model, its train cell, its data, and the per-configuration callbacks."""
 
     def __init__(self, name: str, spec: dict, handle_factory, tmp: Path):
+        import mindspore as ms
         from mindspore import nn
 
         from mindpulse.workers.recipes.llama_finetune import ModelShape, build_model, set_mode
@@ -87,6 +87,8 @@ class Rig:
         self.mp_step = {"mp_default": 0, "mp_all": 0}
 
     def dataset(self):
+        import mindspore as ms
+
         data, bs, n = self.data, self.bs, self.steps
 
         class Src:
@@ -128,6 +130,7 @@ class Rig:
         raise ValueError(cfg)
 
     def run(self, cfg: str) -> list[float]:
+        import mindspore as ms
         from mindspore.train import Model
         from mindspore.train.callback import Callback
 
@@ -167,6 +170,7 @@ def main() -> None:
     t0 = time.time()
     logging.basicConfig(level=logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="mindpulse-bench-overhead-"))
+    import mindspore  # noqa: F401  (mindspore before ray, in this order)
 
     # mindformers' context singleton switches MindSpore to PYNATIVE the first time it is
     # created (MFLossMonitor creates it in its first step): create it now, set GRAPH after
@@ -233,6 +237,9 @@ def main() -> None:
         except Exception:
             pass
     ray.shutdown()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
 
     # ---- targets: default mindpulse <= 2% over none on a >=100 ms step, and < SummaryCollector
     targets = []

@@ -156,3 +156,9 @@ def test_cli_usage_error_exits_2():
 
 def test_default_config_path_exists():
     assert default_config_path().exists()
+
+
+def test_readme_documents_every_field():
+    readme = (ROOT / "README.md").read_text()
+    missing = [p for p, _, _ in describe_fields() if f"`{p}`" not in readme]
+    assert not missing, f"README's config reference lacks {missing}"

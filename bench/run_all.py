@@ -1,0 +1,368 @@
+"""Run every benchmark in sequence within a time budget, print the tables and rewrite
+docs/benchmarks.md with exactly those figures.
+
+Each piece runs in its own process (`bench/<name>.py --json ...`); its result lands in
+bench/results/<name>.json and its console output in bench/results/logs/<name>.log. A
+thread samples the CPU used by processes outside this run (the machine may be shared):
+before a piece starts, the run waits a little for foreign load to settle, and a piece
+that ran beside heavy foreign load (or failed) is run again while the budget allows; the
+document says which figures were taken beside foreign load.
+
+Usage: .venv/bin/python bench/run_all.py [--budget-s 1140] [--only fanin,memory] [--no-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import _common as C
+
+RESULTS = C.BENCH / "results"
+DOC = C.ROOT / "docs" / "benchmarks.md"
+FOREIGN_BUSY_CORES = 0.4
+"""Mean cores used by other processes above which a piece counts as disturbed."""
+
+
+@dataclass
+class Piece:
+    name: str
+    script: str
+    args: list[str]
+    planned_s: float
+    """Expected wall time on the 2-core reference machine (for the budget)."""
+    reduced_args: list[str] = field(default_factory=list)
+    """Arguments used instead when the budget is short."""
+    reduced_s: float = 0.0
+
+
+PIECES = [
+    Piece("npu_smi", "npu_smi_parse.py", ["--seconds", "1.0", "--repeats", "5"], 15),
+    Piece("grad_cell", "grad_cell.py", ["--steps", "10", "--repeats", "5"], 75,
+          ["--steps", "6", "--repeats", "3"], 50),
+    Piece("overhead", "overhead.py", ["--repeats", "5"], 230, ["--repeats", "3"], 150),
+    Piece("fanin", "fanin.py", [], 330, ["--target-repeats", "2", "--duration", "3"], 260),
+    Piece("memory", "memory.py", ["--steps", "100000", "--tensorboard", "off"], 55),
+    Piece("memory_tb", "memory.py", ["--steps", "20000", "--tensorboard", "on"], 70,
+          ["--steps", "10000", "--tensorboard", "on"], 35),
+    Piece("stop_latency", "stop_latency.py", ["--repeats", "2"], 85, ["--repeats", "1"], 45),
+    Piece("startup", "startup.py", ["--repeats", "3"], 150, ["--repeats", "2"], 100),
+]
+
+
+@dataclass
+class Attempt:
+    args: list[str]
+    rc: int
+    wall_s: float
+    foreign: dict
+    log: str
+    ok: bool
+    kept: bool = False
+
+
+def run_piece(p: Piece, args: list[str], timeout_s: float, load: C.ForeignLoad) -> Attempt:
+    out_json = RESULTS / f"{p.name}.attempt.json"
+    out_json.unlink(missing_ok=True)
+    log = RESULTS / "logs" / f"{p.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(C.BENCH / p.script), *args, "--json", str(out_json)]
+    env = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python", RAY_USAGE_STATS_ENABLED="0")
+    print(f"\n=== {p.name}: {' '.join(shlex.quote(a) for a in cmd[1:])}", flush=True)
+    t0 = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=C.ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(10.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            import signal
+
+            os.killpg(proc.pid, signal.SIGTERM)  # the piece's own process group only
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = -9
+    t1 = time.time()
+    foreign = load.window(t0, t1)
+    ok = rc == 0 and out_json.exists()
+    print(f"=== {p.name}: rc {rc}, {t1 - t0:.0f}s, foreign load {foreign['mean_cores']:.2f} cores "
+          f"(peak {foreign['max_cores']:.2f})" + ("" if ok else f"  FAILED, see {log}"), flush=True)
+    return Attempt(args, rc, t1 - t0, foreign, str(log), ok)
+
+
+def wait_quiet(load: C.ForeignLoad, max_wait_s: float) -> float:
+    """Wait (at most `max_wait_s`) until other processes use less than the threshold."""
+    t0 = time.time()
+    time.sleep(min(2.5, max_wait_s))  # at least one sample
+    while time.time() - t0 < max_wait_s and load.current() > FOREIGN_BUSY_CORES:
+        time.sleep(2)
+    return time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=1140.0, help="total wall-time budget (default 19 min)")
+    ap.add_argument("--only", default="", help="comma-separated pieces (default: all)")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = ap.parse_args()
+    t_start = time.time()
+    started = time.strftime("%Y-%m-%d %H:%M %Z")
+    pieces = [p for p in PIECES if not args.only or p.name in args.only.split(",")]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    load = C.ForeignLoad().start()
+    machine = C.machine()
+    print(f"machine: {machine}", flush=True)
+
+    attempts: dict[str, list[Attempt]] = {}
+    waited = 0.0
+    for i, p in enumerate(pieces):
+        rest = pieces[i + 1:]
+        left = args.budget_s - (time.time() - t_start)
+        need_full = p.planned_s + sum(x.reduced_s or x.planned_s for x in rest)
+        use_reduced = bool(p.reduced_args) and left < need_full * 1.1
+        piece_args = p.reduced_args if use_reduced else p.args
+        planned = (p.reduced_s if use_reduced else p.planned_s) or p.planned_s
+        slack = left - planned - sum(x.reduced_s or x.planned_s for x in rest)
+        waited += wait_quiet(load, max(0.0, min(90.0, slack * 0.5)))
+        left = args.budget_s - (time.time() - t_start)
+        reserve = sum(x.reduced_s or x.planned_s for x in rest)
+        timeout = max(planned * 1.5, left - reserve)
+        (RESULTS / f"{p.name}.json").unlink(missing_ok=True)  # never report a stale result
+        att: list[Attempt] = []
+        kept: Attempt | None = None
+        while True:
+            a = run_piece(p, piece_args, timeout, load)
+            att.append(a)
+            if a.ok and (kept is None or a.foreign["mean_cores"] < kept.foreign["mean_cores"]):
+                (RESULTS / f"{p.name}.attempt.json").replace(RESULTS / f"{p.name}.json")
+                kept = a
+            (RESULTS / f"{p.name}.attempt.json").unlink(missing_ok=True)
+            if kept is not None and kept.foreign["mean_cores"] <= FOREIGN_BUSY_CORES:
+                break
+            # a failed or disturbed piece runs again while the budget allows it
+            left = args.budget_s - (time.time() - t_start)
+            if len(att) >= 3 or left - reserve < a.wall_s * 1.2 + 10:
+                break
+            reason = "failed" if not a.ok else f"foreign load {a.foreign['mean_cores']:.2f} cores"
+            print(f"=== {p.name}: running again ({reason})", flush=True)
+            waited += wait_quiet(load, max(0.0, min(60.0, (left - reserve - a.wall_s) * 0.3)))
+            timeout = max(planned * 1.5, args.budget_s - (time.time() - t_start) - reserve)
+        for a in att:
+            a.kept = a is kept
+        attempts[p.name] = att
+    load.stop()
+    total_s = time.time() - t_start
+
+    report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s)
+    print("\n" + report["console"])
+    (RESULTS / "run_all.json").write_text(json.dumps({
+        "started": started, "total_s": total_s, "waited_for_quiet_s": waited, "machine": machine,
+        "attempts": {k: [a.__dict__ for a in v] for k, v in attempts.items()}}, indent=1, default=str))
+    if not args.no_docs and not args.only:
+        DOC.parent.mkdir(parents=True, exist_ok=True)
+        DOC.write_text(report["doc"])
+        print(f"\nwrote {DOC.relative_to(C.ROOT)}")
+    print(f"total {total_s / 60:.1f} min (budget {args.budget_s / 60:.0f} min)")
+    if any(not any(a.ok for a in v) for v in attempts.values()):
+        sys.exit(1)
+
+
+# ---- the report ------------------------------------------------------------------------
+def _load(name: str) -> dict | None:
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _render(module: str, data: dict) -> str:
+    return importlib.import_module(module).render(data)  # bench/ is on sys.path (this script's folder)
+
+
+def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list[str]]:
+    rows = []
+    ov = res.get("overhead")
+    if ov:
+        for t in ov["targets"]:
+            d = (t["mp_default_ratio"] - 1) * 100
+            rows.append([f"default mindpulse Monitor <= +2% over no callback ({t['model']} model, "
+                         f"{t['none_step_s'] * 1000:.0f} ms step)", f"{d:+.2f}%",
+                         "met" if t["within_2pct"] else "missed", f"{2 - d:+.2f} points of margin"])
+            s = (t["summary_ratio"] - 1) * 100
+            rows.append([f"default mindpulse Monitor < SummaryCollector(collect_freq=1) ({t['model']} model)",
+                         f"{d:+.2f}% vs {s:+.2f}%", "met" if t["below_summary"] else "missed",
+                         f"{s - d:+.2f} points below it"])
+    fi = res.get("fanin")
+    if fi:
+        spec = fi["target_spec"]
+        for t in fi["targets"]:
+            p99 = t["p99_s"]["median"]
+            ach = t["achieved_steps_per_s"]["median"]
+            label = "default settings (TensorBoard on)" if t["variant"] == "tb_on" else "TensorBoard off"
+            by = (f"{p99 * 1000 - spec['p99_s'] * 1000:+.0f} ms over the limit" if p99 >= spec["p99_s"]
+                  else f"{spec['p99_s'] * 1000 - p99 * 1000:.0f} ms under the limit")
+            if ach < 0.95 * spec["rate"]:
+                by += f"; only {ach:.2f} of {spec['rate']} steps/s achieved"
+            rows.append([f"{spec['ranks']} ranks at {spec['rate']} steps/s, p99 decision latency < "
+                         f"{spec['p99_s'] * 1000:.0f} ms, per-node batching, {label}",
+                         f"p99 {p99 * 1000:.0f} ms at {ach:.2f} steps/s", "met" if t["met"] else "missed", by])
+    mem = res.get("memory")
+    if mem:
+        g = mem["growth_second_half_mb"]
+        rows.append([f"aggregator memory bounded over {mem['steps']:,} steps ({mem['world']} ranks): growth over "
+                     "the second half < 5 MiB", f"{g:+.1f} MiB ({mem['growth_total_mb']:+.1f} MiB in all)",
+                     "met" if g < 5 else "missed", f"{5 - g:+.1f} MiB of margin"])
+    rows.append([f"`make bench` under 20 minutes on this machine", f"{total_s / 60:.1f} min",
+                 "met" if total_s < 1200 else "missed", f"{(1200 - total_s) / 60:+.1f} min of margin"])
+    return C.table(["target", "measured", "result", "by how much"], rows), [r[2] for r in rows]
+
+
+SECTIONS = [
+    ("overhead", "overhead", "In-rank overhead of monitoring callbacks", "overhead.py"),
+    ("grad_cell", "grad_cell", "The grad-statistics cell against a plain TrainOneStepCell", "grad_cell.py"),
+    ("fanin", "fanin", "Aggregator fan-in with simulated ranks", "fanin.py"),
+    ("memory", "memory", "Aggregator memory over 100,000 steps", "memory.py"),
+    ("stop_latency", "stop_latency", "Stop latency: injected NaN to every rank stopped", "stop_latency.py"),
+    ("startup", "startup", "Start-up: `mindpulse launch` against bare `msrun`", "startup.py"),
+    ("npu_smi", "npu_smi_parse", "`npu-smi` parsing speed", "npu_smi_parse.py"),
+]
+
+NOTES = {
+    "overhead": (
+        "One process, GRAPH mode, `Model.train(..., dataset_sink_mode=False)`, the same `nn.TrainOneStepCell`, "
+        "model weights and fixed random byte tokens for every configuration; only the callback list changes. "
+        "A timing callback placed first stamps the start of every step, so a step's time holds the step and every "
+        "callback's work for it (the first 3 steps of each run are dropped). One repeat runs every configuration "
+        "once, the order reversing between repeats; the table gives the median over repeats of each run's median "
+        "step, and the ratio to no callback taken within each repeat. `LossMonitor` and `MFLossMonitor` print every "
+        "step (to a log file). The mindpulse rows ship to a real `AggregatorActor` in a local Ray cluster "
+        "(world size 1, the default config's aggregator settings without best-checkpoint saving, which is not "
+        "monitoring); *default* = fingerprint every 10 steps and a directive every step; *everything on* = "
+        "fingerprint and directive every step. MindFormers' context is created (and GRAPH mode set again) before "
+        "anything is timed: its first creation switches MindSpore to PYNATIVE, which `MFLossMonitor` would "
+        "otherwise do in its first step; every run checks that the mode stayed GRAPH."),
+    "grad_cell": (
+        "Same model, batch and optimizer; the two cells alternate step by step; a step is timed until its outputs "
+        "are on the host (loss, and the statistics vector for the monitored cell). In-rank overhead above is "
+        "measured with the plain cell for every callback; with `MonitoredTrainOneStepCell` a step costs this ratio "
+        "more."),
+    "fanin": (
+        "Two Ray actors simulate the ranks (each many); every rank encodes a real `StepPacket` per step "
+        "(`decision=True`, fingerprint every 10 steps) and waits in `decide()` for the directive, as with "
+        "`monitor.decision_every=1`; the real `AggregatorActor` (the options `start_aggregator` uses; a subclass "
+        "adds only a CPU-time reading) answers once all ranks reported. Steps are paced at the asked rate, closed "
+        "loop: a rank starts step s+1 only after the directive of step s, so a saturated aggregator shows as a "
+        "lower achieved rate. *Decision latency*: a rank's `decide()` call to its directive; *reduce latency*: per "
+        "step, the last packet leaving its sender to the last directive arriving. *Per-node batching*: one call "
+        "carries a node's 8 ranks' packets; *no batching*: one call per rank. A configuration runs about 4 s "
+        "(fewer steps where the aggregator is saturated: at least 3 measured steps, after a step-0 warm-up). "
+        "Senders and aggregator share this machine's 2 cores, so the simulated ranks take CPU from the aggregator "
+        "(on a real cluster they run on other machines). The aggregator's CPU time per step shows where the time "
+        "goes; TensorBoard per-rank scalars (3 per rank and step) dominate at large world sizes, hence the grid "
+        "with TensorBoard off."),
+    "memory": (
+        "`AggregatorCore` (what the actor wraps) driven in one process with real packets in node batches of 8, a "
+        "decision packet per rank and step, a fingerprint every 10 steps, the console drained every 1,000 steps "
+        "(the launcher polls it every second). RSS of the process sampled along the run. 100,000 steps with "
+        "TensorBoard off (the aggregator's own state: reducer, directives, histories, metrics writer), and a "
+        "shorter run with TensorBoard on for the event writer (100,000 steps with it take over 4 minutes here: "
+        "about 2.5 ms a step for 8 ranks). `metrics.msgpack` and the event files grow on disk by design."),
+    "stop_latency": (
+        "A real 2-rank CPU run of the default job (`mindpulse launch --set train.steps=40 --inject nan_grad@1:5`): "
+        "rank 1's gradients become NaN at step 5. From `metrics.msgpack` and `summary.json`: the step after which "
+        "every rank stopped minus 5, and the seconds from the NaN step's packet (`ts`) to the last rank's `end` "
+        "event and to the launcher's exit (every process stopped, summary written)."),
+    "startup": (
+        "The same 2-rank data-parallel script (`bench/scripts/first_step.py`: the regression of "
+        "`tests/integration/scripts/user_train.py`, monitored with one line) run by `mindpulse launch --set "
+        "job.script=...` and by bare `msrun --worker_num=2 --local_worker_num=2 --join=True` (PATH starts with the "
+        "virtualenv's bin), alternating. The script prints the wall clock at the end of step 1 on each rank; the "
+        "job's first step is the later rank's."),
+    "npu_smi": (
+        "`parse_npu_smi` on every fixture of `tests/fixtures/npu-smi/` (real captures of `npu-smi info` tables and "
+        "`-t` listings); all fixtures parsed in turn for 1 s, 5 repeats (median and range), and each fixture "
+        "alone."),
+}
+
+
+def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) -> dict:
+    res = {p.name: _load(p.name) for p in pieces}
+    m = machine
+    tt, verdicts = targets_table(res, total_s, budget_s)
+    lines_console = [tt]
+    doc = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`bench/run_all.py`); every figure below is the one that run printed. "
+        "Each benchmark can also be run alone: `.venv/bin/python bench/<name>.py` (see its docstring). "
+        "Benchmarks are never timed assertions in tests.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| machine | {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM |",
+        f"| OS | {m['os']} |",
+        f"| software | Python {m['python']}, MindSpore {m['mindspore']} (CPU), MindFormers {m['mindformers']}, "
+        f"Ray {m['ray']}, msgpack {m['msgpack']} |",
+        f"| date | {started} |",
+        "| command | `make bench` (= `.venv/bin/python bench/run_all.py`) |",
+        f"| total run time | {total_s / 60:.1f} min (budget {budget_s / 60:.0f} min; "
+        f"{waited:.0f} s of it waiting for other processes to go quiet) |",
+        "",
+        "## Targets",
+        "",
+        tt,
+        "",
+        "## Interference",
+        "",
+        interference_text(attempts),
+        "",
+    ]
+    for name, module, title, script in SECTIONS:
+        related = [n for n in (name, "memory_tb" if name == "memory" else None) if n]
+        if not any(res.get(n) for n in related if n in res):
+            if name in res:
+                doc += [f"## {title}", "", f"Not measured in this run ({name} failed or did not fit the budget).", ""]
+            continue
+        doc += [f"## {title}", "", f"`bench/{script}`. {NOTES[name]}", ""]
+        for n in related:
+            data = res.get(n)
+            if not data:
+                continue
+            text = _render(module, data)
+            w = next((a for a in attempts[n] if a.kept), attempts[n][-1])
+            doc += [f"Run: {data['date']}, {data['wall_s']:.0f} s; other processes used "
+                    f"{w.foreign['mean_cores']:.2f} cores on average meanwhile.", "", text, ""]
+            lines_console += [f"\n## {title}" + (" (TensorBoard on)" if n == "memory_tb" else ""), text]
+    return {"doc": "\n".join(doc).rstrip() + "\n", "console": "\n".join(lines_console)}
+
+
+def interference_text(attempts: dict[str, list[Attempt]]) -> str:
+    lines = [f"A thread sampled every 2 s the CPU used by processes outside this run. A piece counts as disturbed "
+             f"when they used more than {FOREIGN_BUSY_CORES} cores on average while it ran; it is then run again "
+             "while the budget allows (the run with less foreign load is kept).", ""]
+    rows = []
+    for name, att in attempts.items():
+        for i, a in enumerate(att, 1):
+            rows.append([name, i, ("ok, kept" if a.kept else "ok") if a.ok else f"failed (rc {a.rc})", f"{a.wall_s:.0f}",
+                         f"{a.foreign['mean_cores']:.2f}", f"{a.foreign['max_cores']:.2f}",
+                         "; ".join(a.foreign["top"])[:120] or "-"])
+    lines.append(C.table(["piece", "attempt", "result", "seconds", "foreign cores (mean)", "foreign cores (peak)",
+                          "busiest foreign processes"], rows))
+    kept = {n: next((x for x in a if x.kept), None) for n, a in attempts.items()}
+    disturbed = [n for n, a in kept.items() if a is not None and a.foreign["mean_cores"] > FOREIGN_BUSY_CORES]
+    lines.append("")
+    lines.append("Figures taken beside foreign load: " + (", ".join(disturbed) if disturbed else "none") + ".")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
