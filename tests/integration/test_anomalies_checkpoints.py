@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mindpulse.aggregator.metrics_store import read_wire
@@ -174,5 +175,8 @@ def test_ctrl_c_stops_every_rank_saves_last_and_exits_130(tmp_path):
     last = [f for f in man["files"] if f["kind"] == "last"]
     assert last and last[0]["step"] == steps[0]
     time.sleep(2)
-    left = {p: c for p, c in _run_processes().items() if p not in before}
+    tdir = s["pids"].get("ray_temp_dir") or "\0"
+    left = {p: c for p, c in _run_processes().items() if p not in before and tdir in c}
+    left.update({p: "rank" for p in (s["pids"].get("ranks") or {}).values() if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE})
     assert not left, f"processes left after Ctrl-C: {left}"
