@@ -24,7 +24,13 @@ def actor_name(run_id: str) -> str:
 class AggregatorActor:
     def __init__(self, run_dir: str, world_size: int, per_print_step: int = 10, total_steps: int | None = None,
                  settings: dict[str, Any] | None = None):
-        self.core = AggregatorCore(Path(run_dir), world_size, per_print_step, total_steps, settings)
+        # restarted by Ray after a crash: rebuild the state from metrics.msgpack first
+        replay = False
+        try:
+            replay = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        except Exception:
+            pass
+        self.core = AggregatorCore(Path(run_dir), world_size, per_print_step, total_steps, settings, replay=replay)
         self._reduced = asyncio.Condition()
 
     async def ingest(self, batch: list[bytes]) -> int:
@@ -85,6 +91,10 @@ def start_aggregator(run_id: str, namespace: str, run_dir: Path, world_size: int
         num_cpus=0,
         max_concurrency=4096,
         lifetime=None,
+        # a crashed aggregator is restarted and rebuilds itself from metrics.msgpack; calls
+        # made meanwhile wait in their callers and are retried on the new instance
+        max_restarts=5,
+        max_task_retries=-1,
     )
     if node_id:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -43,6 +43,7 @@ class AggregatorCore:
         per_print_step: int = 10,
         total_steps: int | None = None,
         settings: dict[str, Any] | None = None,
+        replay: bool = False,
     ):
         """`settings`: the run config's `anomalies`, `checkpoint` and `eval` sections as dicts."""
         settings = settings or {}
@@ -59,6 +60,14 @@ class AggregatorCore:
             rule_cfgs.append({"rule": "straggler", "default_threshold": self.straggler_threshold})
         self.policies = PolicyEngine(build_rules(rule_cfgs, extra_kinds=settings.get("extra_rules")))
         self.anomalies: list[dict[str, Any]] = []
+        prev = self.run_dir / "anomalies.json"
+        if prev.exists():  # a restarted attempt (or aggregator) continues the record
+            try:
+                import json
+
+                self.anomalies = list(json.loads(prev.read_text()))
+            except (ValueError, OSError):
+                self.anomalies = []
         self.anomalies_total = 0
         self.best: tuple[float, int] | None = None
         """(metric, step) of the best reduced metric that was saved (or asked to be)."""
@@ -94,11 +103,39 @@ class AggregatorCore:
         self.last_reduced: ReducedStep | None = None
         self.fingerprint_mismatches: list[dict[str, Any]] = []
         self.telemetry_latest: dict[tuple[str, Any], dict[str, Any]] = {}
+        self.replaying = False
+        self.restarts = 0
+        if replay:
+            self._replay()
         self.started = time.time()
         self.last_progress = time.time()
         """When any rank last finished a step it had not reported before."""
         self.heartbeat: dict[int, tuple[float, int]] = {}
         self.ended: set[int] = set()
+
+    def _replay(self) -> None:
+        """Rebuild the state of a restarted aggregator from metrics.msgpack (every packet it
+        had accepted), without writing anything again."""
+        from .metrics_store import read_wire
+        from .packets import PacketError, from_wire
+
+        self.replaying = True
+        self.restarts += 1
+        n = 0
+        try:
+            for obj in read_wire(self.metrics.path):
+                try:
+                    pkt = from_wire(obj)
+                except PacketError:
+                    continue
+                self.accepted += 1
+                n += 1
+                self._accept(pkt)
+        finally:
+            self.replaying = False
+        self.console.clear()
+        self.console.append(f"aggregator restarted: rebuilt from {n} packets in metrics.msgpack "
+                            f"(through step {self.reducer.reduced_through})")
 
     # ---- input ---------------------------------------------------------------------
     def ingest(self, batch: list[bytes]) -> list[ReducedStep]:
@@ -158,14 +195,14 @@ class AggregatorCore:
                     self.telemetry_latest[(pkt.node, card.get("card"))] = rec
                     cards.append(rec)
             step = self.last_reduced.step if self.last_reduced else 0
-            if self.tb is not None:
+            if self.tb is not None and not self.replaying:
                 self.tb.on_telemetry(pkt.node, cards, pkt.ts, step)
             for f in self.policies.on_telemetry(cards, time.time(), step):
                 self._on_firing(f)
         return []
 
     def milestone(self, text: str, step: int) -> None:
-        if self.tb is not None:
+        if self.tb is not None and not self.replaying:
             self.tb.on_text("milestones", f"{time.strftime('%Y-%m-%d %H:%M:%S')} step {step}: {text}", step)
 
     def _on_checkpoint(self, pkt: EventPacket) -> None:
@@ -192,6 +229,11 @@ class AggregatorCore:
 
         rec = f.to_record()
         self.anomalies_total += 1
+        if self.replaying:  # recorded before the restart (anomalies.json was reloaded)
+            if f.action.stops:
+                self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
+                                  save=f.action is RuleAction.SAVE_AND_STOP, threshold=f.threshold)
+            return
         if len(self.anomalies) < 10_000:
             self.anomalies.append(rec)
             write_json_atomic(self.run_dir / "anomalies.json", self.anomalies)
@@ -209,7 +251,7 @@ class AggregatorCore:
         if self.steps_reduced == 1:
             self.milestone("first step", red.step)
         self.steps_reduced += 1
-        if self.tb is not None:
+        if self.tb is not None and not self.replaying:
             self.tb.on_reduced(red)
         self.last_reduced = red
         self.recent.append(red)
@@ -361,6 +403,7 @@ class AggregatorCore:
                 "late": self.reducer.late,
                 "incomplete_steps_evicted": self.reducer.evicted_incomplete,
             },
+            "aggregator_restarts": self.restarts,
             "last_step": self.last_reduced.to_record() if self.last_reduced else None,
         }
 

@@ -75,7 +75,7 @@ class RelayServer:
         return self.port
 
     def stop(self) -> None:
-        if self.loop is None:
+        if self.loop is None or not self._thread.is_alive():
             return
         fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
         try:

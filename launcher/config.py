@@ -284,6 +284,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     anomalies: list[AnomalyRuleConfig] = field(default_factory=list)
     """Anomaly rules added to (or replacing) the defaults; see docs/anomalies.md."""
+    max_restarts: int = 0
+    """After a failure, relaunch every rank from the newest valid checkpoint, up to N times."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every rank (e.g. HCCL_CONNECT_TIMEOUT); MS_*/RANK_*/DEVICE_ID
     are mindpulse's and cannot be set here."""
@@ -429,6 +431,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"env.{key}: set by mindpulse for every rank; use world.devices for visibility")
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
             raise ConfigError(f"env.{key}: not a valid environment variable name")
+    _positive("max_restarts", cfg.max_restarts, allow_zero=True)
     _positive("world.nodes", cfg.world.nodes)
     _positive("world.ranks_per_node", cfg.world.ranks_per_node)
     _positive("train.steps", cfg.train.steps, allow_zero=True)

@@ -106,7 +106,7 @@ class Launch:
                 # Ray's core installs its own SIGTERM handler at init: ours must come after
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                     signal.signal(sig, self._on_signal)
-                result, snapshot = self._run_in_ray()
+                result, snapshot = self._run_attempts()
         except LaunchRefused as exc:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -123,6 +123,43 @@ class Launch:
                 signal.signal(s, h)
         status = self._write_summary(result, snapshot)
         return int(ExitCode.of(status))
+
+    def _run_attempts(self) -> tuple[RunResult, dict[str, Any]]:
+        """Attempt 0, then up to `max_restarts` relaunches of every rank from the newest
+        valid checkpoint after a failure. Injected faults fire in attempt 0 only (so a
+        rehearsal of recovery can succeed); each attempt's logs are kept apart."""
+        from mindpulse.workers.checkpoint import choose_resume
+
+        self.attempts: list[dict[str, Any]] = []
+        for k in range(self.cfg.max_restarts + 1):
+            self.attempt = k
+            self.logs_dir = self.run_dir / "logs" if k == 0 else self.run_dir / "logs" / f"attempt_{k}"
+            self.logs_dir.mkdir(parents=True, exist_ok=True)
+            result, snapshot = self._run_in_ray()
+            record = {"attempt": k, "status": result.status.value, "message": result.message,
+                      "resumed_from": self.resume, "logs": str(self.logs_dir),
+                      "steps_completed": snapshot.get("steps_completed", 0)}
+            if result.status is RunStatus.FAILED:
+                from .failures import FailureKind, describe_failure
+
+                last = {x["rank"]: x["last_step"] for x in snapshot.get("ranks", [])}
+                record["failure"] = describe_failure(result.outcomes, result.order, self.logs_dir, last,
+                                                     FailureKind.HANG if result.hang else FailureKind.CRASH,
+                                                     stuck=result.hang, message=result.message)
+            self.attempts.append(record)
+            if result.status is not RunStatus.FAILED or k == self.cfg.max_restarts or self.signals:
+                return result, snapshot
+            entry, refused = choose_resume(self.run_dir / "checkpoints", "latest") \
+                if (self.run_dir / "checkpoints" / "manifest.json").exists() else (None, [])
+            for line in refused:
+                self.say(f"mindpulse: {line}")
+            if entry is not None:
+                self.resume = {"path": str(self.run_dir / "checkpoints" / entry.path), "step": entry.step,
+                               "epoch": entry.epoch, "kind": entry.kind}
+            self.say(f"mindpulse: attempt {k} failed ({result.message}); restarting every rank "
+                     f"(attempt {k + 1} of {self.cfg.max_restarts + 1}) from "
+                     + (f"step {self.resume['step']} ({self.resume['path']})" if self.resume else "the start"))
+        return result, snapshot
 
     def _run_in_ray(self) -> tuple[RunResult, dict[str, Any]]:
         import ray
@@ -144,10 +181,14 @@ class Launch:
         settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
                     "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"],
                     "config_yaml": (self.run_dir / "config.yaml").read_text()}
-        self.aggregator = start_aggregator(self.run_id, cfg.ray.namespace, self.run_dir, world,
+        self.actors, self.agents, self.failure_order = [], [], []
+        attempt = getattr(self, "attempt", 0)
+        logs_dir = getattr(self, "logs_dir", self.run_dir / "logs")
+        self.aggregator = start_aggregator(self.run_id + (f"-a{attempt}" if attempt else ""), cfg.ray.namespace, self.run_dir, world,
                                            cfg.monitor.per_print_step, self.total_steps(),
                                            node_id=ray.get_runtime_context().get_node_id(), settings=settings)
-        ray.get(self.aggregator.ping.remote(), timeout=60)
+        self.pids["aggregator"] = ray.get(self.aggregator.ping.remote(), timeout=60)
+        write_json(self.run_dir / "pids.json", self.pids)  # for operators (and tests) while it runs
 
         # one bundle per node holding that node's ranks; STRICT_SPREAD puts nodes apart
         key = {"cpu": "CPU", "ascend": "NPU", "gpu": "GPU"}[w.device.value]
@@ -175,7 +216,12 @@ class Launch:
             else (cfg.msrun.master_addr or node0["ip"])
         sched_port = cfg.msrun.master_port or free_port("127.0.0.1" if sched_host == "127.0.0.1" else "")
         run_env = self._run_env()
+        if attempt:
+            run_env["MINDPULSE_FAULTS"] = ""  # faults are a rehearsal of the first attempt
+            run_env["MINDPULSE_AGGREGATOR"] = actor_name(self.run_id + f"-a{attempt}")
         specs = rank_specs(cfg, sched_host, sched_port, run_env, run_dir=str(self.run_dir))
+        for spec in specs:
+            spec.command = [f"--log_dir={logs_dir}" if c.startswith("--log_dir=") else c for c in spec.command]
         for spec in specs:
             spec.env["MINDPULSE_RELAY"] = self.agent_infos[spec.node]["relay"]
             spec.env["MINDPULSE_NODE_RANK"] = str(spec.node)
@@ -191,11 +237,13 @@ class Launch:
             refs = self._start_rank_actors(specs, sched_host, sched_port, job, RankActor,
                                            PlacementGroupSchedulingStrategy, pg, key)
         result = self._supervise(refs)
+        dropped = 0
         for a in self.agents:  # final telemetry sample, relay flushed
             try:
-                ray.get(a.stop.remote(kill=result.status is RunStatus.FAILED), timeout=20)
+                dropped += ray.get(a.stop.remote(kill=result.status is RunStatus.FAILED), timeout=20).get("dropped", 0)
             except Exception:
                 pass
+        self.dropped_packets = getattr(self, "dropped_packets", 0) + dropped
         snapshot: dict[str, Any] = {}
         try:
             self._poll(final=True)
@@ -242,7 +290,7 @@ class Launch:
 
         cfg = self.cfg
         self.pids["scheduler"] = ray.get(self.agents[0].start_scheduler.remote(
-            sched_host, sched_port, cfg.world.world_size, str(self.run_dir / "logs" / "scheduler.log"),
+            sched_host, sched_port, cfg.world.world_size, str(self.logs_dir / "scheduler.log"),
             cfg.world.device.device_target, dict(cfg.env)), timeout=60)
         for spec in specs:
             opts: dict[str, Any] = dict(
@@ -255,7 +303,7 @@ class Launch:
                 namespace=cfg.ray.namespace,
             )
             self.actors.append(ray.remote(RankActor).options(**opts).remote(
-                spec.rank, str(self.run_dir / "logs" / f"rank_{spec.rank}.log")))
+                spec.rank, str(self.logs_dir / f"rank_{spec.rank}.log")))
         self.say(f"mindpulse: started {len(specs)} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
                  f"{cfg.world.device.value}, ray backend), scheduler on {sched_host}:{sched_port}")
         infos: list[dict[str, Any]] = []
@@ -264,6 +312,7 @@ class Launch:
         except Exception as exc:
             self.say(f"mindpulse: ranks did not start: {exc}")
         self.pids["ranks"] = {i["rank"]: i["pid"] for i in infos}
+        write_json(self.run_dir / "pids.json", self.pids)
         self.rank_hosts = {i["rank"]: i["host"] for i in infos}
         self.rank_nodes = {i["rank"]: i["node_id"] for i in infos}
         refs = {actor.run.remote(job): ("rank", spec.rank) for actor, spec in zip(self.actors, specs)}
@@ -278,7 +327,7 @@ class Launch:
             env = {k: v for k, v in spec.env.items()
                    if k.startswith("MINDPULSE_") or k in cfg.env or k in (
                        "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GLOG_v")}
-            refs[agent.run_msrun.remote(spec.command, env, str(self.run_dir / "logs" / f"msrun_node{n}.log"))] = \
+            refs[agent.run_msrun.remote(spec.command, env, str(self.logs_dir / f"msrun_node{n}.log"))] = \
                 ("node", n)
         self.rank_hosts = {s.rank: self.agent_infos[s.node]["host"] for s in specs}
         self.rank_nodes = {s.rank: self.agent_infos[s.node]["node_id"] for s in specs}
@@ -378,7 +427,7 @@ class Launch:
         for n, agent in enumerate(self.agents):
             mine = {r: p for r, p in pids.items() if r // rpn == n}
             try:
-                ray.get(agent.dump_stacks.remote(mine, str(self.run_dir / "logs")), timeout=90)
+                ray.get(agent.dump_stacks.remote(mine, str(self.logs_dir)), timeout=90)
             except Exception as exc:
                 self.say(f"mindpulse: stack dump on node {n} failed: {exc}")
         return stuck
@@ -507,13 +556,15 @@ class Launch:
             "best_checkpoint": snap.get("best_checkpoint"),
             "anomalies": snap.get("anomalies", 0),
             "resumed_from": self.resume,
+            "attempts": getattr(self, "attempts", []),
             "message": result.message,
             "first_loss": snap.get("first_loss"),
             "last_loss": snap.get("last_loss"),
             "best_loss": snap.get("best_loss"),
             "best_loss_step": snap.get("best_loss_step"),
             "fingerprints_equal": snap.get("fingerprints_equal"),
-            "packets": snap.get("packets", {}),
+            "packets": dict(snap.get("packets", {}), dropped=getattr(self, "dropped_packets", 0),
+                            aggregator_restarts=snap.get("aggregator_restarts", 0)),
             "pids": self.pids,
             "started": self.started,
             "wall_time_s": time.time() - self.started,
@@ -525,7 +576,8 @@ class Launch:
             last_steps = {x["rank"]: x["last_step"] for x in ranks}
             kind = FailureKind.HANG if result.hang else (
                 FailureKind.LAUNCHER if not result.outcomes else FailureKind.CRASH)
-            summary["failure"] = describe_failure(result.outcomes, result.order, self.run_dir / "logs", last_steps,
+            summary["failure"] = describe_failure(result.outcomes, result.order,
+                                                  getattr(self, "logs_dir", self.run_dir / "logs"), last_steps,
                                                   kind, stuck=result.hang, message=result.message)
             self.say(format_failure(summary["failure"]))
         write_json(self.run_dir / "summary.json", summary)

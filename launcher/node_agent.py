@@ -51,12 +51,25 @@ class NodeAgent:
         self.errors: list[str] = []
         self.sched: subprocess.Popen | None = None
         self.msrun: subprocess.Popen | None = None
+        self._inflight: list[Any] = []
+        self.dropped = 0
         self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks)
         self.relay_port = self.relay.start()
 
     # ---- relay -------------------------------------------------------------------------------
+    MAX_INFLIGHT_CALLS = 2000
+    """Batches on their way to the aggregator; while it restarts they wait (Ray retries
+    them on the new instance); beyond this bound new batches are dropped and counted."""
+
     def _forward_send(self, batch: list[bytes]) -> None:
-        self.aggregator.ingest.remote(batch)
+        import ray
+
+        if self._inflight:
+            done, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
+        if len(self._inflight) >= self.MAX_INFLIGHT_CALLS:
+            self.dropped += len(batch)
+            return
+        self._inflight.append(self.aggregator.ingest.remote(batch))
 
     def _forward_decide(self, batch: list[bytes], step: int, timeout: float) -> bytes:
         import ray
@@ -149,7 +162,8 @@ class NodeAgent:
             if proc is not None and proc.poll() is None and kill:
                 _killpg(proc)
         self.relay.stop()
-        return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:], "relay": dict(self.relay.stats)}
+        return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:], "dropped": self.dropped,
+                "relay": dict(self.relay.stats)}
 
     def dump_stacks(self, pids: dict[int, int], out_dir: str) -> dict[int, str]:
         """Every given rank's Python stacks into `out_dir/stacks_rank_<r>.txt` (py-spy, which

@@ -138,3 +138,34 @@ def test_sigterm_to_the_launcher_is_like_ctrl_c(tmp_path):
     steps = {x["last_step"] for x in s["ranks"]}
     assert len(steps) == 1, f"ranks stopped at different steps: {s['ranks']}"
     run.assert_nothing_left()
+
+
+def test_max_restarts_recovers_from_an_injected_crash(run_cli):
+    r = run_cli("launch", "--set", "train.steps=8", "--inject", "crash@1:5", "--set", "max_restarts=1",
+                "--set", "checkpoint.save_checkpoint_steps=2", "--set", "monitor.per_print_step=100", timeout=500)
+    assert r.returncode == 0, r.output
+    s = r.summary
+    assert s["status"] == "succeeded" and s["steps_completed"] == 8, s
+    att = s["attempts"]
+    assert [a["status"] for a in att] == ["failed", "succeeded"], att
+    assert att[0]["failure"]["root_cause_rank"] == 1 and "injected crash" in att[0]["failure"]["error"]
+    assert att[1]["resumed_from"]["step"] == 4
+    assert (r.run_dir / "logs" / "rank_1.log").exists() and (r.run_dir / "logs" / "attempt_1" / "rank_1.log").exists()
+
+
+def test_killing_the_aggregator_mid_run_loses_no_step(tmp_path):
+    run = LiveRun(tmp_path, "--set", "train.steps=14")
+    run.wait_for_step(3)
+    pid = json.loads((run.run_dir / "pids.json").read_text())["aggregator"]
+    os.kill(pid, signal.SIGKILL)
+    code, out, _ = run.finish(timeout=300)
+    assert code == 0, out[-3000:]
+    s = run.summary()
+    assert s["status"] == "succeeded" and s["steps_completed"] == 14
+    seen = {(o["rank"], o["step"]) for o in read_wire(run.run_dir / "metrics.msgpack") if o.get("t") == "step"}
+    missing = [(r, st) for r in range(2) for st in range(15) if (r, st) not in seen]
+    assert not missing, f"steps lost while the aggregator restarted: {missing}"
+    assert s["packets"]["aggregator_restarts"] >= 1
+    assert "dropped" in s["packets"], "the drop count is not reported"
+    assert "aggregator restarted" in out
+    run.assert_nothing_left()
