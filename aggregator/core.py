@@ -47,6 +47,8 @@ class AggregatorCore:
     ):
         """`settings`: the run config's `anomalies`, `checkpoint` and `eval` sections as dicts."""
         settings = settings or {}
+        self.replaying = False
+        self.restarts = 0
         self.run_dir = Path(run_dir)
         self.ckpt_cfg: dict[str, Any] = dict(settings.get("checkpoint") or {})
         mon = settings.get("monitor") or {}
@@ -103,15 +105,13 @@ class AggregatorCore:
         self.last_reduced: ReducedStep | None = None
         self.fingerprint_mismatches: list[dict[str, Any]] = []
         self.telemetry_latest: dict[tuple[str, Any], dict[str, Any]] = {}
-        self.replaying = False
-        self.restarts = 0
-        if replay:
-            self._replay()
         self.started = time.time()
         self.last_progress = time.time()
         """When any rank last finished a step it had not reported before."""
         self.heartbeat: dict[int, tuple[float, int]] = {}
         self.ended: set[int] = set()
+        if replay:  # last: every attribute the packets touch must exist
+            self._replay()
 
     def _replay(self) -> None:
         """Rebuild the state of a restarted aggregator from metrics.msgpack (every packet it

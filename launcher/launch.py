@@ -249,7 +249,9 @@ class Launch:
             self._poll(final=True)
             snapshot = ray.get(self.aggregator.close.remote(), timeout=30)
         except Exception as exc:
-            self.say(f"mindpulse: aggregator did not answer at the end: {exc}")
+            self.say(f"mindpulse: WARNING the aggregator did not answer at the end ({exc}); the ranks' own "
+                     "results stand, the cluster metrics are incomplete (metrics.msgpack has what it accepted)")
+            self.aggregator_lost = True
         self._terminate(graceful=result.status is not RunStatus.FAILED)
         try:
             remove_placement_group(pg)
@@ -557,6 +559,7 @@ class Launch:
             "anomalies": snap.get("anomalies", 0),
             "resumed_from": self.resume,
             "attempts": getattr(self, "attempts", []),
+            "aggregator_lost": getattr(self, "aggregator_lost", False),
             "message": result.message,
             "first_loss": snap.get("first_loss"),
             "last_loss": snap.get("last_loss"),
