@@ -82,6 +82,7 @@ class RelayServer:
             fut.result(5)
         except Exception:
             pass
+        self._thread.join(5)
 
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -98,6 +99,11 @@ class RelayServer:
         flusher.cancel()
         await self._flush()
         self._server.close()
+        clients = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in clients:
+            t.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        await asyncio.get_running_loop().shutdown_default_executor()
 
     async def _shutdown(self) -> None:
         self._stop.set()
