@@ -244,9 +244,11 @@ class StragglerTracker:
     slow batch does not make a straggler.
     """
 
-    def __init__(self, window: int = 10, min_steps: int = 3):
+    def __init__(self, window: int = 10, min_steps: int | None = None):
         self.window = max(1, window)
-        self.min_steps = max(1, min(min_steps, self.window))
+        # half a window before judging: a one-off slow step (a profiler window, a
+        # checkpoint write) must not make a straggler
+        self.min_steps = max(1, min(min_steps if min_steps is not None else max(3, self.window // 2), self.window))
         self.history: dict[int, deque[float]] = {}
 
     def update(self, red: ReducedStep) -> dict[int, float]:

@@ -259,6 +259,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)
+    """[START, END]: run MindSpore's Profiler from step START to step END (empty: off)."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """Ranks that profile; output under RUN_DIR/profile/rank_<r>/ (linked from the report)."""
+
+
+@dataclass
 class OutputConfig:
     root: str = "runs"
     """Folder holding the run directories (`<root>/<name>-<YYYYmmdd-HHMMSS>/`)."""
@@ -282,6 +290,7 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     anomalies: list[AnomalyRuleConfig] = field(default_factory=list)
     """Anomaly rules added to (or replacing) the defaults; see docs/anomalies.md."""
     max_restarts: int = 0
@@ -434,6 +443,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("max_restarts", cfg.max_restarts, allow_zero=True)
     _positive("world.nodes", cfg.world.nodes)
     _positive("world.ranks_per_node", cfg.world.ranks_per_node)
+    if cfg.profile.steps and (len(cfg.profile.steps) != 2 or not 1 <= cfg.profile.steps[0] <= cfg.profile.steps[1]):
+        raise ConfigError(f"profile.steps: {cfg.profile.steps} is not allowed; use [START, END] with 1 <= START <= END")
+    bad = [r for r in cfg.profile.ranks if not 0 <= r < cfg.world.world_size]
+    if bad:
+        raise ConfigError(f"profile.ranks: {bad} are not ranks of this job (0..{cfg.world.world_size - 1})")
     _positive("train.steps", cfg.train.steps, allow_zero=True)
     _positive("train.epochs", cfg.train.epochs)
     _positive("train.batch_size", cfg.train.batch_size)

@@ -137,6 +137,10 @@ class Monitor(Callback):
                 fmt=env.get("MINDPULSE_CKPT_FORMAT", "ckpt"),
             )
         self.ckpt_failures = 0
+        prof = [int(x) for x in env.get("MINDPULSE_PROFILE_STEPS", "").split(",") if x]
+        prof_ranks = {int(x) for x in env.get("MINDPULSE_PROFILE_RANKS", "0").split(",") if x}
+        self.profile_window = tuple(prof) if len(prof) == 2 and self.rank in prof_ranks else None
+        self._profiler = None
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
         self.stopped: Directive | None = None
@@ -255,6 +259,32 @@ class Monitor(Callback):
             log.error("[rank 0] checkpoint save at step %d failed: %s", pkt.step, exc)
             self._send_event("error", f"checkpoint save at step {pkt.step} failed: {exc}")
 
+    def _profile_begin(self, step: int) -> None:
+        """MindSpore's Profiler for the configured window, into RUN_DIR/profile/rank_<r>/."""
+        if self.profile_window is None or step != self.profile_window[0] or self._profiler is not None:
+            return
+        try:
+            from mindspore import Profiler
+
+            out = os.path.join(os.environ.get("MINDPULSE_RUN_DIR", "."), "profile", f"rank_{self.rank}")
+            os.makedirs(out, exist_ok=True)
+            self._profiler = Profiler(output_path=out, start_profile=False)
+            self._profiler.start()
+            log.info("[rank %d] profiling steps %d..%d into %s", self.rank, *self.profile_window, out)
+        except Exception as exc:
+            log.error("[rank %d] the profiler did not start: %s", self.rank, exc)
+            self.profile_window = None
+
+    def _profile_end(self, step: int, force: bool = False) -> None:
+        if self._profiler is None or not (force or step >= self.profile_window[1]):
+            return
+        prof, self._profiler, self.profile_window = self._profiler, None, None
+        try:
+            prof.stop()
+            prof.analyse()
+        except Exception as exc:
+            log.error("[rank %d] the profiler did not finish: %s", self.rank, exc)
+
     def _eval_due(self, s: int) -> bool:
         if self.evaluate is None:
             return False
@@ -327,6 +357,7 @@ class Monitor(Callback):
 
     def finish(self, message: str = "") -> None:
         self._hb_stop.set()
+        self._profile_end(self.step_num, force=True)
         if self.client:
             self.client.flush()
         self._send_event("end", message)
@@ -370,7 +401,9 @@ class Monitor(Callback):
             **{k: stats[k] for k in ("grad_norm", "grad_norm_local", "nan_count", "inf_count") if k in stats},
         )
         self.injector.after_step(self.step_num)
+        self._profile_end(self.step_num)
         self.injector.before_step(self.step_num + 1)  # faults for the next step of the loop
+        self._profile_begin(self.step_num + 1)
         self._last_end = time.perf_counter()
         return outcome
 
@@ -398,6 +431,7 @@ class Monitor(Callback):
             raise StopTraining(self.stopped.reason)
         # an injected `slow` delay belongs to the data path: it happens before t0
         self.injector.before_step(self.step_num + 1)
+        self._profile_begin(self.step_num + 1)
         self._t0 = time.perf_counter()
         self._data_wait = self._t0 - self._last_end if self._last_end is not None else None
 
@@ -407,6 +441,7 @@ class Monitor(Callback):
         loss, stats = split_outputs(cb.net_outputs)
         step = self.step_offset + int(cb.cur_step_num)
         self.injector.after_step(step)
+        self._profile_end(step)
         # with dataset sinking one callback covers `sink` steps: report the mean step time
         prev = self.step_num
         nsteps = max(1, step - prev)

@@ -39,7 +39,8 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     steps = 12
     r = run_cli("launch", "--set", f"train.steps={steps}", "--set", "monitor.per_print_step=4",
                 "--set", "monitor.collect_freq=4", "--set", "train.warmup_steps=2",
-                "--set", "monitor.telemetry_interval_s=1", timeout=600)
+                "--set", "monitor.telemetry_interval_s=1", "--set", "profile.steps=[2, 3]",
+                "--set", "profile.ranks=[1]", timeout=600)
     assert r.returncode == 0, r.output
     s = r.summary
     assert s["status"] == "succeeded" and s["world_size"] == 2 and s["steps_completed"] == steps, s
@@ -70,6 +71,10 @@ def test_recipe_two_ranks_data_parallel(run_cli):
         (r.run_dir / "anomalies.json").read_text() if (r.run_dir / "anomalies.json").exists() else "")
     check_telemetry(r)
     check_tensorboard_and_report(r.run_dir, pk)
+    traces = list((r.run_dir / "profile" / "rank_1").rglob("trace_view.json"))
+    assert traces, "MindSpore's profiler output is missing under profile/rank_1"
+    assert not (r.run_dir / "profile" / "rank_0").exists()
+    assert "profile/rank_1" in (r.run_dir / "report" / "report.html").read_text()
 
 
 def check_telemetry(r) -> None:
