@@ -86,3 +86,40 @@ def test_metrics_file_is_readable_while_open(tmp_path):
     core = AggregatorCore(tmp_path, world_size=1)
     core.ingest([step(0, 1), step(0, 2)])
     assert [p.step for p in read_packets(tmp_path / "metrics.msgpack")] == [1, 2]
+
+
+# ---- fuzzing the aggregator's input ---------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+def _mutate(data: bytes, flips: list[tuple[int, int]]) -> bytes:
+    b = bytearray(data)
+    for i, v in flips:
+        if b:
+            b[i % len(b)] = v
+    return bytes(b)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(
+    st.binary(max_size=300),
+    st.builds(_mutate, st.sampled_from([step(0, 1), step(1, 2, fingerprint="ab"),
+                                        EventPacket(rank=0, kind="start", pid=1).encode()]),
+              st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=6)),
+), max_size=20))
+def test_fuzzed_batches_never_raise_and_rejects_are_counted(tmp_path_factory, batch):
+    core = AggregatorCore(tmp_path_factory.mktemp("fz"), world_size=2, settings={"tensorboard": False})
+    core.ingest(batch)  # must not raise
+    snap = core.snapshot()
+    assert snap["packets"]["accepted"] + snap["packets"]["rejected"] == len(batch)
+    core.close()
+
+
+def test_memory_stays_bounded_under_a_flood_of_incomplete_steps(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=4, settings={"tensorboard": False})
+    for s in range(1, 5001):  # rank 3 never reports: nothing completes
+        core.ingest([step(r, s, decision=False) for r in range(3)])
+    assert len(core.reducer.pending_steps()) <= core.reducer.max_pending
+    assert core.reducer.evicted_incomplete == 5000 - core.reducer.max_pending
+    assert len(core.directives) == 0 and len(core.recent) == 0
+    core.close()

@@ -119,3 +119,41 @@ def test_safetensors_format(tmp_path, cell):
     params = ms.load_checkpoint(str(tmp_path / e.path), format="safetensors")
     assert any("weight" in k for k in params)
     np.testing.assert_allclose(params[[k for k in params if k.endswith("weight")][0]].asnumpy().shape, (2, 4))
+
+
+def test_a_failing_save_is_reported_and_training_goes_on(tmp_path, cell, monkeypatch):
+    """Disk full (ENOSPC) on rank 0: a clear error to the aggregator, the previous best
+    and the manifest stay valid, and no exception reaches the training loop."""
+    import errno
+
+    from mindpulse.aggregator.packets import Directive, StepPacket, decode
+    from mindpulse.workers.monitor import Monitor
+    from mindpulse.workers.shipping import AggregatorClient
+
+    class RecordingClient(AggregatorClient):
+        def __init__(self):
+            super().__init__(handle=None)
+            self.packets = []
+
+        def send(self, packet):
+            self.packets.append(decode(packet))
+
+        def flush(self):
+            pass
+
+    client = RecordingClient()
+    mon = Monitor(client=client, rank=0, train_cell=cell)
+    mon.ckpt = CheckpointManager(tmp_path)
+    mon._save(Directive(step=1, save="best", metric=2.0, metric_name="loss"), StepPacket(rank=0, step=1))
+    assert [e.step for e in read_manifest(tmp_path)] == [1]
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mon.ckpt, "save", full)
+    mon._save(Directive(step=2, save="best", metric=1.0, metric_name="loss"), StepPacket(rank=0, step=2))
+    assert mon.ckpt_failures == 1
+    errors = [p for p in client.packets if getattr(p, "kind", "") == "error"]
+    assert errors and "No space left on device" in errors[0].message and "step 2" in errors[0].message
+    entries = read_manifest(tmp_path)
+    assert [e.step for e in entries] == [1] and verify(tmp_path, entries[0]) is None
