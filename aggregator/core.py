@@ -415,7 +415,10 @@ class AggregatorCore:
             return None
         live = [r for r in range(self.world_size) if r not in self.ended]
         silent = [r for r in live if now - self.heartbeat.get(r, (self.started, 0))[0] > heartbeat_stale_s]
-        steps = {r: self.reducer.last_step_of_rank.get(r, 0) for r in range(self.world_size)}
+        # packets between decision points may still sit in a client's buffer: the heartbeat's
+        # step is as fresh as the rank itself
+        steps = {r: max(self.reducer.last_step_of_rank.get(r, 0), self.heartbeat.get(r, (0, 0))[1])
+                 for r in range(self.world_size)}
         if silent:
             stuck = silent
         else:
@@ -423,7 +426,8 @@ class AggregatorCore:
             stuck = [r for r in live if steps[r] == low]
         return {"stuck": sorted(stuck), "steps": steps, "silent": sorted(silent),
                 "no_progress_s": now - self.last_progress,
-                "pids": {r: self.rank_info.get(r, {}).get("pid") for r in range(self.world_size)}}
+                "pids": {r: self.rank_info.get(r, {}).get("pid") for r in range(self.world_size)},
+                "started": sorted(r for r, i in self.rank_info.items() if i.get("started"))}
 
     def missing_for(self, step: int) -> list[int]:
         return self.reducer.missing_ranks(step)

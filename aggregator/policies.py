@@ -253,7 +253,7 @@ class CardOverloadRule(Rule):
                 self.since.pop(key, None)
                 self.fired.discard(key)
                 continue
-            start = self.since.setdefault(key, float(card.get("ts") or now))
+            start = self.since.setdefault(key, now)  # one clock: the nodes' clocks may differ
             if now - start >= self.for_s and key not in self.fired:
                 self.fired.add(key)
                 ranks = card.get("ranks") or []
@@ -352,10 +352,10 @@ def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]
     added: list[dict[str, Any]] = []
     for c in configs:
         kind = c.get("rule")
-        if kind == "threshold":
-            added.append(c)
-        else:
-            chosen[kind] = c
+        # a user entry of a default's kind replaces the default; several entries of one
+        # kind (card_overload on temp_c and on power_w) all stay
+        chosen.pop(kind, None)
+        added.append(c)
     rules = []
     for c in list(chosen.values()) + added:
         if c.get("enabled", True) is False:

@@ -225,7 +225,7 @@ class RelayClient:
         except OSError as exc:
             self.failures += 1
             log.warning("packet relay write failed: %s", exc)
-            self.sock = None
+            self.close()
             return False
 
     def send(self, packet: bytes) -> None:
@@ -252,7 +252,7 @@ class RelayClient:
             return Directive.decode(body["directive"])
         except Exception as exc:
             self.failures += 1
-            self.sock = None
+            self.close()
             log.warning("no directive for step %d from the relay (%s); continuing", step, exc)
             return Directive(step=step, reason=f"no directive: {exc}")
 

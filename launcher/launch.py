@@ -135,7 +135,21 @@ class Launch:
             self.attempt = k
             self.logs_dir = self.run_dir / "logs" if k == 0 else self.run_dir / "logs" / f"attempt_{k}"
             self.logs_dir.mkdir(parents=True, exist_ok=True)
-            result, snapshot = self._run_in_ray()
+            try:
+                result, snapshot = self._run_in_ray()
+            except LaunchRefused as exc:
+                if k == 0:
+                    raise
+                # a later attempt cannot be placed (a node is gone): the run has a history; keep it
+                result = RunResult(status=RunStatus.FAILED, message=f"restart refused: {exc}")
+                snapshot = {}
+            except Exception as exc:
+                log.exception("attempt %d failed in the launcher", k)
+                self._kill_ranks()
+                self._terminate(graceful=False)
+                result = RunResult(status=RunStatus.FAILED,
+                                   message=f"launcher error: {type(exc).__name__}: {exc}")
+                snapshot = {}
             record = {"attempt": k, "status": result.status.value, "message": result.message,
                       "resumed_from": self.resume, "logs": str(self.logs_dir),
                       "steps_completed": snapshot.get("steps_completed", 0)}
@@ -207,6 +221,9 @@ class Launch:
             self.agents.append(ray.remote(NodeAgent).options(
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
                 runtime_env={"env_vars": dict(WORKER_ENV)}, max_restarts=0,
+                # threaded: run_msrun holds one thread for the whole job; kill_ranks, stop,
+                # dump_stacks and telemetry must still get through
+                max_concurrency=8,
             ).remote(n, self.aggregator, w.device.value,
                      {n * w.ranks_per_node + i: devices[i] for i in range(w.ranks_per_node)},
                      cfg.monitor.telemetry_interval_s, w.ranks_per_node, cfg.monitor.decision_timeout_s))
@@ -252,7 +269,11 @@ class Launch:
             self.say(f"mindpulse: WARNING the aggregator did not answer at the end ({exc}); the ranks' own "
                      "results stand, the cluster metrics are incomplete (metrics.msgpack has what it accepted)")
             self.aggregator_lost = True
-        self._terminate(graceful=result.status is not RunStatus.FAILED)
+        self._terminate(graceful=result.status is not RunStatus.FAILED and self.signals < 2)
+        try:
+            ray.kill(self.aggregator, no_restart=True)  # closed: its state is in summary and metrics
+        except Exception:
+            pass
         try:
             remove_placement_group(pg)
         except Exception:
@@ -303,7 +324,7 @@ class Launch:
                 scheduling_strategy=PGStrategy(pg, placement_group_bundle_index=spec.node),
                 runtime_env={"env_vars": dict(WORKER_ENV, **spec.env)},
                 max_restarts=0,
-                name=f"{self.run_id}-rank-{spec.rank}",
+                name=f"{self.run_id}-a{getattr(self, 'attempt', 0)}-rank-{spec.rank}",
                 namespace=cfg.ray.namespace,
             )
             self.actors.append(ray.remote(RankActor).options(**opts).remote(
@@ -431,7 +452,7 @@ class Launch:
         for n, agent in enumerate(self.agents):
             mine = {r: p for r, p in pids.items() if r // rpn == n}
             try:
-                ray.get(agent.dump_stacks.remote(mine, str(self.logs_dir)), timeout=90)
+                ray.get(agent.dump_stacks.remote(mine, str(self.logs_dir), info.get("started", [])), timeout=90)
             except Exception as exc:
                 self.say(f"mindpulse: stack dump on node {n} failed: {exc}")
         return stuck

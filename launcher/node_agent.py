@@ -162,10 +162,20 @@ class NodeAgent:
             if proc is not None and proc.poll() is None and kill:
                 _killpg(proc)
         self.relay.stop()
+        if self._inflight:  # the last packets reach the aggregator before it closes
+            import ray
+
+            try:
+                ray.wait(self._inflight, num_returns=len(self._inflight), timeout=10)
+            except Exception:
+                pass
+            self._inflight = []
         return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:], "dropped": self.dropped,
                 "relay": dict(self.relay.stats)}
 
-    def dump_stacks(self, pids: dict[int, int], out_dir: str) -> dict[int, str]:
+    stack_ready: set[int] = set()
+
+    def dump_stacks(self, pids: dict[int, int], out_dir: str, ready: list[int] | None = None) -> dict[int, str]:
         """Every given rank's Python stacks into `out_dir/stacks_rank_<r>.txt` (py-spy, which
         also reads a stopped process), and SIGUSR1 to live ranks (faulthandler writes all
         threads' stacks into the rank's own log)."""
@@ -173,6 +183,7 @@ class NodeAgent:
 
         spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         out: dict[int, str] = {}
+        self.stack_ready = set(ready or [])
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         for rank, pid in pids.items():
             if not pid:
@@ -187,7 +198,10 @@ class NodeAgent:
                 except Exception as exc:
                     text = f"py-spy failed: {exc}"
             try:
-                os.kill(pid, signal.SIGUSR1)
+                # only ranks that registered faulthandler (the monitor started): SIGUSR1's
+                # default action would kill a rank stuck earlier
+                if rank in self.stack_ready:
+                    os.kill(pid, signal.SIGUSR1)
                 text += f"\n(SIGUSR1 sent: faulthandler wrote all threads' stacks into logs/rank_{rank}.log)\n"
             except OSError as exc:
                 text += f"\n(SIGUSR1 not delivered: {exc})\n"

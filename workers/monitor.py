@@ -369,6 +369,7 @@ class Monitor(Callback):
         *,
         loss: float | None = None,
         network: nn.Cell | None = None,
+        train_cell: nn.Cell | None = None,
         optimizer: Any = None,
         epoch: int = 0,
         samples: int | None = None,
@@ -381,6 +382,8 @@ class Monitor(Callback):
         statistics are then read from it) or a loss tensor/number.
         """
         now = time.perf_counter()
+        if train_cell is not None:
+            self.train_cell = train_cell
         if not self._started:
             self.start(network)
         elif network is not None and self.network is None:

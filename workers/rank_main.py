@@ -31,6 +31,13 @@ def run_job(job: dict[str, Any], rank: int) -> dict[str, Any]:
     """Run the recipe or the user's script; returns exit code, error and traceback."""
     t0 = time.time()
     code, error, tb = 0, "", ""
+    try:  # stacks on SIGUSR1 from the start: a hang during init must be dumpable too
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (ValueError, AttributeError, RuntimeError):
+        pass
     print(f"[rank {rank}] pid {os.getpid()} starting", flush=True)
     try:
         if job["job"].get("script"):

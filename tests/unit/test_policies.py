@@ -82,6 +82,7 @@ def test_threshold_rule_for_steps_and_absent_metric():
 def test_card_overload_needs_duration():
     rule = CardOverloadRule({"metric": "temp_c", "threshold": 90, "for_s": 10})
     hot = [{"node": "n0", "card": 3, "temp_c": 97.0, "ranks": [3], "ts": 100.0}]
+    assert rule.check_telemetry(hot, now=101.0, step=0) == []  # first seen hot (the aggregator's clock)
     assert rule.check_telemetry(hot, now=105.0, step=1) == []
     fs = rule.check_telemetry(hot, now=111.0, step=2)
     assert len(fs) == 1 and fs[0].rank == 3 and "card 3" in fs[0].message and "97" in fs[0].message
@@ -98,9 +99,12 @@ def test_defaults_are_on_and_can_be_replaced_or_disabled():
     rules = build_rules([{"rule": "loss_spike", "enabled": False},
                          {"rule": "grad_explosion", "action": "warn", "factor": 5},
                          {"rule": "threshold", "metric": "loss", "op": ">", "threshold": 9}])
-    assert [r.kind for r in rules] == ["nonfinite", "grad_explosion", "card_overload", "desync", "straggler",
+    assert [r.kind for r in rules] == ["nonfinite", "card_overload", "desync", "straggler", "grad_explosion",
                                        "threshold"]
-    assert rules[1].action is Action.WARN and rules[1].factor == 5
+    assert rules[4].action is Action.WARN and rules[4].factor == 5
+    two = build_rules([{"rule": "card_overload", "metric": "temp_c"}, {"rule": "card_overload", "metric": "power_w",
+                                                                       "threshold": 300}])
+    assert [r.metric for r in two if r.kind == "card_overload"] == ["temp_c", "power_w"]
 
 
 def _steps(core, s, losses, **kw):

@@ -41,7 +41,7 @@ if args.loop == "model":
     ds = ms.dataset.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(8)
     Model(train_net).train(1, ds, callbacks=[Monitor()], dataset_sink_mode=False)
 else:
-    monitor = Monitor(network=net, batch_size=8)
+    monitor = Monitor(network=net, batch_size=8, train_cell=train_net)
     for i in range(args.steps):
         out = train_net(ms.Tensor(x[i * 8 : (i + 1) * 8]), ms.Tensor(y[i * 8 : (i + 1) * 8]))
         if monitor.step(out, optimizer=opt).stop:
