@@ -174,6 +174,9 @@ class AggregatorCore:
                 info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
             elif pkt.kind == "checkpoint":
                 self._on_checkpoint(pkt)
+            elif pkt.kind == "structure":
+                if self.tb is not None and not self.replaying:
+                    self.tb.on_text("model/structure", pkt.message, 0)
             elif pkt.kind == "heartbeat":
                 self.heartbeat[pkt.rank] = (time.time(), pkt.step)
                 info.setdefault("pid", pkt.pid)
@@ -253,6 +256,9 @@ class AggregatorCore:
         self.steps_reduced += 1
         if self.tb is not None and not self.replaying:
             self.tb.on_reduced(red)
+            w = next((p.weights for p in red.per_rank.values() if p.weights), None)
+            if w:
+                self.tb.on_weights(red.step, w)
         self.last_reduced = red
         self.recent.append(red)
         loss = red.loss_mean

@@ -105,6 +105,9 @@ class StepPacket(Packet):
     """True when the rank waits for a directive for this step."""
     extra: dict[str, float] = field(default_factory=dict)
     """Additional named scalars (user metrics); reduced like the loss."""
+    weights: dict[str, Any] = field(default_factory=dict)
+    """Every collect_freq steps: per-layer `norms`, `update_ratio`, and `hist` / `grad_hist`
+    (histograms of the layers matching monitor.histogram_regex)."""
 
     SCHEMA: ClassVar[dict[str, tuple[type, ...]]] = {
         "rank": (int,),
@@ -125,6 +128,7 @@ class StepPacket(Packet):
         "param_norm": _OPT_NUM,
         "decision": (bool,),
         "extra": (dict,),
+        "weights": (dict,),
     }
     REQUIRED: ClassVar[tuple[str, ...]] = ("rank", "step")
 

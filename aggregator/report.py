@@ -36,7 +36,8 @@ from .tables import totals_table
 
 log = logging.getLogger(__name__)
 
-PLOT_NAMES: tuple[str, ...] = ("loss.png", "grad_norm.png", "step_time.png", "throughput.png", "telemetry.png")
+PLOT_NAMES: tuple[str, ...] = ("loss.png", "grad_norm.png", "step_time.png", "throughput.png", "telemetry.png",
+                               "straggler.png")
 _MAX_POINTS = 4000
 """Longest line drawn per series; longer series are thinned by a stride."""
 _MAX_MARKERS = 200
@@ -406,6 +407,31 @@ def _plot_throughput(data: RunData, path: Path) -> Path:
     return _finish(fig, axes, path, "cluster throughput (all ranks' samples over the slowest step)")
 
 
+def _plot_straggler(data: RunData, path: Path) -> Path:
+    """Per-rank straggler score over time (1.0 = the fastest rank), as the aggregator scores it."""
+    from .reducer import StragglerTracker
+
+    tracker = StragglerTracker(window=10)
+    series: dict[int, tuple[list[float], list[float]]] = {}
+    for red in data.reduced:
+        for r, sc in tracker.update(red).items():
+            xs, ys = series.setdefault(r, ([], []))
+            xs.append(red.step)
+            ys.append(sc)
+    if not series:
+        return _placeholder(path, "straggler score", "no data" if not data.has_steps else "not enough steps to score")
+    fig, axes = _figure()
+    ax = axes[0, 0]
+    for r, (xs, ys) in sorted(series.items()):
+        _plot(ax, xs, ys, f"rank {r}", linewidth=1.0)
+    ax.axhline(0.8, color="tab:red", linestyle=":", linewidth=1.0, label="threshold (default 0.8)")
+    _markers(ax, data.anomaly_steps, data.checkpoint_steps)
+    ax.set_xlabel("step")
+    ax.set_ylabel("score (fastest / rank's busy time)")
+    ax.set_ylim(0, 1.05)
+    return _finish(fig, axes, path, "straggler score per rank (1.0 = fastest)")
+
+
 _TELEMETRY_PANELS = (("util_pct", "utilization (%)"), ("memory_used_mb", "memory used (MB)"),
                      ("power_w", "power (W)"), ("temp_c", "temperature (°C)"))
 
@@ -463,6 +489,7 @@ def _plot_telemetry(data: RunData, path: Path) -> Path:
 
 
 _PLOTTERS = {
+    "straggler.png": _plot_straggler,
     "loss.png": _plot_loss,
     "grad_norm.png": _plot_grad_norm,
     "step_time.png": _plot_step_time,

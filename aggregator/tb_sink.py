@@ -188,6 +188,27 @@ class TensorBoardSink:
             lines += [f"- rank {r}: loss {_fmt(v)}" for r, v in sorted(bad.items())]
             self._add_text("loss/nonfinite", "\n\n".join(lines), step, wt)
 
+    def on_weights(self, step: int, weights: dict) -> None:
+        """Per-layer norms and update ratios as scalars; weight and gradient histograms."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                for name, v in (weights.get("norms") or {}).items():
+                    self._scalar(f"weights/{_tag_part(name)}/norm", v, int(step), None)
+                for name, v in (weights.get("update_ratio") or {}).items():
+                    self._scalar(f"weights/{_tag_part(name)}/update_ratio", v, int(step), None)
+                for group, prefix in (("hist", "weights"), ("grad_hist", "grads")):
+                    for name, h in (weights.get(group) or {}).items():
+                        if not h.get("counts"):
+                            continue
+                        self._writer.add_histogram_raw(
+                            f"{prefix}/{_tag_part(name)}", min=h["min"], max=h["max"], num=h["num"], sum=h["sum"],
+                            sum_squares=h["sum_squares"], bucket_limits=h["edges"], bucket_counts=h["counts"],
+                            global_step=int(step))
+        except Exception as exc:
+            self._error("weights", exc)
+
     def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
         """Per-card util / memory / power / temperature of one node's sample."""
         if not self.enabled:

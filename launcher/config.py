@@ -156,6 +156,12 @@ class MonitorConfig:
     """Ranks scoring below this (fastest rank's effective step time / theirs) are stragglers."""
     straggler_window: int = 10
     """Steps in the rolling window of the straggler score."""
+    weight_stats: bool = True
+    """Every collect_freq steps rank 0 ships per-layer weight norms, update ratios and
+    histograms (TensorBoard `weights/`, `grads/`), and the model's structure once."""
+    histogram_regex: str = ""
+    """Layers whose weight (and, in PYNATIVE, gradient) histograms are shipped (empty: the
+    embedding, the output head and the first attention query projection)."""
     telemetry_interval_s: float = 5.0
     """Each node's agent samples its cards (npu-smi/DCMI, NVML or psutil) this often (0: off)."""
 

@@ -305,6 +305,8 @@ class Launch:
             "MINDPULSE_RESUME_CKPT": (self.resume or {}).get("path", ""),
             "MINDPULSE_RESUME_STEP": str((self.resume or {}).get("step", 0)),
             "MINDPULSE_HANG_TIMEOUT_S": str(cfg.monitor.hang_timeout_s),
+            "MINDPULSE_WEIGHT_STATS": "1" if cfg.monitor.weight_stats else "0",
+            **({"MINDPULSE_HIST_REGEX": cfg.monitor.histogram_regex} if cfg.monitor.histogram_regex else {}),
             "MINDPULSE_PROFILE_STEPS": ",".join(map(str, cfg.profile.steps)),
             "MINDPULSE_PROFILE_RANKS": ",".join(map(str, cfg.profile.ranks)),
             "GLOG_v": os.environ.get("GLOG_v", "2"),

@@ -44,11 +44,26 @@ def _sums(params):
     return ops.stack(parts)
 
 
+def param_sums(params) -> np.ndarray:
+    """[sum, sum of squares] per parameter, reduced on the device, as one host vector."""
+    if not params:
+        return np.zeros(0, np.float32)
+    return _sums(ms.mutable(tuple(p.value() for p in params))).asnumpy().astype(np.float32)
+
+
+def fingerprint_of(vec: np.ndarray) -> tuple[str, float]:
+    if vec.size == 0:
+        return "0" * 16, 0.0
+    digest = hashlib.blake2b(vec.tobytes(), digest_size=8).hexdigest()
+    sq = float(np.sum(vec[1::2].astype(np.float64)))
+    return digest, math.sqrt(sq) if sq >= 0 and math.isfinite(sq) else float("nan")
+
+
 def param_fingerprint(params) -> tuple[str, float]:
     """(16-hex-digit hash, global L2 norm of the parameters)."""
     if not params:
         return "0" * 16, 0.0
-    vec = _sums(ms.mutable(tuple(p.value() for p in params))).asnumpy().astype(np.float32)
+    vec = param_sums(params)
     digest = hashlib.blake2b(vec.tobytes(), digest_size=8).hexdigest()
     sq = float(np.sum(vec[1::2].astype(np.float64)))
     return digest, math.sqrt(sq) if sq >= 0 and math.isfinite(sq) else float("nan")

@@ -30,11 +30,15 @@ from mindpulse.aggregator.packets import Action, Directive, EventPacket, StepPac
 
 from .errors import StopTraining
 from .faults import FaultInjector
-from .fingerprint import model_parameters, param_fingerprint
+from .fingerprint import fingerprint_of, model_parameters, param_sums
 from .shipping import AggregatorClient, RankEnv
 from .train_cell import split_outputs
 
 log = logging.getLogger(__name__)
+
+
+DEFAULT_HIST_REGEX = r"(?:^|\.)(?:tok_embeddings\.embedding_weight|tok_embeddings\.weight|lm_head\.weight|layers\.0\.attention\.wq\.weight)$"
+"""Histograms for a few layers by default: the embedding, the output head, the first query projection."""
 
 
 def lr_of_step(optimizer: Any, step_index: int) -> float | None:
@@ -172,6 +176,7 @@ class Monitor(Callback):
             self.network = network
         self.injector.bind(self.train_cell, self.network)
         self._send_event("start")
+        self._weight_stats_setup()
         self._start_heartbeat()
         if self.step_offset == 0:
             self.injector.before_step(0)  # desync@R:0 perturbs the weights before step 0's fingerprint
@@ -219,10 +224,32 @@ class Monitor(Callback):
         if self.network is None:
             return None, None
         try:
-            return param_fingerprint(model_parameters(self.network))
+            self._last_sums = param_sums(model_parameters(self.network))
+            return fingerprint_of(self._last_sums)
         except Exception as exc:
             log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)
+            self._last_sums = None
             return None, None
+
+    def _weight_stats_setup(self) -> None:
+        """Per-layer statistics every collect_freq steps (rank 0 ships them: data-parallel
+        weights are identical), and the model's structure once."""
+        self.weight_stats = None
+        if self.rank != 0 or self.network is None or os.environ.get("MINDPULSE_WEIGHT_STATS", "1") != "1":
+            return
+        try:
+            from .weight_stats import WeightStats, structure_text
+
+            params = model_parameters(self.network)
+            self.weight_stats = WeightStats(params, os.environ.get("MINDPULSE_HIST_REGEX", DEFAULT_HIST_REGEX),
+                                            self.train_cell)
+            text = structure_text(params)
+            if self.client:
+                pkt = EventPacket(rank=self.rank, kind="structure", ts=time.time(), message=text[:60000])
+                self.client.send(pkt.encode())
+        except Exception as exc:
+            log.warning("[rank %d] weight statistics are off: %s", self.rank, exc)
+            self.weight_stats = None
 
     def _ship(self, pkt: StepPacket) -> Directive | None:
         if self.client is None:
@@ -320,8 +347,15 @@ class Monitor(Callback):
         self.step_num = step if step is not None else self.step_num + 1
         s = self.step_num
         fp = norm = None
+        weights: dict[str, Any] = {}
         if s % self.collect_freq == 0:
             fp, norm = self._fingerprint()
+            ws = getattr(self, "weight_stats", None)
+            if ws is not None:
+                try:
+                    weights = ws.collect(getattr(self, "_last_sums", None))
+                except Exception as exc:
+                    log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, s, exc)
         decision = self._is_decision(s)
         if self._eval_due(s):
             try:
@@ -347,8 +381,15 @@ class Monitor(Callback):
             param_norm=norm,
             decision=bool(decision),
             extra={k: float(v) for k, v in (extra or {}).items()},
+            weights=weights,
         )
         self._ship(pkt)
+        ws = getattr(self, "weight_stats", None)
+        if ws is not None and (s + 1) % self.collect_freq == 0:
+            try:
+                ws.keep_previous()  # the next step is a collect step: measure its change
+            except Exception as exc:
+                log.warning("[rank %d] cannot keep the weights for the update ratio: %s", self.rank, exc)
         stop = self.stopped is not None
         reason = self.stopped.reason if self.stopped else ""
         if not stop and self.total_steps and s >= self.total_steps:

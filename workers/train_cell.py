@@ -89,12 +89,24 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
             return getattr(self, "_timing_on", False)
         self.pre_reduce_ts = None
 
+        self.capture_grads = None
+        self.captured_grads = None
+        names = [w.name for w in self.weights]
+
         def _mark(cell, inputs):
             try:
                 ms.runtime.synchronize()
             except Exception:
                 pass
             self.pre_reduce_ts = time.perf_counter()
+            wanted = self.capture_grads
+            if wanted:  # histograms of a few layers' local gradients (collect steps only)
+                try:
+                    grads = inputs[0]
+                    self.captured_grads = {n: g.asnumpy() for n, g in zip(names, grads) if n in wanted}
+                except Exception:
+                    self.captured_grads = None
+                self.capture_grads = None
 
         try:
             self.grad_reducer.register_forward_pre_hook(_mark)

@@ -107,6 +107,12 @@ def check_tensorboard_and_report(run_dir: Path, pk: list[dict]) -> None:
     r0 = {e.step: e.value for e in acc.Scalars("rank_0/loss")}
     assert r0[3] == pytest.approx(by_step[3][0], rel=1e-5)
     assert any(t.startswith("config") for t in acc.Tags()["tensors"]), "resolved config text missing"
+    assert any(t.startswith("model/structure") for t in acc.Tags()["tensors"]), "model structure text missing"
+    assert any(t.startswith("weights/") and t.endswith("/norm") for t in tags), "per-layer weight norms missing"
+    ratios = [t for t in tags if t.endswith("/update_ratio")]
+    assert ratios and all(0 < e.value < 1 for e in acc.Scalars(ratios[0])), "update ratios missing or implausible"
+    hists = acc.Tags()["histograms"]
+    assert any(h.startswith("weights/") for h in hists) and any(h.startswith("grads/") for h in hists), hists
     report = run_dir / "report"
     for name in ("loss.png", "grad_norm.png", "step_time.png", "throughput.png", "telemetry.png", "report.html"):
         assert (report / name).stat().st_size > 1000, f"report/{name} missing or empty"
