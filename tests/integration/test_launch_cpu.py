@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -40,7 +41,10 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     r = run_cli("launch", "--set", f"train.steps={steps}", "--set", "monitor.per_print_step=4",
                 "--set", "monitor.collect_freq=4", "--set", "train.warmup_steps=2",
                 "--set", "monitor.telemetry_interval_s=1", "--set", "profile.steps=[2, 3]",
-                "--set", "profile.ranks=[1]", timeout=600)
+                "--set", "profile.ranks=[1]",
+                # a warn rule logs and the run goes on
+                "--set", "anomalies=[{rule: threshold, name: loss_watch, metric: loss, op: '>', threshold: 0.0, "
+                "for_steps: 2, action: warn}]", timeout=600)
     assert r.returncode == 0, r.output
     s = r.summary
     assert s["status"] == "succeeded" and s["world_size"] == 2 and s["steps_completed"] == steps, s
@@ -67,8 +71,9 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     # the tables were printed: one per per_print_step, one row per rank and a cluster row
     assert r.stdout.count("grad norm") >= steps // 4, r.output
     assert "\nall " in r.stdout and "succeeded" in r.stdout
-    assert not (r.run_dir / "anomalies.json").exists(), "a normal run tripped a rule: " + (
-        (r.run_dir / "anomalies.json").read_text() if (r.run_dir / "anomalies.json").exists() else "")
+    recs = json.loads((r.run_dir / "anomalies.json").read_text())
+    assert [(x["rule"], x["step"], x["action"]) for x in recs] == [("loss_watch", 2, "warn")], (
+        f"a normal run must trip no rule but the user's warn rule: {recs}")
     check_telemetry(r)
     check_tensorboard_and_report(r.run_dir, pk)
     traces = list((r.run_dir / "profile" / "rank_1").rglob("trace_view.json"))
