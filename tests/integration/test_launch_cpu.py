@@ -125,9 +125,11 @@ def check_tensorboard_and_report(run_dir: Path, pk: list[dict]) -> None:
     assert html.count("data:image/png;base64,") >= 5 and "succeeded" in html
 
 
-@pytest.mark.parametrize("loop", ["model", "manual"])
-def test_user_script_with_monitor(run_cli, loop):
-    r = run_cli("launch", "--set", f"job.script={SCRIPT}", "--set", f"job.args=[--loop, {loop}, --steps, '6']",
+@pytest.mark.parametrize("loop, mode", [("model", "graph"), ("manual", "pynative")])
+def test_user_script_with_monitor(run_cli, loop, mode):
+    """Model.train in GRAPH mode and a hand-written loop in PYNATIVE, both data parallel."""
+    r = run_cli("launch", "--set", f"job.script={SCRIPT}",
+                "--set", f"job.args=[--loop, {loop}, --mode, {mode}, --steps, '6']",
                 "--set", "train.steps=0", "--set", "monitor.per_print_step=3", "--set", "monitor.collect_freq=3",
                 "--set", "name=user-script", timeout=400)
     assert r.returncode == 0, r.output

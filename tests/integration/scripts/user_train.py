@@ -17,10 +17,11 @@ from mindpulse.workers import Monitor, MonitoredTrainOneStepCell
 parser = argparse.ArgumentParser()
 parser.add_argument("--loop", choices=["model", "manual"], default="model")
 parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--mode", choices=["pynative", "graph"], default="pynative")
 parser.add_argument("--seed-per-rank", action="store_true", help="a deliberate bug: each rank its own seed")
 args = parser.parse_args()
 
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE, device_target="CPU")
 init()
 rank, size = get_rank(), get_group_size()
 ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
