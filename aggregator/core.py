@@ -52,7 +52,7 @@ class AggregatorCore:
         self.run_dir = Path(run_dir)
         self.ckpt_cfg: dict[str, Any] = dict(settings.get("checkpoint") or {})
         mon = settings.get("monitor") or {}
-        self.straggler_threshold = float(mon.get("straggler_threshold", 0.8))
+        self.straggler_threshold = float(mon.get("straggler_threshold", 0.7))
         self.stragglers = StragglerTracker(int(mon.get("straggler_window", 10)))
         rule_cfgs = [dict(c) for c in settings.get("anomalies") or []]
         for c in rule_cfgs:

@@ -316,13 +316,17 @@ class StragglerRule(Rule):
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
         t = cfg.get("threshold")
-        self.threshold = float(t) if t is not None else float(cfg.get("default_threshold", 0.8))
+        self.threshold = float(t) if t is not None else float(cfg.get("default_threshold", 0.7))
+        self.patience = int(cfg.get("patience") or 2)
+        self.hits: dict[int, int] = {}
         self.flagged: set[int] = set()
 
     def check(self, red: ReducedStep) -> Firing | None:
         scores = red.straggler_scores
-        slow = sorted((r for r, s in scores.items() if s < self.threshold), key=lambda r: scores[r])
-        self.flagged &= set(slow)
+        below = {r for r, s in scores.items() if s < self.threshold}
+        self.hits = {r: self.hits.get(r, 0) + 1 for r in below}  # consecutive steps below
+        slow = sorted((r for r in below if self.hits[r] >= self.patience), key=lambda r: scores[r])
+        self.flagged &= below
         new = [r for r in slow if r not in self.flagged]
         if not new:
             return None

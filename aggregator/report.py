@@ -424,7 +424,7 @@ def _plot_straggler(data: RunData, path: Path) -> Path:
     ax = axes[0, 0]
     for r, (xs, ys) in sorted(series.items()):
         _plot(ax, xs, ys, f"rank {r}", linewidth=1.0)
-    ax.axhline(0.8, color="tab:red", linestyle=":", linewidth=1.0, label="threshold (default 0.8)")
+    ax.axhline(0.7, color="tab:red", linestyle=":", linewidth=1.0, label="threshold (default 0.7)")
     _markers(ax, data.anomaly_steps, data.checkpoint_steps)
     ax.set_xlabel("step")
     ax.set_ylabel("score (fastest / rank's busy time)")

@@ -22,7 +22,7 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
 
-def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.8) -> str:
+def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.7) -> str:
     rows = []
     for r, p in red.per_rank.items():
         sps = p.samples / p.step_time_s if p.step_time_s else None

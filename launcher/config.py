@@ -152,7 +152,7 @@ class MonitorConfig:
     """How long a rank waits for a directive before it goes on without one."""
     hang_timeout_s: float = 300.0
     """Seconds without any step from a rank before the job is declared hung."""
-    straggler_threshold: float = 0.8
+    straggler_threshold: float = 0.7
     """Ranks scoring below this (fastest rank's effective step time / theirs) are stragglers."""
     straggler_window: int = 10
     """Steps in the rolling window of the straggler score."""

@@ -186,7 +186,7 @@ def test_straggler_scores_and_rule():
     from mindpulse.aggregator.reducer import StragglerTracker
 
     tr = StragglerTracker(window=5, min_steps=3)
-    rule = StragglerRule({"default_threshold": 0.8})
+    rule = StragglerRule({"default_threshold": 0.8, "patience": 1})
     fired = []
     for s in range(1, 9):
         slow = 1.5 if s >= 3 else 0.001
