@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# coverage-guided fuzzing of the packet decoder; its test is skipped where it cannot install
+	$(BIN)/python -m pip install --quiet "atheris>=2.3" || echo "note: atheris not installed; its fuzz test will be skipped"
 	touch $(STAMP)
 
 demo: setup
