@@ -186,7 +186,11 @@ class AggregatorCore:
             elif pkt.kind == "error":
                 if len(self.rank_errors) < 100:
                     self.rank_errors.append({"rank": pkt.rank, "step": pkt.step, "message": pkt.message})
-                self.console.append(f"rank {pkt.rank}: {pkt.message}")
+                if not self.replaying:
+                    self.console.append(f"rank {pkt.rank}: {pkt.message}")
+                if pkt.message.startswith("checkpoint save") and self.ckpt_cfg.get("on_save_error") == "stop":
+                    self.request_stop(f"{pkt.message} (checkpoint.on_save_error: stop)", rule="checkpoint_save",
+                                      rank=pkt.rank)
             else:
                 info[pkt.kind] = pkt.message or True
             self.last_seen[pkt.rank] = time.time()

@@ -260,6 +260,9 @@ class CheckpointConfig:
     """Best checkpoints kept."""
     format: CkptFormat = CkptFormat.CKPT
     """ckpt or safetensors."""
+    on_save_error: str = "continue"
+    """When rank 0 cannot write a checkpoint (disk full, read-only): `continue` (the error is
+    reported, the previous best and the manifest stay valid) or `stop` every rank."""
     save_last: bool = True
     """Save a `last` checkpoint when the run is interrupted or stopped by save_and_stop."""
 
@@ -505,6 +508,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("checkpoint.keep_checkpoint_max", ck.keep_checkpoint_max)
     _positive("checkpoint.keep_best_max", ck.keep_best_max)
     _positive("checkpoint.best_every_steps", ck.best_every_steps)
+    if ck.on_save_error not in ("continue", "stop"):
+        raise ConfigError(f"checkpoint.on_save_error: {ck.on_save_error!r} is not allowed; use 'continue' or 'stop'")
     if not ck.best_metric:
         raise ConfigError("checkpoint.best_metric: must not be empty; e.g. loss or eval_loss")
     if ck.best_metric.startswith("eval_") and not (cfg.eval.every_steps or cfg.eval.per_epoch):

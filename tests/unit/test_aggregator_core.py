@@ -123,3 +123,19 @@ def test_memory_stays_bounded_under_a_flood_of_incomplete_steps(tmp_path):
     assert core.reducer.evicted_incomplete == 5000 - core.reducer.max_pending
     assert len(core.directives) == 0 and len(core.recent) == 0
     core.close()
+
+
+def test_a_failed_checkpoint_save_stops_the_run_when_configured(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False,
+                                                            "checkpoint": {"on_save_error": "stop"}})
+    core.ingest([step(0, 1)])
+    core.ingest([EventPacket(rank=0, kind="error", step=1,
+                             message="checkpoint save at step 1 failed: [Errno 28] No space left on device").encode()])
+    core.ingest([step(0, 2)])
+    d = core.directive_for(2)
+    assert d.action is Action.STOP and "No space left" in d.reason
+    assert core.snapshot()["stop"]["rule"] == "checkpoint_save"
+    go_on = AggregatorCore(tmp_path / "b", world_size=1, settings={"tensorboard": False})
+    go_on.ingest([EventPacket(rank=0, kind="error", step=1, message="checkpoint save at step 1 failed: x").encode(),
+                  step(0, 1)])
+    assert go_on.directive_for(1).action is Action.CONTINUE
