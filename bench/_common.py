@@ -239,7 +239,14 @@ class ForeignLoad:
             self._stop.wait(self.interval_s)
 
     def window(self, t0: float, t1: float) -> dict[str, Any]:
-        xs = [s for s in self.samples if t0 <= s[0] <= t1]
+        """Foreign load between t0 and t1: the samples covering that time (a sample at t
+        covers the interval before t, so the first one after t1 is included)."""
+        if self._thread.is_alive() and time.time() < t1 + self.interval_s:
+            deadline = time.time() + 2 * self.interval_s + 1  # a short window: wait for its sample
+            while time.time() < deadline and not any(s[0] >= t1 for s in self.samples):
+                time.sleep(0.05)
+        after = [s for s in self.samples if s[0] >= t1][:1]
+        xs = [s for s in self.samples if t0 <= s[0] < t1] + after
         if not xs:
             return {"mean_cores": 0.0, "max_cores": 0.0, "top": []}
         top: dict[str, int] = {}
@@ -254,3 +261,59 @@ class ForeignLoad:
         t = time.time()
         xs = [s[1] for s in self.samples if s[0] >= t - over_s]
         return sum(xs) / len(xs) if xs else 0.0
+
+
+QUIET_CORES = 0.3
+"""Foreign load (cores used by other processes) under which a measurement counts as quiet."""
+
+
+def wait_quiet(load: ForeignLoad, max_wait_s: float, threshold: float = QUIET_CORES) -> float:
+    """Wait (at most `max_wait_s`) until other processes use less than `threshold` cores."""
+    t0 = time.time()
+    while time.time() - t0 < max_wait_s and load.current(over_s=3.0) > threshold:
+        time.sleep(1.0)
+    return time.time() - t0
+
+
+def gated_repeats(load: ForeignLoad, n: int, deadline: float, run_one, threshold: float = QUIET_CORES,
+                  max_wait_s: float = 30.0, log=None, min_repeats: int = 2) -> dict[str, Any]:
+    """Run `run_one(i)` until `n` repeats ran while other processes were quiet.
+
+    Before each repeat the machine gets up to `max_wait_s` to go quiet. A repeat beside
+    foreign load (more than `threshold` cores on average) is discarded while another
+    repeat still fits before `deadline`; past the deadline the repeats stop as soon as
+    `min_repeats` are kept (disturbed ones then count, and are counted).
+    Returns {"kept": [results], "disturbed_kept": k, "discarded": d, "foreign": [...],
+    "waited_s": w}.
+    """
+    kept, foreign = [], []
+    discarded = disturbed_kept = 0
+    waited = 0.0
+    last_s = 0.0
+    i = 0
+    while len(kept) < n:
+        now = time.time()
+        if now > deadline and len(kept) >= min(n, min_repeats):
+            break  # out of time: report the repeats that ran
+        waited += wait_quiet(load, min(max_wait_s, max(0.0, deadline - now - last_s)), threshold)
+        t0 = time.time()
+        res = run_one(i)
+        i += 1
+        t1 = time.time()
+        last_s = t1 - t0
+        f = load.window(t0, t1)
+        if f["mean_cores"] > threshold and deadline - t1 > last_s:
+            discarded += 1
+            if log:
+                log(f"repeat discarded: other processes used {f['mean_cores']:.2f} cores meanwhile")
+            continue
+        if f["mean_cores"] > threshold:
+            disturbed_kept += 1
+        kept.append(res)
+        foreign.append(f["mean_cores"])
+    return {"kept": kept, "disturbed_kept": disturbed_kept, "discarded": discarded, "foreign": foreign,
+            "waited_s": waited}
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")

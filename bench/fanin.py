@@ -39,6 +39,7 @@ import asyncio  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -231,6 +232,8 @@ def main() -> None:
     ap.add_argument("--target-repeats", type=int, default=3)
     ap.add_argument("--tensorboard", choices=["on", "off", "both"], default="both",
                     help="grid with the default settings (on); 'both' adds the batched grid and the target with it off")
+    ap.add_argument("--max-seconds", type=float, default=420.0,
+                    help="time after which disturbed configurations are no longer run again")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t_start = time.time()
@@ -239,6 +242,9 @@ def main() -> None:
         args.duration, args.target_repeats = 2.0, 1
 
     logging.basicConfig(level=logging.WARNING)
+    load = C.ForeignLoad(interval_s=1.0).start()
+    deadline = t_start + args.max_seconds
+    waited = 0.0
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="mindpulse-bench",
              log_to_driver=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}})
@@ -259,23 +265,43 @@ def main() -> None:
     configs: list[dict] = []
     seq = 0
     capacity: dict[tuple, float] = {}  # (variant, batched, ranks) -> achieved steps/s when saturated
+    turnaround: dict[tuple, float] = {}  # (variant, batched, ranks) -> median reduce latency seen
 
     def plan_steps(key: tuple, rate: float) -> int:
         want = rate * args.duration
         cap = capacity.get(key)
-        if cap is not None and cap < 0.9 * rate:  # saturated before: bound the time this takes
+        if cap is None and key in turnaround:  # not saturated yet: a step cannot be faster than its turn-around
+            cap = 1.0 / max(1e-3, turnaround[key])
+        if cap is not None and cap < 0.9 * rate:  # saturated (or will be): bound the time this takes
             want = min(want, cap * args.max_config_s)
         return max(3, int(math.ceil(want)))
 
+    grid = [(v, b, n, r) for v in variants for b in (True, False) for n in ranks_list for r in rates
+            if not (v == "tb_off" and (not b or (n < 512 and not args.quick)))]
+    n_configs = len(grid) + len(variants) * args.target_repeats
+    spent: list[float] = []  # seconds per configuration run so far
+
     def one(variant: str, ranks: int, rate: float, batched: bool, role: str = "grid") -> dict:
-        nonlocal seq
-        seq += 1
+        nonlocal seq, waited
         key = (variant, batched, ranks)
         n = plan_steps(key, rate)
-        r = run_config(sims, tmp, variants[variant], ranks, rate, batched, n, seq)
-        r.update(variant=variant, role=role)
+        for attempt in range(2):  # a configuration run beside other processes' load runs again once
+            waited += C.wait_quiet(load, max(0.0, min(3.0, deadline - time.time())))
+            seq += 1
+            tc = time.time()
+            r = run_config(sims, tmp, variants[variant], ranks, rate, batched, n, seq)
+            spent.append(time.time() - tc)
+            f = load.window(tc, time.time())
+            r.update(variant=variant, role=role, foreign_cores=f["mean_cores"], attempt=attempt + 1)
+            left_cfgs = n_configs - len(configs)  # this one included
+            fits = time.time() + spent[-1] + (left_cfgs - 1) * statistics.mean(spent) < deadline
+            if f["mean_cores"] <= C.QUIET_CORES or not fits:
+                break
+            print(f"[fanin] other processes used {f['mean_cores']:.2f} cores meanwhile: running it again",
+                  file=sys.stderr, flush=True)
         if not r["kept_up"]:
             capacity[key] = min(capacity.get(key, r["achieved_steps_per_s"]), r["achieved_steps_per_s"])
+        turnaround[key] = r["reduce_latency_s"]["median"]
         dl = r["decision_latency_s"]
         print(f"[fanin] {variant} {'batched' if batched else 'unbatched':9s} ranks {ranks:5d} rate {rate:>4}/s: "
               f"{r['achieved_steps_per_s']:.2f} steps/s, {r['packets_per_s']:.0f} pkt/s, "
@@ -284,15 +310,9 @@ def main() -> None:
         configs.append(r)
         return r
 
-    for variant in variants:
-        for batched in (True, False):
-            if variant == "tb_off" and not batched:
-                continue  # the unbatched grid is measured with the default settings only
-            for ranks in ranks_list:
-                if variant == "tb_off" and ranks < 512 and not args.quick:
-                    continue  # TensorBoard's share only matters at large world sizes
-                for rate in rates:
-                    one(variant, ranks, rate, batched)
+    # TensorBoard off: batched only, and (the full grid) only where its share matters: 512+ ranks
+    for variant, batched, ranks, rate in grid:
+        one(variant, ranks, rate, batched)
     targets = []
     for variant in variants:
         reps = [one(variant, TARGET["ranks"], TARGET["rate"], True, role="target")
@@ -303,9 +323,12 @@ def main() -> None:
                         "met": C.summary(p99s)["median"] < TARGET["p99_s"] and min(ach) >= 0.9 * TARGET["rate"]})
     raw["after"] = [raw_rate(sims, 1), raw_rate(sims, NODE)]
     ray.shutdown()
+    load.stop()
     shutil.rmtree(tmp, ignore_errors=True)
     out = {"node_size": NODE, "senders": args.senders, "duration_s": args.duration, "raw": raw,
-           "configs": configs, "targets": targets, "target_spec": TARGET}
+           "configs": configs, "targets": targets, "target_spec": TARGET, "waited_s": waited,
+           "disturbed": sum(1 for c in configs if c["foreign_cores"] > C.QUIET_CORES),
+           "rerun": sum(1 for c in configs if c["attempt"] > 1)}
     print(render(out))
     C.write_result(args.json, "fanin", out, t_start)
 
@@ -324,7 +347,9 @@ def render(out: dict) -> str:
                 if c["variant"] != variant or c["batched"] != batched or c["role"] != "grid":
                     continue
                 dl, rl = c["decision_latency_s"], c["reduce_latency_s"]
-                rows.append([c["ranks"], c["rate"], f"{c['achieved_steps_per_s']:.2f}" + ("" if c["kept_up"] else " *"),
+                mark = " ~" if c.get("foreign_cores", 0) > C.QUIET_CORES else ""
+                rows.append([f"{c['ranks']}{mark}", c["rate"],
+                             f"{c['achieved_steps_per_s']:.2f}" + ("" if c["kept_up"] else " *"),
                              f"{c['packets_per_s']:.0f}", f"{dl['median'] * 1000:.1f}", f"{dl['p99'] * 1000:.1f}",
                              f"{rl['median'] * 1000:.1f}", f"{rl['p99'] * 1000:.1f}",
                              f"{c['aggregator_cpu_ms_per_step']:.0f} ({c['aggregator_cpu_pct']:.0f}%)", c["steps"],
@@ -337,12 +362,30 @@ def render(out: dict) -> str:
                                       "aggregator CPU ms/step (% of a core)", "steps", "timeouts"], rows))
     lines.append("\n(* = below 90% of the asked rate: the achieved rate is the limit of the aggregator on this machine "
                  "there, with the simulated ranks on the same 2 cores)")
+    if out.get("rerun") or out.get("disturbed"):
+        lines.append(f"{C.plural(out.get('rerun', 0), 'configuration')} run again because other processes used "
+                     f"the CPU meanwhile; {out.get('disturbed', 0)} kept figures still taken beside such load "
+                     "(marked ~).")
     t = out["target_spec"]
+    by_var: dict[str, list[dict]] = {}
+    for c in out["configs"]:
+        if c["role"] == "target":
+            by_var.setdefault(c["variant"], []).append(c)
+    if by_var:
+        calls = t["ranks"] // out["node_size"]
+        raw8 = max(r["calls_per_s"] for r in out["raw"]["before"] + out["raw"].get("after", [])
+                   if r["packets_per_call"] == out["node_size"])
+        parts = [f"{'TensorBoard on' if v == 'tb_on' else 'TensorBoard off'} "
+                 f"{C.summary([c['aggregator_cpu_ms_per_step'] for c in cs])['median']:.0f} ms"
+                 for v, cs in by_var.items()]
+        lines.append(f"at {t['ranks']} ranks, batched ({calls} calls a step), the aggregator process used per step: "
+                     f"{', '.join(parts)} of CPU; the raw actor-call rate here ({raw8:.0f} calls/s of "
+                     f"{out['node_size']} packets) alone allows at most {raw8 / calls:.1f} steps/s")
     for x in out["targets"]:
         p, a = x["p99_s"], x["achieved_steps_per_s"]
         lines.append(f"target {t['ranks']} ranks at {t['rate']} steps/s, batched, {x['variant']}: p99 decision latency "
                      f"median {p['median'] * 1000:.0f} ms (range {p['min'] * 1000:.0f}-{p['max'] * 1000:.0f}) over "
-                     f"{p['n']} runs, achieved {a['median']:.2f} steps/s -> {'met' if x['met'] else 'MISSED'}")
+                     f"{C.plural(p['n'], 'run')}, achieved {a['median']:.2f} steps/s -> {'met' if x['met'] else 'MISSED'}")
     return "\n".join(lines)
 
 

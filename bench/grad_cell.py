@@ -10,6 +10,9 @@ and range of the per-repeat ratios).
 Cases: GRAPH mode with the small (recipe) and the larger model of bench/overhead.py,
 and PYNATIVE mode (the recipe's default mode) with the small model.
 
+A repeat run while other processes used the CPU (more than 0.3 cores on average) is
+discarded and run again while `--max-seconds` allows.
+
 Usage: .venv/bin/python bench/grad_cell.py [--steps 10] [--repeats 5] [--cases graph:small,...] [--json out.json]
 """
 
@@ -35,7 +38,7 @@ MODELS = {
 CASES = ["graph:small", "graph:larger", "pynative:small"]
 
 
-def run_case(mode: str, mname: str, steps: int, repeats: int) -> dict:
+def run_case(mode: str, mname: str, steps: int, repeats: int, load: C.ForeignLoad, deadline: float) -> dict:
     import mindspore as ms
     from mindspore import nn
 
@@ -71,17 +74,21 @@ def run_case(mode: str, mname: str, steps: int, repeats: int) -> dict:
             step(name)
     if ms.get_context("mode") != (ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE):
         raise RuntimeError(f"the execution mode is not {mode}")
-    per_rep: dict[str, list[float]] = {k: [] for k in cells}
-    for rep in range(repeats):
+    def one_repeat(rep: int) -> dict[str, float]:
         times: dict[str, list[float]] = {k: [] for k in cells}
         names = list(cells) if rep % 2 == 0 else list(reversed(list(cells)))
         for i in range(steps):
             for name in (names if i % 2 == 0 else list(reversed(names))):
                 times[name].append(step(name))
-        for k in cells:
-            per_rep[k].append(statistics.median(times[k]))
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    # only repeats run while the machine was otherwise quiet count (while time allows)
+    g = C.gated_repeats(load, repeats, deadline, one_repeat,
+                        log=lambda m: print(f"[grad_cell] {mode}:{mname}: {m}", file=sys.stderr, flush=True))
+    per_rep = {k: [r[k] for r in g["kept"]] for k in cells}
     ratios = [m / p for m, p in zip(per_rep["monitored"], per_rep["plain"])]
-    return {"mode": mode, "model": mname, "shape": spec, "steps": steps, "repeats": repeats,
+    return {"mode": mode, "model": mname, "shape": spec, "steps": steps, "repeats": len(g["kept"]),
+            "discarded": g["discarded"], "disturbed_kept": g["disturbed_kept"], "foreign_cores": g["foreign"],
             "plain_s": C.summary(per_rep["plain"]), "monitored_s": C.summary(per_rep["monitored"]),
             "ratio": C.summary(ratios)}
 
@@ -91,14 +98,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps of each cell per repeat")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--max-seconds", type=float, default=120.0,
+                    help="time after which disturbed repeats are no longer run again")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
+    load = C.ForeignLoad(interval_s=1.0).start()
     results = []
-    for case in args.cases.split(","):
+    cases = args.cases.split(",")
+    for i, case in enumerate(cases):
         mode, mname = case.split(":")
-        results.append(run_case(mode, mname, args.steps, args.repeats))
+        deadline = t0 + args.max_seconds * (i + 1) / len(cases)
+        results.append(run_case(mode, mname, args.steps, args.repeats, load, deadline))
         print(f"[grad_cell] {case} done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    load.stop()
     out = {"cases": results}
     print(render(out))
     C.write_result(args.json, "grad_cell", out, t0)
@@ -110,8 +123,14 @@ def render(out: dict) -> str:
         p, m, q = r["plain_s"], r["monitored_s"], r["ratio"]
         rows.append([r["mode"].upper(), r["model"], C.fmt_ms(p["median"]), C.fmt_ms(m["median"]),
                      f"{q['median']:.3f}", f"{q['min']:.3f}-{q['max']:.3f}", f"{r['repeats']} x {r['steps']}"])
-    return C.table(["mode", "model", "TrainOneStepCell ms", "MonitoredTrainOneStepCell ms", "ratio",
+    text = C.table(["mode", "model", "TrainOneStepCell ms", "MonitoredTrainOneStepCell ms", "ratio",
                     "ratio range", "repeats x steps"], rows)
+    disc = sum(r.get("discarded", 0) for r in out["cases"])
+    kept = sum(r.get("disturbed_kept", 0) for r in out["cases"])
+    if disc or kept:
+        text += (f"\n\n{C.plural(disc, 'repeat')} beside other processes' load discarded and run again"
+                 + (f"; {kept} kept although other processes were busy (no time left)" if kept else ""))
+    return text
 
 
 if __name__ == "__main__":

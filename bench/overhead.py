@@ -18,7 +18,14 @@ Each repeat runs every configuration once (the order alternates), for a small an
 larger model. Reported: the median step time per configuration, its spread over the
 repeats, and the ratio to `none` (paired within a repeat).
 
-Usage: .venv/bin/python bench/overhead.py [--repeats 5] [--json out.json] [--quick]
+Short runs, many repeats: a configuration's runs sit close in time to the other
+configurations' runs of the same repeat, so a slow drift of the machine (another
+process starting) moves all of a repeat's runs alike and the paired ratio stays sound.
+
+A repeat run while other processes used the CPU (more than 0.3 cores on average) is
+discarded and run again while `--max-seconds` allows.
+
+Usage: .venv/bin/python bench/overhead.py [--repeats 7] [--max-seconds 300] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -52,12 +59,13 @@ LABELS = {
 MODELS = {
     # the recipe's model (cluster_configs/local_cpu.yaml)
     "small": dict(seq_length=64, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, batch_size=8,
-                  steps=40),
+                  steps=30),
     # sized so that a step takes well over 100 ms on this machine
     "larger": dict(seq_length=128, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, batch_size=8,
-                   steps=20),
+                   steps=13),
 }
 WARMUP_STEPS = 3  # dropped from every run (first steps after a Model.train start)
+MODEL_SHARE = {"small": 0.3}  # of --max-seconds: the small model's repeats end by then
 
 
 class Rig:
@@ -159,15 +167,18 @@ class Rig:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", default="small,larger")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply the steps per run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="2 repeats, fewer steps (a smoke run)")
+    ap.add_argument("--max-seconds", type=float, default=300.0,
+                    help="time after which disturbed repeats are no longer run again")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.steps_scale = 2, 0.5
     t0 = time.time()
+    load = C.ForeignLoad(interval_s=1.0).start()
     logging.basicConfig(level=logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="mindpulse-bench-overhead-"))
     import mindspore  # noqa: F401  (mindspore before ray, in this order)
@@ -211,13 +222,17 @@ def main() -> None:
         rig = Rig(mname, spec, handle_factory, tmp)
         for cfg in CONFIGS:  # compile, and create the aggregators, outside the measurement
             rig.run(cfg, steps=WARMUP_STEPS + 3)
-        times: dict[str, list[list[float]]] = {c: [] for c in CONFIGS}
-        for rep in range(args.repeats):
+        def one_repeat(rep: int, rig=rig, mname=mname) -> dict[str, list[float]]:
             order = CONFIGS if rep % 2 == 0 else list(reversed(CONFIGS))
-            for cfg in order:
-                times[cfg].append(rig.run(cfg))
-            print(f"[overhead] {mname} repeat {rep + 1}/{args.repeats} done ({time.time() - t0:.0f}s)",
-                  file=sys.stderr, flush=True)
+            out = {cfg: rig.run(cfg) for cfg in order}
+            print(f"[overhead] {mname} repeat {rep + 1} done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+            return out
+
+        # only repeats run while the machine was otherwise quiet count (while time allows)
+        deadline = t0 + args.max_seconds * (MODEL_SHARE[mname] if mname in MODEL_SHARE else 1.0)
+        g = C.gated_repeats(load, args.repeats, deadline, one_repeat,
+                            log=lambda m: print(f"[overhead] {mname}: {m}", file=sys.stderr, flush=True))
+        times = {c: [r[c] for r in g["kept"]] for c in CONFIGS}
         rep_median = {c: [statistics.median(r) for r in times[c]] for c in CONFIGS}
         rows = {}
         for c in CONFIGS:
@@ -229,7 +244,9 @@ def main() -> None:
                 "ratio": C.summary(ratios),
             }
         results[mname] = {"shape": spec, "params": rig.params, "steps_per_run": spec["steps"] - 1 - WARMUP_STEPS,
-                          "repeats": args.repeats, "configs": rows}
+                          "repeats": len(g["kept"]), "repeats_asked": args.repeats, "discarded": g["discarded"],
+                          "disturbed_kept": g["disturbed_kept"], "foreign_cores": g["foreign"],
+                          "waited_s": g["waited_s"], "configs": rows}
 
     for h in handles.values():
         try:
@@ -237,6 +254,7 @@ def main() -> None:
         except Exception:
             pass
     ray.shutdown()
+    load.stop()
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
@@ -259,9 +277,13 @@ def render(out: dict) -> str:
     lines = []
     for mname, r in out["results"].items():
         sh = r["shape"]
+        quiet = (f"; {C.plural(r['discarded'], 'repeat')} beside other processes' load discarded and run again"
+                 if r.get("discarded") else "")
+        if r.get("disturbed_kept"):
+            quiet += f"; {C.plural(r['disturbed_kept'], 'repeat')} kept although other processes were busy (no time left)"
         lines.append(f"\n{mname} model: {sh['num_layers']} layers, hidden {sh['hidden_size']}, seq {sh['seq_length']}, "
                      f"batch {sh['batch_size']}, {r['params'] / 1e6:.2f} M parameters; "
-                     f"{r['repeats']} repeats x {r['steps_per_run']} timed steps\n")
+                     f"{r['repeats']} repeats x {r['steps_per_run']} timed steps{quiet}\n")
         rows = []
         for c, v in r["configs"].items():
             st, ra = v["step_s"], v["ratio"]
@@ -269,6 +291,10 @@ def render(out: dict) -> str:
                          f"{ra['median']:.3f}", f"{ra['min']:.3f}-{ra['max']:.3f}"])
         lines.append(C.table(["callback", "step ms (median)", "range over repeats", "ratio to none",
                               "ratio range"], rows))
+        none = r["configs"]["none"]["step_s"]["median"]
+        extra = ", ".join(f"{v['label']} {(v['ratio']['median'] - 1) * none * 1000:+.1f} ms"
+                          for c, v in r["configs"].items() if c != "none")
+        lines.append(f"\nper step over no callback (median ratio x median step): {extra}")
     lines.append("")
     for t in out["targets"]:
         limit = "" if t["within_2pct"] is None else f" (<= +2%: {'met' if t['within_2pct'] else 'MISSED'})"
