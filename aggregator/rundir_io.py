@@ -21,16 +21,16 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temp file in the same folder, fsync, rename: readers never see a torn file."""
     path = Path(path)
-    text = json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; run files are meant to be read by others
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -38,3 +38,8 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         except OSError:
             pass
         raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    text = json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n"
+    write_atomic(path, text.encode())

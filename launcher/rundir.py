@@ -35,22 +35,9 @@ def make_run_dir(cfg: RunConfig, base: Path | None = None) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """temp file in the same folder, fsync, rename: readers never see a torn file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; run files are meant to be read by others
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from mindpulse.aggregator.rundir_io import write_atomic as _write_atomic
+
+    _write_atomic(path, data)
 
 
 def write_config(run_dir: Path, cfg: RunConfig) -> None:
