@@ -11,7 +11,6 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from contextlib import closing
 from importlib.metadata import PackageNotFoundError, version
@@ -102,39 +101,6 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
-def other_busy_processes(threshold_pct: float = 20.0, sample_s: float = 0.5) -> list[str]:
-    """Processes outside this benchmark's tree using more than `threshold_pct` of a core."""
-    try:
-        import psutil
-    except ImportError:
-        return []
-    me = psutil.Process()
-    mine = {me.pid} | {c.pid for c in me.children(recursive=True)}
-    parent = me.parent()
-    while parent is not None:
-        mine.add(parent.pid)
-        parent = parent.parent()
-    procs = []
-    for p in psutil.process_iter(["pid", "name"]):
-        if p.pid in mine:
-            continue
-        try:
-            p.cpu_percent(None)
-            procs.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    time.sleep(sample_s)
-    out = []
-    for p in procs:
-        try:
-            pct = p.cpu_percent(None)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if pct >= threshold_pct:
-            out.append(f"{p.info['name']} (pid {p.pid}, {pct:.0f}%)")
-    return out
-
-
 # ---- misc ------------------------------------------------------------------------------
 def free_port() -> int:
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
@@ -169,7 +135,8 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     sep = "| " + " | ".join("-" * w for w in widths) + " |"
-    return "\n".join([line(headers), sep, *(line(r) for r in cells)])
+    # blank lines around it: in Markdown a table runs until the next blank line
+    return "\n" + "\n".join([line(headers), sep, *(line(r) for r in cells)]) + "\n"
 
 
 class ForeignLoad:

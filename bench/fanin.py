@@ -360,12 +360,12 @@ def render(out: dict) -> str:
                 lines.append(C.table(["ranks", "steps/s asked", "steps/s achieved", "packets/s", "decision p50 ms",
                                       "decision p99 ms", "reduce p50 ms", "reduce p99 ms",
                                       "aggregator CPU ms/step (% of a core)", "steps", "timeouts"], rows))
-    lines.append("\n(* = below 90% of the asked rate: the achieved rate is the limit of the aggregator on this machine "
-                 "there, with the simulated ranks on the same 2 cores)")
+    lines.append("\n- a `*` after the achieved rate: under 90% of the asked rate, i.e. the aggregator's limit on this "
+                 "machine at that size (with the simulated ranks on the same 2 cores)")
     if out.get("rerun") or out.get("disturbed"):
-        lines.append(f"{C.plural(out.get('rerun', 0), 'configuration')} run again because other processes used "
+        lines.append(f"- {C.plural(out.get('rerun', 0), 'configuration')} run again because other processes used "
                      f"the CPU meanwhile; {out.get('disturbed', 0)} kept figures still taken beside such load "
-                     "(marked ~).")
+                     "(marked `~`).")
     t = out["target_spec"]
     by_var: dict[str, list[dict]] = {}
     for c in out["configs"]:
@@ -378,12 +378,12 @@ def render(out: dict) -> str:
         parts = [f"{'TensorBoard on' if v == 'tb_on' else 'TensorBoard off'} "
                  f"{C.summary([c['aggregator_cpu_ms_per_step'] for c in cs])['median']:.0f} ms"
                  for v, cs in by_var.items()]
-        lines.append(f"at {t['ranks']} ranks, batched ({calls} calls a step), the aggregator process used per step: "
+        lines.append(f"- at {t['ranks']} ranks, batched ({calls} calls a step), the aggregator process used per step: "
                      f"{', '.join(parts)} of CPU; the raw actor-call rate here ({raw8:.0f} calls/s of "
                      f"{out['node_size']} packets) alone allows at most {raw8 / calls:.1f} steps/s")
     for x in out["targets"]:
         p, a = x["p99_s"], x["achieved_steps_per_s"]
-        lines.append(f"target {t['ranks']} ranks at {t['rate']} steps/s, batched, {x['variant']}: p99 decision latency "
+        lines.append(f"- target: {t['ranks']} ranks at {t['rate']} steps/s, batched, {x['variant']}: p99 decision latency "
                      f"median {p['median'] * 1000:.0f} ms (range {p['min'] * 1000:.0f}-{p['max'] * 1000:.0f}) over "
                      f"{C.plural(p['n'], 'run')}, achieved {a['median']:.2f} steps/s -> {'met' if x['met'] else 'MISSED'}")
     return "\n".join(lines)

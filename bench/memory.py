@@ -118,11 +118,11 @@ def render(out: dict) -> str:
              f"{'on' if out['tensorboard'] else 'off'}: {out['run_s']:.0f} s ({out['steps_per_s']:.0f} steps/s in one "
              f"process)",
              C.table(["step", "RSS MiB"], [[x["step"], f"{x['rss_mb']:.1f}"] for x in pts]),
-             f"growth: {out['growth_total_mb']:+.1f} MiB in all, {out['growth_after_10pct_mb']:+.1f} MiB after the "
+             f"- growth: {out['growth_total_mb']:+.1f} MiB in all, {out['growth_after_10pct_mb']:+.1f} MiB after the "
              f"first 10% of the steps, {out['growth_second_half_mb']:+.1f} MiB over the second half; "
              f"peak {out['peak_mb']:.1f} MiB",
-             f"bounded structures at the end: {out['bounded_sizes']}",
-             f"on disk (by design): metrics.msgpack {out['metrics_msgpack_mb']:.1f} MiB, TensorBoard events "
+             f"- bounded structures at the end: {out['bounded_sizes']}",
+             f"- on disk (by design): metrics.msgpack {out['metrics_msgpack_mb']:.1f} MiB, TensorBoard events "
              f"{out['tensorboard_mb']:.1f} MiB"]
     return "\n".join(lines)
 

@@ -299,7 +299,7 @@ def render(out: dict) -> str:
     for t in out["targets"]:
         limit = "" if t["within_2pct"] is None else f" (<= +2%: {'met' if t['within_2pct'] else 'MISSED'})"
         lines.append(
-            f"target ({t['model']} model, {t['none_step_s'] * 1000:.0f} ms step): default mindpulse "
+            f"- target ({t['model']} model, {t['none_step_s'] * 1000:.0f} ms step): default mindpulse "
             f"{(t['mp_default_ratio'] - 1) * 100:+.2f}%{limit}, SummaryCollector "
             f"{(t['summary_ratio'] - 1) * 100:+.2f}% (mindpulse below it: {'met' if t['below_summary'] else 'MISSED'})")
     return "\n".join(lines)

@@ -17,12 +17,12 @@ import argparse
 import importlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import _common as C
 
@@ -49,15 +49,15 @@ class Piece:
 
 PIECES = [
     Piece("npu_smi", "npu_smi_parse.py", ["--seconds", "1.0", "--repeats", "5"], 15),
-    Piece("grad_cell", "grad_cell.py", ["--steps", "10", "--repeats", "5"], 75,
+    Piece("grad_cell", "grad_cell.py", ["--steps", "10", "--repeats", "5"], 80,
           ["--steps", "6", "--repeats", "3"], 50, max_s=110),
-    Piece("overhead", "overhead.py", ["--repeats", "7"], 240, ["--repeats", "4"], 160, max_s=320),
-    Piece("fanin", "fanin.py", [], 330, ["--target-repeats", "2", "--duration", "3"], 280, max_s=400),
+    Piece("overhead", "overhead.py", ["--repeats", "7"], 290, ["--repeats", "4"], 180, max_s=320),
+    Piece("fanin", "fanin.py", [], 350, ["--target-repeats", "2", "--duration", "3"], 290, max_s=400),
     Piece("memory", "memory.py", ["--steps", "100000", "--tensorboard", "off"], 30),
-    Piece("memory_tb", "memory.py", ["--steps", "15000", "--tensorboard", "on"], 50,
-          ["--steps", "8000", "--tensorboard", "on"], 30),
-    Piece("stop_latency", "stop_latency.py", ["--repeats", "2"], 85, ["--repeats", "1"], 45, max_s=130),
-    Piece("startup", "startup.py", ["--repeats", "3"], 150, ["--repeats", "2"], 100, max_s=210),
+    Piece("memory_tb", "memory.py", ["--steps", "8000", "--tensorboard", "on"], 45,
+          ["--steps", "4000", "--tensorboard", "on"], 25),
+    Piece("stop_latency", "stop_latency.py", ["--repeats", "2"], 70, ["--repeats", "1"], 40, max_s=110),
+    Piece("startup", "startup.py", ["--repeats", "3"], 120, ["--repeats", "2"], 80, max_s=170),
 ]
 
 
@@ -356,12 +356,13 @@ def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) 
                 continue
             text = _render(module, data)
             w = next((a for a in attempts[n] if a.kept), attempts[n][-1])
-            doc += [f"Run: {data['date']}, {data['wall_s']:.0f} s; other processes used "
+            doc += [f"Finished {data['date']} after {data['wall_s']:.0f} s; other processes used "
                     f"{w.foreign['mean_cores']:.2f} cores on average over the whole piece"
                     + (" (discarded repeats included)." if any(p.max_s for p in PIECES if p.name == n) else ".")
                     + (f" Arguments: `{' '.join(w.args)}`." if w.args else ""), "", text, ""]
             lines_console += [f"\n## {title}" + (" (TensorBoard on)" if n == "memory_tb" else ""), text]
-    return {"doc": "\n".join(doc).rstrip() + "\n", "console": "\n".join(lines_console)}
+    squeeze = lambda text: re.sub(r"\n{3,}", "\n\n", text)  # noqa: E731
+    return {"doc": squeeze("\n".join(doc)).rstrip() + "\n", "console": squeeze("\n".join(lines_console))}
 
 
 def _gating(name: str, data: dict | None) -> str:
