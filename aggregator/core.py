@@ -97,7 +97,6 @@ class AggregatorCore:
         self.stop_request: tuple[str, dict[str, Any]] | None = None
         self.stop: dict[str, Any] | None = None
         self.rank_info: dict[int, dict[str, Any]] = {}
-        self.last_seen: dict[int, float] = {}
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.best_loss: tuple[float, int] | None = None
@@ -160,7 +159,6 @@ class AggregatorCore:
     def _accept(self, pkt: Packet) -> list[ReducedStep]:
         if isinstance(pkt, StepPacket):
             now = time.time()
-            self.last_seen[pkt.rank] = now
             if pkt.step > self.reducer.last_step_of_rank.get(pkt.rank, -1):
                 self.last_progress = now
             self.heartbeat[pkt.rank] = (now, pkt.step)
@@ -193,7 +191,6 @@ class AggregatorCore:
                                       rank=pkt.rank)
             else:
                 info[pkt.kind] = pkt.message or True
-            self.last_seen[pkt.rank] = time.time()
         elif isinstance(pkt, TelemetryPacket):
             cards = []
             for card in pkt.cards:

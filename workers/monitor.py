@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import math
 import os
 import signal
 import socket
@@ -517,6 +516,3 @@ class Monitor(Callback):
     def on_train_end(self, run_context):
         self.finish("stopped: " + self.stopped.reason if self.stopped else "")
 
-
-def is_finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
