@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick bench pretrain clean
+.PHONY: setup demo lint test test-quick bench pretrain clean
 
 setup: $(STAMP)
 
@@ -22,10 +22,15 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/mindpulse launch cluster_configs/local_cpu.yaml
 
-test: setup
+# ruff, then the import contracts (pyproject.toml [tool.importlinter])
+lint: setup
+	$(BIN)/ruff check .
+	LINT_IMPORTS=$(CURDIR)/$(BIN)/lint-imports tools/lint_imports.sh
+
+test: lint
 	$(BIN)/python -m pytest tests -q
 
-test-quick: setup
+test-quick: lint
 	$(BIN)/python -m pytest tests -q -m "not slow"
 
 bench: setup

@@ -13,8 +13,9 @@ from typing import Any
 
 import ray
 
+from mindpulse.protocol import Directive
+
 from .core import AggregatorCore
-from .packets import Directive
 
 
 def actor_name(run_id: str) -> str:
@@ -50,7 +51,7 @@ class AggregatorActor:
                     await asyncio.wait_for(
                         self._reduced.wait_for(lambda: self.core.directive_for(step) is not None), timeout_s
                     )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 missing = self.core.missing_for(step)
                 self.core.console.append(
                     f"WARNING no directive for step {step} after {timeout_s:.0f}s: ranks {missing} have not reported it"
@@ -58,6 +59,22 @@ class AggregatorActor:
                 return Directive(step=step, reason=f"timeout: ranks {missing} missing").encode()
             directive = self.core.directive_for(step)
         return directive.encode()
+
+    async def lease(self, after: int, timeout_s: float) -> bytes:
+        """Long poll (one outstanding call per node agent): the lease once a step beyond
+        `after` is reduced or a stop is decided, else the current one after `timeout_s`."""
+
+        def moved() -> bool:
+            lease = self.core.lease()
+            return lease.reduced_through > after or lease.stopping
+
+        if not moved():
+            try:
+                async with self._reduced:
+                    await asyncio.wait_for(self._reduced.wait_for(moved), timeout_s)
+            except TimeoutError:
+                pass
+        return self.core.lease().encode()
 
     async def request_stop(self, reason: str, rule: str = "interrupt", save: bool = False) -> None:
         self.core.request_stop(reason, rule=rule, save=save)

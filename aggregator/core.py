@@ -13,21 +13,25 @@ from collections import Counter, OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
-from . import tables
-from .metrics_store import MetricsWriter
-from .packets import (
+from mindpulse.config import sections_of
+from mindpulse.protocol import (
     Action,
+    CheckpointKind,
     Directive,
+    EventKind,
     EventPacket,
+    Lease,
     Packet,
     PacketError,
     StepPacket,
     TelemetryPacket,
     decode,
 )
-from .policies import Action as RuleAction
+
+from . import tables
+from .metrics_store import MetricsWriter
 from .policies import Firing, PolicyEngine, build_rules
-from .reducer import ReducedStep, StepReducer, StragglerTracker
+from .reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +54,14 @@ class AggregatorCore:
         self.replaying = False
         self.restarts = 0
         self.run_dir = Path(run_dir)
-        self.ckpt_cfg: dict[str, Any] = dict(settings.get("checkpoint") or {})
-        mon = settings.get("monitor") or {}
-        self.straggler_threshold = float(mon.get("straggler_threshold", 0.7))
-        self.stragglers = StragglerTracker(int(mon.get("straggler_window", 10)))
-        rule_cfgs = [dict(c) for c in settings.get("anomalies") or []]
-        for c in rule_cfgs:
-            if c.get("rule") == "straggler":
-                c.setdefault("default_threshold", self.straggler_threshold)
-        if not any(c.get("rule") == "straggler" for c in rule_cfgs):
-            rule_cfgs.append({"rule": "straggler", "default_threshold": self.straggler_threshold})
-        self.policies = PolicyEngine(build_rules(rule_cfgs, extra_kinds=settings.get("extra_rules")))
+        cfg = sections_of(settings)  # typed, with the config's one set of defaults
+        self.ckpt = cfg.checkpoint
+        self.straggler_threshold = cfg.monitor.straggler_threshold
+        self.max_lag = cfg.monitor.max_lag_steps
+        self.stragglers = StragglerTracker(cfg.monitor.straggler_window)
+        self.policies = PolicyEngine(build_rules([dict(c) for c in settings.get("anomalies") or []],
+                                                 extra_kinds=settings.get("extra_rules"),
+                                                 straggler_threshold=self.straggler_threshold))
         self.anomalies: list[dict[str, Any]] = []
         prev = self.run_dir / "anomalies.json"
         if prev.exists():  # a restarted attempt (or aggregator) continues the record
@@ -97,9 +98,7 @@ class AggregatorCore:
         self.stop_request: tuple[str, dict[str, Any]] | None = None
         self.stop: dict[str, Any] | None = None
         self.rank_info: dict[int, dict[str, Any]] = {}
-        self.first_loss: float | None = None
-        self.last_loss: float | None = None
-        self.best_loss: tuple[float, int] | None = None
+        self.totals = RunTotals()
         self.steps_reduced = 0
         self.last_reduced: ReducedStep | None = None
         self.fingerprint_mismatches: list[dict[str, Any]] = []
@@ -115,8 +114,9 @@ class AggregatorCore:
     def _replay(self) -> None:
         """Rebuild the state of a restarted aggregator from metrics.msgpack (every packet it
         had accepted), without writing anything again."""
+        from mindpulse.protocol import PacketError, from_wire
+
         from .metrics_store import read_wire
-        from .packets import PacketError, from_wire
 
         self.replaying = True
         self.restarts += 1
@@ -168,25 +168,25 @@ class AggregatorCore:
             return out
         if isinstance(pkt, EventPacket):
             info = self.rank_info.setdefault(pkt.rank, {})
-            if pkt.kind == "start":
+            if pkt.kind == EventKind.START:
                 info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
-            elif pkt.kind == "checkpoint":
+            elif pkt.kind == EventKind.CHECKPOINT:
                 self._on_checkpoint(pkt)
-            elif pkt.kind == "structure":
+            elif pkt.kind == EventKind.STRUCTURE:
                 if self.tb is not None and not self.replaying:
                     self.tb.on_text("model/structure", pkt.message, 0)
-            elif pkt.kind == "heartbeat":
+            elif pkt.kind == EventKind.HEARTBEAT:
                 self.heartbeat[pkt.rank] = (time.time(), pkt.step)
                 info.setdefault("pid", pkt.pid)
-            elif pkt.kind == "end":
+            elif pkt.kind == EventKind.END:
                 self.ended.add(pkt.rank)
                 info["end"] = pkt.message or True
-            elif pkt.kind == "error":
+            elif pkt.kind == EventKind.ERROR:
                 if len(self.rank_errors) < 100:
                     self.rank_errors.append({"rank": pkt.rank, "step": pkt.step, "message": pkt.message})
                 if not self.replaying:
                     self.console.append(f"rank {pkt.rank}: {pkt.message}")
-                if pkt.message.startswith("checkpoint save") and self.ckpt_cfg.get("on_save_error") == "stop":
+                if pkt.message.startswith("checkpoint save") and self.ckpt.on_save_error == "stop":
                     self.request_stop(f"{pkt.message} (checkpoint.on_save_error: stop)", rule="checkpoint_save",
                                       rank=pkt.rank)
             else:
@@ -220,7 +220,7 @@ class AggregatorCore:
             if not isinstance(e, dict):
                 continue
             self.checkpoints.append(e)
-            if e.get("kind") == "best":
+            if e.get("kind") == CheckpointKind.BEST:
                 self.best_checkpoint = {"path": e.get("path"), "step": e.get("step"), "metric": e.get("metric"),
                                         "metric_name": e.get("metric_name")}
             self.console.append(f"checkpoint ({e.get('kind')}) step {e.get('step')}: {e.get('path')}")
@@ -236,7 +236,7 @@ class AggregatorCore:
         if self.replaying:  # recorded before the restart (anomalies.json was reloaded)
             if f.action.stops:
                 self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
-                                  save=f.action is RuleAction.SAVE_AND_STOP, threshold=f.threshold)
+                                  save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold)
             return
         if len(self.anomalies) < 10_000:
             self.anomalies.append(rec)
@@ -248,7 +248,7 @@ class AggregatorCore:
             self.milestone(f"anomaly {f.rule}: {f.message}", f.step)
         if f.action.stops:
             self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
-                              save=f.action is RuleAction.SAVE_AND_STOP, threshold=f.threshold)
+                              save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold)
 
     # ---- reduction → decisions ------------------------------------------------------
     def _on_reduced(self, red: ReducedStep) -> None:
@@ -262,32 +262,27 @@ class AggregatorCore:
                 self.tb.on_weights(red.step, w)
         self.last_reduced = red
         self.recent.append(red)
-        loss = red.loss_mean
-        if loss is not None and math.isfinite(loss):
-            if self.first_loss is None:
-                self.first_loss = loss
-            self.last_loss = loss
-            if self.best_loss is None or loss < self.best_loss[0]:
-                self.best_loss = (loss, red.step)
-        elif loss is not None:
-            self.last_loss = loss
+        self.totals.add(red)
         self._check_fingerprints(red)
         self.stragglers.update(red)
         for f in self.policies.on_step(red):
             self._on_firing(f)
         decision_step = any(p.decision for p in red.per_rank.values())
+        if self.stop_request is not None and self.stop is None and decision_step:
+            # decided now, at step S; ranks may already be running up to S+max_lag (their
+            # lease allowed it): every rank stops after that same step
+            reason, stop = self.stop_request
+            save_last = bool(stop.pop("save", False) and self.ckpt.save_last)
+            self.stop = dict(stop, step=red.step + self.max_lag, decided_at=red.step, save_last=save_last)
+            self.console.append(f"stopping every rank after step {self.stop['step']}: {reason}"
+                                + (f" (decided at step {red.step})" if self.max_lag else ""))
         directive = Directive(step=red.step)
         if decision_step:
             directive = self._save_decision(red, directive)
-        if decision_step and self.stop_request is not None and self.stop is None:
-            reason, stop = self.stop_request
-            directive.action, directive.reason = Action.STOP, reason
-            if stop.pop("save", False) and self.ckpt_cfg.get("save_last", True) and "last" not in directive.save_kinds:
-                directive.save = ",".join(directive.save_kinds + ["last"])
-            self.stop = dict(stop, step=red.step)
-            self.console.append(f"stopping every rank after step {red.step}: {reason}")
-        elif self.stop is not None and red.step >= self.stop["step"]:
-            directive = Directive(step=red.step, action=Action.STOP, reason=self.stop.get("message", ""))
+        if self.stop is not None and red.step >= self.stop["step"]:
+            directive.action, directive.reason = Action.STOP, self.stop.get("message", "")
+            if self.stop.get("save_last") and CheckpointKind.LAST not in directive.save_kinds:
+                directive.save = ",".join([k.value for k in directive.save_kinds] + [CheckpointKind.LAST.value])
         self.directives[red.step] = directive
         while len(self.directives) > _KEEP_DIRECTIVES:
             self.directives.popitem(last=False)
@@ -300,24 +295,24 @@ class AggregatorCore:
 
     def _save_decision(self, red: ReducedStep, d: Directive) -> Directive:
         """Which checkpoints rank 0 writes after this step: periodic and/or best."""
-        c = self.ckpt_cfg
-        kinds = []
-        every = int(c.get("save_checkpoint_steps") or 0)
+        c = self.ckpt
+        kinds: list[CheckpointKind] = []
+        every = c.save_checkpoint_steps
         if every and red.step > 0 and red.step % every == 0:
-            kinds.append("periodic")
-        if c.get("save_best_ckpt") and red.step > 0 and not red.nonfinite_ranks:
-            name = c.get("best_metric") or "loss"
+            kinds.append(CheckpointKind.PERIODIC)
+        if c.save_best_ckpt and red.step > 0 and not red.nonfinite_ranks:
+            name = c.best_metric
             value = red.metric(name)
             is_eval = name.startswith("eval_")
-            due = is_eval or red.step % int(c.get("best_every_steps") or 1) == 0
+            due = is_eval or red.step % c.best_every_steps == 0
             if value is not None and math.isfinite(value) and due:
-                better = (self.best is None or (value < self.best[0] if c.get("best_mode", "min") == "min"
+                better = (self.best is None or (value < self.best[0] if c.best_mode.value == "min"
                                                 else value > self.best[0]))
                 if better:
                     self.best = (value, red.step)
-                    kinds.append("best")
+                    kinds.append(CheckpointKind.BEST)
                     d.metric, d.metric_name = value, name
-        d.save = ",".join(kinds)
+        d.save = ",".join(k.value for k in kinds)
         return d
 
     def _check_fingerprints(self, red: ReducedStep) -> None:
@@ -337,9 +332,15 @@ class AggregatorCore:
     def directive_for(self, step: int) -> Directive | None:
         return self.directives.get(step)
 
+    def lease(self) -> Lease:
+        """What every rank may do now (pushed to the ranks through their node's relay)."""
+        stop = self.stop or {}
+        return Lease(reduced_through=self.reducer.reduced_through, stop_after=int(stop.get("step", -1)),
+                     reason=str(stop.get("message", "")), save_last=bool(stop.get("save_last", False)))
+
     def request_stop(self, reason: str, rule: str = "interrupt", rank: int | None = None,
                      value: float | None = None, save: bool = False, threshold: float | None = None) -> None:
-        """Stop every rank after the next decision step (first request wins).
+        """Stop every rank after the next reduced step plus monitor.max_lag_steps (first request wins).
 
         `save`: rank 0 also writes a `last` checkpoint after that step (interrupts and
         save_and_stop rules)."""
@@ -370,33 +371,16 @@ class AggregatorCore:
         ranks = []
         for r in range(self.world_size):
             last = self.reducer.last_packet_of_rank.get(r)
-            fp = None
-            # the newest fingerprint this rank sent
-            for red in reversed(self.recent):
-                if r in red.fingerprints:
-                    fp = red.fingerprints[r]
-                    break
             info = self.rank_info.get(r, {})
-            ranks.append(
-                {
-                    "rank": r,
-                    "last_step": last.step if last else 0,
-                    "param_fingerprint": fp,
-                    "pid": info.get("pid"),
-                    "host": info.get("host"),
-                }
-            )
-        fps = {x["param_fingerprint"] for x in ranks if x["param_fingerprint"]}
+            ranks.append({"rank": r, "last_step": last.step if last else 0,
+                          "param_fingerprint": self.totals.fingerprints.get(r),  # the newest it sent
+                          "pid": info.get("pid"), "host": info.get("host")})
         return {
             "world_size": self.world_size,
             "steps_completed": self.reducer.reduced_through if self.reducer.reduced_through > 0 else 0,
             "ranks": ranks,
             "stop": self.stop,
-            "first_loss": self.first_loss,
-            "last_loss": self.last_loss,
-            "best_loss": self.best_loss[0] if self.best_loss else None,
-            "best_loss_step": self.best_loss[1] if self.best_loss else None,
-            "fingerprints_equal": (len(fps) == 1) if fps else None,
+            **self.totals.as_dict(),
             "anomalies": self.anomalies_total,
             "best_checkpoint": self.best_checkpoint,
             "checkpoints": self.checkpoints[-20:],

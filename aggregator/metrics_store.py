@@ -7,10 +7,10 @@ msgpack streaming reader can read it; a torn last record is ignored by `read_pac
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from .packets import Packet, PacketError, from_wire, iter_stream
+from mindpulse.protocol import Packet, PacketError, from_wire, iter_stream
 
 
 class MetricsWriter:

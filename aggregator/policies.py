@@ -2,29 +2,23 @@
 firing whose message quotes the numbers. Policies decide; the aggregator acts.
 
 Rule configs arrive as plain dicts (the `anomalies` list of the run config, as
-`launcher.config.AnomalyRuleConfig` fields), so this module stays free of the launcher.
+`mindpulse.config.AnomalyRuleConfig` fields); their defaults live in the config module
+(`RULE_DEFAULTS`), filled in by `resolve_rule` when a rule is built.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
+
+from mindpulse.config import DEFAULT_RULES, resolve_rule
+from mindpulse.protocol import Action
 
 from .reducer import ReducedStep
-
-
-class Action(str, enum.Enum):
-    WARN = "warn"
-    STOP = "stop"
-    SAVE_AND_STOP = "save_and_stop"
-
-    @property
-    def stops(self) -> bool:
-        return self is not Action.WARN
 
 
 @dataclass
@@ -53,12 +47,12 @@ def _fmt(x: float | None) -> str:
 
 class Rule:
     kind = "rule"
-    default_action = Action.WARN
 
     def __init__(self, cfg: dict[str, Any]):
+        cfg = resolve_rule(dict(cfg, rule=cfg.get("rule") or self.kind))
         self.cfg = cfg
         self.name = cfg.get("name") or self.kind
-        self.action = Action(cfg["action"]) if cfg.get("action") else self.default_action
+        self.action = Action(cfg.get("action") or Action.WARN)
 
     def check(self, red: ReducedStep) -> Firing | None:
         return None
@@ -75,7 +69,6 @@ class NonFiniteRule(Rule):
     """Loss or gradients NaN/Inf on any rank; names the rank from its local values."""
 
     kind = "nonfinite"
-    default_action = Action.STOP
 
     def check(self, red: ReducedStep) -> Firing | None:
         if red.step == 0:
@@ -108,15 +101,14 @@ class GradExplosionRule(Rule):
     """Global grad norm above `threshold`, or above `factor` x its rolling median."""
 
     kind = "grad_explosion"
-    default_action = Action.STOP
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
+        cfg = self.cfg  # resolved: every default filled in
         self.limit = cfg.get("threshold")
-        self.factor = cfg.get("factor") or 20.0
-        self.window = cfg.get("window") or 50
-        w = cfg.get("warmup", -1)
-        self.warmup = 5 if w is None or w < 0 else w
+        self.factor = cfg["factor"]
+        self.window = cfg["window"]
+        self.warmup = cfg["warmup"]
         self.history: deque[float] = deque(maxlen=self.window)
 
     def check(self, red: ReducedStep) -> Firing | None:
@@ -146,15 +138,14 @@ class LossSpikeRule(Rule):
     """Robust z-score of the reduced loss over a rolling window (median and MAD)."""
 
     kind = "loss_spike"
-    default_action = Action.WARN
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
-        self.z = cfg.get("z") or 6.0
-        self.window = cfg.get("window") or 50
-        w = cfg.get("warmup", -1)
-        self.warmup = 10 if w is None or w < 0 else w
-        self.patience = cfg.get("patience") or 1
+        cfg = self.cfg  # resolved: every default filled in
+        self.z = cfg["z"]
+        self.window = cfg["window"]
+        self.warmup = cfg["warmup"]
+        self.patience = cfg["patience"]
         self.history: deque[float] = deque(maxlen=self.window)
         self.hits = 0
 
@@ -189,14 +180,14 @@ class ThresholdRule(Rule):
     """A user rule on any reduced metric: `metric op threshold` for `for_steps` steps."""
 
     kind = "threshold"
-    default_action = Action.WARN
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
+        cfg = self.cfg  # resolved: every default filled in
         self.metric = cfg["metric"]
-        self.op = cfg.get("op") or ">"
+        self.op = cfg["op"]
         self.threshold = float(cfg["threshold"])
-        self.for_steps = cfg.get("for_steps") or 1
+        self.for_steps = cfg["for_steps"]
         self.count = 0
         if not cfg.get("name"):
             self.name = f"{self.metric}{self.op}{self.threshold:g}"
@@ -220,17 +211,12 @@ class CardOverloadRule(Rule):
     """A card's temperature, HBM use (%) or power above a limit for `for_s` seconds."""
 
     kind = "card_overload"
-    default_action = Action.WARN
-    DEFAULTS = {"temp_c": 95.0, "memory_pct": 98.0, "power_w": None}
-
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
-        self.metric = cfg.get("metric") or "temp_c"
-        self.threshold = cfg.get("threshold")
-        if self.threshold is None:
-            self.threshold = self.DEFAULTS.get(self.metric)
-        f = cfg.get("for_s", -1)
-        self.for_s = 30.0 if f is None or f < 0 else f
+        cfg = self.cfg  # resolved: every default filled in
+        self.metric = cfg["metric"]
+        self.threshold = cfg["threshold"]
+        self.for_s = cfg["for_s"]
         self.since: dict[tuple[Any, Any], float] = {}
         self.fired: set[tuple[Any, Any]] = set()
 
@@ -270,13 +256,13 @@ class DesyncRule(Rule):
     with that relative tolerance instead of the bit-exact hashes."""
 
     kind = "desync"
-    default_action = Action.STOP
     CAUSES = ("ranks initialised without a common seed or a broadcast of the weights; "
               "a rank loaded another checkpoint; silent data corruption on a card")
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
-        self.tolerance = float(cfg.get("tolerance") or 0.0)
+        cfg = self.cfg  # resolved: every default filled in
+        self.tolerance = float(cfg["tolerance"])
 
     def check(self, red: ReducedStep) -> Firing | None:
         fps = red.fingerprints
@@ -311,13 +297,12 @@ class StragglerRule(Rule):
     `threshold` (monitor.straggler_threshold by default). Fires once per excursion."""
 
     kind = "straggler"
-    default_action = Action.WARN
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
-        t = cfg.get("threshold")
-        self.threshold = float(t) if t is not None else float(cfg.get("default_threshold", 0.7))
-        self.patience = int(cfg.get("patience") or 2)
+        cfg = self.cfg  # resolved: every default filled in
+        self.threshold = float(cfg["threshold"])
+        self.patience = int(cfg["patience"])
         self.hits: dict[int, int] = {}
         self.flagged: set[int] = set()
 
@@ -343,14 +328,14 @@ RULES: dict[str, type[Rule]] = {
     r.kind: r for r in (NonFiniteRule, GradExplosionRule, LossSpikeRule, ThresholdRule, CardOverloadRule,
                         DesyncRule, StragglerRule)
 }
-DEFAULT_RULES = ("nonfinite", "grad_explosion", "loss_spike", "card_overload", "desync", "straggler")
-"""On unless turned off with `{rule: NAME, enabled: false}`."""
 
 
-def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]] | None = None) -> list[Rule]:
-    """Defaults, replaced by user entries of the same built-in kind; threshold rules added."""
+def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]] | None = None,
+                straggler_threshold: float | None = None) -> list[Rule]:
+    """Defaults, replaced by user entries of the same built-in kind; threshold rules added.
+    A straggler rule without a threshold takes `straggler_threshold` (monitor.straggler_threshold)."""
     kinds = dict(RULES, **(extra_kinds or {}))
-    chosen: dict[str, dict[str, Any]] = {k: {"rule": k} for k in DEFAULT_RULES if k in kinds}
+    chosen: dict[str, dict[str, Any]] = {k.value: {"rule": k.value} for k in DEFAULT_RULES if k.value in kinds}
     for k in extra_kinds or {}:
         chosen.setdefault(k, {"rule": k})
     added: list[dict[str, Any]] = []
@@ -366,7 +351,7 @@ def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]
             continue
         cls = kinds.get(c["rule"])
         if cls is not None:
-            rules.append(cls(c))
+            rules.append(cls(resolve_rule(c, straggler_threshold)))
     return rules
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any
 
-from .packets import StepPacket
+from mindpulse.protocol import StepPacket
 
 
 @dataclass
@@ -270,3 +271,36 @@ class StragglerTracker:
         scores = {r: (fastest / m if m > 0 else 1.0) for r, m in sorted(meds.items())}
         red.straggler_scores = scores
         return scores
+
+
+class RunTotals:
+    """summary.json's loss and fingerprint totals, accumulated per reduced step (first and
+    best finite loss, last reported loss, newest fingerprint per rank): the aggregator keeps
+    them live, the offline views rebuild them for a run that has no summary.json."""
+
+    def __init__(self) -> None:
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.best_loss: tuple[float, int] | None = None
+        self.fingerprints: dict[int, str] = {}
+
+    def add(self, red: ReducedStep) -> None:
+        loss = red.loss_mean
+        if loss is not None:
+            self.last_loss = loss
+            if math.isfinite(loss):
+                if self.first_loss is None:
+                    self.first_loss = loss
+                if self.best_loss is None or loss < self.best_loss[0]:
+                    self.best_loss = (loss, red.step)
+        self.fingerprints.update(red.fingerprints)
+
+    def as_dict(self) -> dict[str, Any]:
+        fps = set(self.fingerprints.values())
+        return {
+            "first_loss": self.first_loss,
+            "last_loss": self.last_loss,
+            "best_loss": self.best_loss[0] if self.best_loss else None,
+            "best_loss_step": self.best_loss[1] if self.best_loss else None,
+            "fingerprints_equal": (len(fps) == 1) if fps else None,
+        }

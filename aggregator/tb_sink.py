@@ -304,7 +304,7 @@ class TensorBoardSink:
         except Exception as exc:
             self._error("close", exc)
 
-    def __enter__(self) -> "TensorBoardSink":
+    def __enter__(self) -> TensorBoardSink:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -12,10 +12,11 @@ import platform
 import socket
 import statistics
 import time
+from collections.abc import Iterable, Sequence
 from contextlib import closing
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -110,7 +111,7 @@ def free_port() -> int:
 
 def aggregator_settings(**monitor: Any) -> dict[str, Any]:
     """The aggregator settings `mindpulse launch` passes with the default config."""
-    from mindpulse.launcher.config import load_config
+    from mindpulse.config import load_config
 
     cfg, _ = load_config(None)
     plain = cfg.to_dict()
@@ -156,7 +157,7 @@ class ForeignLoad:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._last: dict[int, float] = {}
 
-    def start(self) -> "ForeignLoad":
+    def start(self) -> ForeignLoad:
         self._thread.start()
         return self
 

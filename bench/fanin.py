@@ -45,9 +45,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import ray  # noqa: E402
-
 import _common as C  # noqa: E402
+import ray  # noqa: E402
 
 NODE = 8  # ranks per node (per-node batching groups this many packets in one call)
 RANKS = [8, 64, 512, 4096]
@@ -69,7 +68,7 @@ class RankSim:
         return len(groups)
 
     def _batch(self, ranks: list[int], step: int, rate: float) -> list[bytes]:
-        from mindpulse.aggregator.packets import StepPacket
+        from mindpulse.protocol import StepPacket
 
         now = time.time()
         out = []
@@ -92,7 +91,7 @@ class RankSim:
         return len(refs)
 
     async def run(self, t0: float, rate: float, n_steps: int, timeout_s: float) -> dict:
-        from mindpulse.aggregator.packets import Directive
+        from mindpulse.protocol import Directive
 
         sends: list[float] = []
         recvs: list[float] = []

@@ -27,9 +27,8 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
 
 MODELS = {
     "small": dict(seq_length=64, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, batch_size=8),

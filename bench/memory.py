@@ -20,10 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import _common as C
 import msgpack
 import psutil
-
-import _common as C
 
 
 def main() -> None:
@@ -37,7 +36,7 @@ def main() -> None:
     t0 = time.time()
 
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.aggregator.packets import Directive, StepPacket
+    from mindpulse.protocol import Directive, StepPacket
 
     settings = C.aggregator_settings()
     settings["tensorboard"] = args.tensorboard == "on"

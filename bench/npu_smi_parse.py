@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
-    from mindpulse.aggregator.npu_smi import parse_npu_smi
+    from mindpulse.node.npu_smi import parse_npu_smi
 
     files = sorted(p for p in FIXTURES.glob("*.txt"))
     texts = [f.read_text(encoding="utf-8") for f in files]

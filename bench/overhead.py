@@ -43,9 +43,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
 
 CONFIGS = ["none", "loss_monitor", "summary", "mf_loss", "mp_default", "mp_all"]
 LABELS = {
@@ -124,8 +123,8 @@ class Rig:
             return [MFLossMonitor(learning_rate=1e-4, per_print_times=1, origin_epochs=1, dataset_size=self.steps,
                                   global_batch_size=self.bs)]
         if cfg in ("mp_default", "mp_all"):
+            from mindpulse.workers.channel import ActorChannel as AggregatorClient
             from mindpulse.workers.monitor import Monitor
-            from mindpulse.workers.shipping import AggregatorClient
 
             client = AggregatorClient(self.handle_factory(cfg))
             # steps keep counting up across repeats so the aggregator sees new steps only
@@ -231,7 +230,7 @@ def main() -> None:
         # only repeats run while the machine was otherwise quiet count (while time allows)
         deadline = t0 + args.max_seconds * (MODEL_SHARE[mname] if mname in MODEL_SHARE else 1.0)
         g = C.gated_repeats(load, args.repeats, deadline, one_repeat,
-                            log=lambda m: print(f"[overhead] {mname}: {m}", file=sys.stderr, flush=True))
+                            log=lambda m, name=mname: print(f"[overhead] {name}: {m}", file=sys.stderr, flush=True))
         times = {c: [r[c] for r in g["kept"]] for c in CONFIGS}
         rep_median = {c: [statistics.median(r) for r in times[c]] for c in CONFIGS}
         rows = {}
@@ -285,7 +284,7 @@ def render(out: dict) -> str:
                      f"batch {sh['batch_size']}, {r['params'] / 1e6:.2f} M parameters; "
                      f"{r['repeats']} repeats x {r['steps_per_run']} timed steps{quiet}\n")
         rows = []
-        for c, v in r["configs"].items():
+        for v in r["configs"].values():
             st, ra = v["step_s"], v["ratio"]
             rows.append([v["label"], C.fmt_ms(st["median"]), f"{C.fmt_ms(st['min'])}-{C.fmt_ms(st['max'])}",
                          f"{ra['median']:.3f}", f"{ra['min']:.3f}-{ra['max']:.3f}"])

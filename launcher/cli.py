@@ -12,8 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
-from .spec import ExitCode
+from mindpulse.config import ConfigError, RunConfig, load_config
+
+from .spec import ExitCode, RankSpec
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     lp = sub.add_parser("launch", help="launch a data-parallel run and monitor it")
-    lp.add_argument("config", nargs="?", type=Path, help="cluster config YAML (default: cluster_configs/local_cpu.yaml)")
+    lp.add_argument("config", nargs="?", type=Path,
+                    help="cluster config YAML (default: cluster_configs/local_cpu.yaml)")
     lp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set train.steps=20 (repeatable)")
     lp.add_argument("--inject", action="append", default=[], metavar="KIND@RANK:STEP",
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"mindpulse: {line}", file=sys.stderr)
             cfg, path = load_config(config_file, args.overrides)
             if getattr(args, "inject", None):
-                from .config import validate
+                from mindpulse.config import validate
 
                 cfg.faults = list(cfg.faults) + list(args.inject)
                 validate(cfg)
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 _print_plan(cfg, specs)
             return 0
         if args.command == "report":
-            from mindpulse.aggregator.report import build_report, final_tables
+            from mindpulse.views.report import build_report, final_tables
 
             if not (args.run_dir / "metrics.msgpack").exists():
                 print(f"mindpulse: {args.run_dir} has no metrics.msgpack; is it a run directory?", file=sys.stderr)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report: {rep['html']}")
             return 0
         if args.command == "top":
-            from .top import main_top
+            from mindpulse.views.top import main_top
 
             return main_top(args.run_dir, root=args.root, interval=args.interval, once=args.once)
         if args.command == "telemetry":
@@ -142,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     return int(ExitCode.USAGE)
 
 
-def _print_plan(cfg, specs) -> None:
+def _print_plan(cfg: RunConfig, specs: list[RankSpec]) -> None:
     from tabulate import tabulate
+
+    from mindpulse.config import Backend
+
+    from .spec import RUN_DIR, SCHEDULER_MODULE, scheduler_env, settings_path_of
 
     print(f"{cfg.name}: backend {cfg.backend.value}, {cfg.world.nodes} node(s) x {cfg.world.ranks_per_node} "
           f"{cfg.world.device.value} rank(s)")
@@ -162,11 +168,19 @@ def _print_plan(cfg, specs) -> None:
     for k, v in sorted(common.items()):
         print(f"  {k}={v}")
     print("per rank: " + ", ".join(sorted(k for k in specs[0].env if k not in common)))
+    if cfg.backend is Backend.RAY:
+        # msrun starts its own scheduler; the ray backend's runs in node 0's agent
+        sched = scheduler_env(cfg)
+        print(f"\nscheduler (node 0's agent): python -m {SCHEDULER_MODULE}")
+        for k, v in sorted(sched.items()):
+            print(f"  {k}={v}")
+    print(f"\n{RUN_DIR}: the run directory (made at launch); {settings_path_of(RUN_DIR)} holds the "
+          "settings every rank reads")
 
 
 def _telemetry(args) -> int:
     if args.telemetry_command == "parse-npu-smi":
-        from mindpulse.aggregator.npu_smi import format_cards_table, parse_npu_smi
+        from mindpulse.node.npu_smi import format_cards_table, parse_npu_smi
 
         try:
             data = args.file.read_bytes()
@@ -181,7 +195,7 @@ def _telemetry(args) -> int:
         else:
             print(format_cards_table(res.cards))
         return 0
-    from mindpulse.aggregator.telemetry import TelemetryUnavailable, sample_this_machine
+    from mindpulse.node.telemetry import TelemetryUnavailable, sample_this_machine
 
     try:
         sample = sample_this_machine(args.device)

@@ -73,7 +73,7 @@ def describe_failure(outcomes: dict[int, RankOutcome], order: list[int], logs_di
     o = outcomes.get(root) if root is not None else None
     tail = log_tail(logs_dir / f"rank_{root}.log") if root is not None else ""
     tb = (o.traceback if o and o.traceback else "") or traceback_from_log(tail)
-    groups: "OrderedDict[str, list[int]]" = OrderedDict()
+    groups: OrderedDict[str, list[int]] = OrderedDict()
     for r in failed:
         key = outcomes[r].error.splitlines()[0] if outcomes[r].error else f"exit code {outcomes[r].exit_code}"
         groups.setdefault(key, []).append(r)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
-from .config import Device, RunConfig
+from mindpulse.config import Device, RunConfig
 
 
 class LaunchRefused(RuntimeError):

@@ -73,3 +73,15 @@ class ProgressLine:
             self.out.write("\r\x1b[2K")
             self.out.flush()
             self._shown = False
+
+
+class Console:
+    """The launcher's output: messages, and the progress line they never tear."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.progress = ProgressLine(out)
+
+    def say(self, text: str) -> None:
+        self.progress.clear()
+        print(text, file=self.out, flush=True)

@@ -6,13 +6,10 @@ import logging
 import os
 from typing import Any
 
-from .config import RunConfig
+from mindpulse.config import RunConfig
+from mindpulse.node.agent import WORKER_ENV
 
 log = logging.getLogger(__name__)
-
-# Every Ray worker that imports mindspore needs the pure-Python protobuf from the start
-# (Ray imports protobuf first; mindspore's generated code then fails to load).
-WORKER_ENV = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 
 
 class RaySession:
@@ -22,7 +19,7 @@ class RaySession:
         self.address = ""
         self.temp_dir = ""
 
-    def __enter__(self) -> "RaySession":
+    def __enter__(self) -> RaySession:
         import ray
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

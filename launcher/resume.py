@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from mindpulse.config import ConfigError
 
 
 def resolve_resume(run_dir: Path, which: str = "latest") -> tuple[dict[str, Any], Path]:

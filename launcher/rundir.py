@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .config import ConfigError, RunConfig
+from mindpulse.config import ConfigError, RunConfig
 
 
 def make_run_dir(cfg: RunConfig, base: Path | None = None) -> Path:
@@ -57,3 +53,21 @@ def _json_default(x: Any) -> Any:
     if hasattr(x, "__dict__"):
         return x.__dict__
     return str(x)
+
+
+class PidFile:
+    """`RUN_DIR/pids.json`: the run's process ids (aggregator, agents, scheduler, ranks) for
+    operators and tests while it runs; the summary keeps the final copy."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "pids.json"
+        self.pids: dict[str, Any] = {}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.pids[key] = value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.pids.get(key, default)
+
+    def save(self) -> None:
+        write_json(self.path, self.pids)

@@ -8,13 +8,20 @@ is the whole run's outcome with failures keyed by global rank.
 from __future__ import annotations
 
 import enum
+import os
 import socket
-import sys
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Device, RunConfig
+from mindpulse.config import Device, RunConfig, monitor_settings_of, schedule_of
+from mindpulse.protocol import (
+    NODE_RANK_ENV,
+    SETTINGS_ENV,
+    CheckpointSettings,
+    ProfileSettings,
+    RankSettings,
+    ResumePoint,
+)
 
 
 class RunStatus(str, enum.Enum):
@@ -36,7 +43,7 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130
 
     @staticmethod
-    def of(status: RunStatus) -> "ExitCode":
+    def of(status: RunStatus) -> ExitCode:
         return {
             RunStatus.SUCCEEDED: ExitCode.SUCCESS,
             RunStatus.ANOMALY_STOP: ExitCode.ANOMALY,
@@ -95,7 +102,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 RUN_DIR = "${RUN_DIR}"
 """Placeholder for the run directory in plans made before a run exists."""
+MASTER_ADDR = "${MASTER_ADDR}"
+"""Placeholder for the scheduler's host when only the running cluster can tell it (node 0's address)."""
+MASTER_PORT = "${MASTER_PORT}"
+"""Placeholder for the scheduler's port when the config leaves it free (picked at launch)."""
 RANK_MAIN_MODULE = "mindpulse.workers.rank_main"
+SCHEDULER_MODULE = "mindpulse.workers.scheduler"
+GLOG_DEFAULT = "2"
+"""MindSpore's C++ log level for ranks unless the launching shell sets GLOG_v (2: warnings)."""
 
 
 def node_devices(cfg: RunConfig) -> list[int]:
@@ -103,7 +117,13 @@ def node_devices(cfg: RunConfig) -> list[int]:
     return list(cfg.world.devices) or list(range(cfg.world.ranks_per_node))
 
 
-def msrun_command(cfg: RunConfig, node: int, master_addr: str, master_port: str, run_dir: str) -> list[str]:
+def settings_path_of(run_dir: str) -> str:
+    """Where a run's `RankSettings` live: the one path every rank is given."""
+    return f"{run_dir}/job.json"
+
+
+def msrun_command(cfg: RunConfig, node: int, master_addr: str, master_port: str, *, logs_dir: str,
+                  settings_path: str) -> list[str]:
     """The msrun line a MindSpore user would type on `node` (MindSpore's msrun docs)."""
     w = cfg.world
     cmd = [
@@ -113,7 +133,7 @@ def msrun_command(cfg: RunConfig, node: int, master_addr: str, master_port: str,
         f"--master_addr={master_addr}",
         f"--master_port={master_port}",
         f"--node_rank={node}",
-        f"--log_dir={run_dir}/logs",
+        f"--log_dir={logs_dir}",
         "--join=True",
         f"--cluster_time_out={cfg.msrun.cluster_time_out}",
         "--worker_log_name=rank",
@@ -122,12 +142,26 @@ def msrun_command(cfg: RunConfig, node: int, master_addr: str, master_port: str,
         cmd.append("--bind_core=True")
     # msrun runs `python <args>` as given when the task is `python` (the PATH's python:
     # the node agent puts the driver's interpreter first on PATH)
-    return cmd + ["python", "-m", RANK_MAIN_MODULE, "--job", f"{run_dir}/job.json"]
+    return cmd + ["python", "-m", RANK_MAIN_MODULE, "--job", settings_path]
 
 
-def rank_specs(cfg: RunConfig, sched_host: str | None = None, sched_port: int | None = None,
-               run_env: dict[str, str] | None = None, run_dir: str = RUN_DIR) -> list[RankSpec]:
+def sched_endpoint(cfg: RunConfig, sched_host: str | None, sched_port: int | None) -> tuple[str, str]:
+    """The MindSpore scheduler's host and port as ranks are told them: the values the launch
+    picked, else the config's, else placeholders for what only the running cluster knows."""
+    host = sched_host or cfg.msrun.master_addr or ("127.0.0.1" if cfg.world.nodes == 1 else MASTER_ADDR)
+    port_num = sched_port if sched_port is not None else cfg.msrun.master_port
+    return host, (str(port_num) if port_num else MASTER_PORT)
+
+
+def rank_specs(cfg: RunConfig, *, run_dir: str = RUN_DIR, logs_dir: str | None = None,
+               settings_path: str | None = None, sched_host: str | None = None,
+               sched_port: int | None = None) -> list[RankSpec]:
     """Every rank's node, devices, environment and command, computed without starting anything.
+
+    This is the one place a rank's environment is made: `mindpulse plan` prints these specs
+    (placeholders for what only a running launch knows) and a launch starts exactly them.
+    `logs_dir` is the attempt's log folder (default RUN_DIR/logs); `settings_path` the
+    run's job.json (default RUN_DIR/job.json).
 
     Device visibility (one policy for both backends): every rank of a node sees the node's
     cards (`world.devices`, default 0..ranks_per_node-1) through ASCEND_RT_VISIBLE_DEVICES
@@ -135,15 +169,17 @@ def rank_specs(cfg: RunConfig, sched_host: str | None = None, sched_port: int | 
     msrun does. Ray is told not to set the visibility variable itself. Telemetry maps a
     rank to physical card `world.devices[local_rank]`.
     """
-    from .config import Backend
+    from mindpulse.config import Backend
 
     w = cfg.world
     world = w.world_size
     devices = node_devices(cfg)
-    single = w.nodes == 1
-    host = sched_host or cfg.msrun.master_addr or ("127.0.0.1" if single else "${MASTER_ADDR}")
-    port_num = sched_port if sched_port is not None else cfg.msrun.master_port
-    port = str(port_num) if port_num else "${MASTER_PORT}"
+    logs_dir = logs_dir or f"{run_dir}/logs"
+    settings_path = settings_path or settings_path_of(run_dir)
+    host, port = sched_endpoint(cfg, sched_host, sched_port)
+    # read from the launching shell, as MindSpore users set it; the plan shows the value a
+    # launch from the same shell would pass
+    glog = os.environ.get("GLOG_v", GLOG_DEFAULT)
     specs = []
     for node in range(w.nodes):
         for local in range(w.ranks_per_node):
@@ -168,11 +204,58 @@ def rank_specs(cfg: RunConfig, sched_host: str | None = None, sched_port: int | 
                 if cfg.backend is Backend.RAY:
                     env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
             env.update(cfg.env)
-            env.update(run_env or {})
+            # after the user's `env:` (config validation refuses MINDPULSE_* there; a GLOG_v
+            # there has always lost to the launching shell's)
+            env[SETTINGS_ENV] = settings_path
+            env["GLOG_v"] = glog
             if cfg.backend is Backend.MSRUN:
-                command = msrun_command(cfg, node, host, port, run_dir)
+                # msrun also starts the scheduler from rank_main on every "master" node: it
+                # runs only where this is 0
+                env[NODE_RANK_ENV] = str(node)
+                command = msrun_command(cfg, node, host, port, logs_dir=logs_dir, settings_path=settings_path)
             else:
-                command = ["python", "-m", RANK_MAIN_MODULE, "--job", f"{run_dir}/job.json"]
+                command = ["python", "-m", RANK_MAIN_MODULE, "--job", settings_path]
             specs.append(RankSpec(node=node, rank=rank, local_rank=local, device_id=devices[local], env=env,
                                   command=command))
     return specs
+
+
+def scheduler_env(cfg: RunConfig, *, run_dir: str = RUN_DIR, settings_path: str | None = None,
+                  sched_host: str | None = None, sched_port: int | None = None) -> dict[str, str]:
+    """Ray backend: the variables of MindSpore's scheduler process, which node 0's agent
+    starts (`python -m mindpulse.workers.scheduler`). msrun starts its own."""
+    host, port = sched_endpoint(cfg, sched_host, sched_port)
+    env = dict(cfg.env)
+    env.update({"MS_ROLE": "MS_SCHED", "MS_SCHED_HOST": host, "MS_SCHED_PORT": port,
+                "MS_WORKER_NUM": str(cfg.world.world_size),
+                # the scheduler reads its device target from the run's settings
+                SETTINGS_ENV: settings_path or settings_path_of(run_dir)})
+    return env
+
+
+def rank_settings(cfg: RunConfig, *, run_dir: str, run_id: str, attempt: int, aggregator: str,
+                  ray_address: str, relays: dict[int, str], resume: dict[str, Any] | None) -> RankSettings:
+    """The launcher → rank contract for one attempt (written to RUN_DIR/job.json)."""
+    return RankSettings(
+        run_id=run_id,
+        run_dir=run_dir,
+        attempt=attempt,
+        namespace=cfg.ray.namespace,
+        aggregator=aggregator,
+        ray_address=ray_address,
+        world_size=cfg.world.world_size,
+        ranks_per_node=cfg.world.ranks_per_node,
+        device_target=cfg.world.device.device_target,
+        relays=dict(relays),
+        batch_size=cfg.train.batch_size,
+        schedule=schedule_of(cfg),
+        monitor=monitor_settings_of(cfg),
+        checkpoint=CheckpointSettings(keep_periodic=cfg.checkpoint.keep_checkpoint_max,
+                                      keep_best=cfg.checkpoint.keep_best_max, format=cfg.checkpoint.format.value),
+        profile=ProfileSettings(steps=tuple(cfg.profile.steps), ranks=tuple(cfg.profile.ranks)),
+        # faults are a rehearsal of the first attempt: a restart runs clean
+        faults=tuple(cfg.faults) if attempt == 0 else (),
+        resume=ResumePoint(path=resume["path"], step=int(resume["step"]), epoch=int(resume.get("epoch") or 0),
+                           kind=str(resume.get("kind") or "")) if resume else None,
+        config=cfg.to_dict(),
+    )

@@ -16,14 +16,19 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mindpulse.protocol import CheckpointKind
+
+from .model_params import is_model_param
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-KINDS = ("periodic", "best", "last")
+KINDS = tuple(k.value for k in CheckpointKind)
 
 
 @dataclass
@@ -77,7 +82,7 @@ def read_manifest(ckpt_dir: Path) -> list[CkptEntry]:
 
 def write_manifest(ckpt_dir: Path, entries: list[CkptEntry]) -> None:
     body = {"version": 1, "files": [asdict(e) for e in sorted(entries, key=lambda e: (e.step, e.kind))]}
-    best = [e for e in entries if e.kind == "best"]
+    best = [e for e in entries if e.kind == CheckpointKind.BEST]
     if best:
         body["best"] = asdict(max(best, key=lambda e: e.time))
     fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=ckpt_dir)
@@ -107,7 +112,8 @@ class CheckpointManager:
     def __init__(self, ckpt_dir: Path, keep_periodic: int = 5, keep_best: int = 1, fmt: str = "ckpt"):
         self.dir = Path(ckpt_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.keep = {"periodic": keep_periodic, "best": keep_best, "last": 1}
+        self.keep = {CheckpointKind.PERIODIC.value: keep_periodic, CheckpointKind.BEST.value: keep_best,
+                     CheckpointKind.LAST.value: 1}
         self.fmt = fmt
         self.entries = read_manifest(self.dir)
         self._clean_temp()
@@ -120,14 +126,14 @@ class CheckpointManager:
             except OSError:
                 pass
 
-    def save(self, train_cell: Any, step: int, epoch: int, kinds: list[str], metric: float | None = None,
-             metric_name: str = "", extra: dict[str, Any] | None = None) -> list[CkptEntry]:
+    def save(self, train_cell: Any, step: int, epoch: int, kinds: Iterable[CheckpointKind | str],
+             metric: float | None = None, metric_name: str = "", extra: dict[str, Any] | None = None
+             ) -> list[CkptEntry]:
         """Write one file for the first kind; hard links for the others (one write)."""
         import mindspore as ms
 
-        from .train_cell import FAULT_PARAM_PREFIX
-
-        kinds = [k for k in kinds if k in KINDS]
+        # plain values: they name files and go into the manifest (an enum's str() is its name)
+        kinds = [CheckpointKind(k).value for k in kinds if k in KINDS]
         if not kinds:
             return []
         ext = "safetensors" if self.fmt == "safetensors" else "ckpt"
@@ -137,7 +143,7 @@ class CheckpointManager:
         if metric is not None:
             append["metric"] = float(metric)
         ms.save_checkpoint(train_cell, str(tmp), append_dict=append, format=self.fmt,
-                           choice_func=lambda name: not name.startswith(FAULT_PARAM_PREFIX))
+                           choice_func=is_model_param)
         if not tmp.exists():  # some MindSpore versions add the suffix themselves
             cand = list(self.dir.glob(f".tmp-{first}*"))
             if not cand:
@@ -173,7 +179,7 @@ class CheckpointManager:
         doomed: list[CkptEntry] = []
         for kind, keep in self.keep.items():
             mine = sorted((e for e in self.entries if e.kind == kind), key=lambda e: (e.step, e.time))
-            if kind == "best":
+            if kind == CheckpointKind.BEST:
                 mine = sorted(mine, key=lambda e: e.time)  # the newest best is the best so far
             excess = mine[: max(0, len(mine) - keep)]
             doomed.extend(e for e in excess if e is not newest)
@@ -194,7 +200,7 @@ def choose_resume(ckpt_dir: Path, which: str = "latest") -> tuple[CkptEntry | No
     size do not match the manifest are refused with a message, and the next one is used."""
     entries = read_manifest(ckpt_dir)
     if which == "best":
-        order = sorted((e for e in entries if e.kind == "best"), key=lambda e: e.time, reverse=True)
+        order = sorted((e for e in entries if e.kind == CheckpointKind.BEST), key=lambda e: e.time, reverse=True)
     else:
         order = sorted(entries, key=lambda e: (e.step, e.time), reverse=True)
     refused = []

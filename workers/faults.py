@@ -7,30 +7,16 @@ process itself (crash, hang, slow, desync). Given with `--inject` or `faults:`.
 
 from __future__ import annotations
 
-import enum
 import logging
-import os
-import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from mindpulse.protocol import Fault, FaultKind, parse_fault
+
+from .model_params import model_parameters
+from .settings import load_settings
+
 log = logging.getLogger(__name__)
-
-ENV_FAULTS = "MINDPULSE_FAULTS"
-
-
-class FaultKind(str, enum.Enum):
-    NAN_LOSS = "nan_loss"
-    NAN_GRAD = "nan_grad"
-    INF_GRAD = "inf_grad"
-    LOSS_SPIKE = "loss_spike"
-    GRAD_SPIKE = "grad_spike"
-    CRASH = "crash"
-    HANG = "hang"
-    SLOW = "slow"
-    DESYNC = "desync"
-
 
 # kinds that corrupt one step through the train cell's scalars
 _CELL_KINDS = {FaultKind.NAN_LOSS, FaultKind.NAN_GRAD, FaultKind.INF_GRAD, FaultKind.LOSS_SPIKE,
@@ -44,49 +30,19 @@ SLOW_DELAY_S = 1.5
 DESYNC_DELTA = 1e-3
 """Added to one weight tensor of the rank: small, but every fingerprint sees it."""
 
-_SPEC = re.compile(r"^\s*([a-z_]+)@(\d+):(\d+)\s*$")
 
-
-@dataclass(frozen=True)
-class Fault:
-    kind: FaultKind
-    rank: int
-    step: int
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}@{self.rank}:{self.step}"
-
-
-def parse_fault(spec: str, world_size: int | None = None) -> Fault:
-    """`nan_grad@1:5` → Fault; ValueError saying what is allowed otherwise."""
-    m = _SPEC.match(spec or "")
-    if not m:
-        raise ValueError(f"{spec!r} is not a fault; use KIND@RANK:STEP, e.g. nan_grad@1:5")
-    kind, rank, step = m.group(1), int(m.group(2)), int(m.group(3))
-    try:
-        fk = FaultKind(kind)
-    except ValueError:
-        raise ValueError(f"{spec!r}: unknown kind {kind!r}; use one of "
-                         + ", ".join(k.value for k in FaultKind)) from None
-    if world_size is not None and rank >= world_size:
-        raise ValueError(f"{spec!r}: rank {rank} does not exist in a world of {world_size} ranks")
-    return Fault(fk, rank, step)
-
-
-def faults_from_env(rank: int, env: dict[str, str] | None = None) -> list[Fault]:
-    env = os.environ if env is None else env
-    out = []
-    for spec in filter(None, (env.get(ENV_FAULTS) or "").split(",")):
-        f = parse_fault(spec)
-        if f.rank == rank:
-            out.append(f)
-    return out
+def faults_for(rank: int, specs: tuple[str, ...] | list[str] | None = None) -> list[Fault]:
+    """This rank's faults: from `specs`, or from the run's settings (none outside a launch)."""
+    if specs is None:
+        settings = load_settings()
+        specs = settings.faults if settings is not None else ()
+    return [f for f in map(parse_fault, specs) if f.rank == rank]
 
 
 def cell_faults_armed(rank: int) -> bool:
     """True when this rank will need the train cell's fault scalars (decided at build time:
     in GRAPH mode they must be in the compiled graph from the start)."""
-    return any(f.kind in _CELL_KINDS for f in faults_from_env(rank))
+    return any(f.kind in _CELL_KINDS for f in faults_for(rank))
 
 
 class FaultInjector:
@@ -94,7 +50,7 @@ class FaultInjector:
 
     def __init__(self, rank: int, faults: list[Fault] | None = None):
         self.rank = rank
-        self.faults = faults if faults is not None else faults_from_env(rank)
+        self.faults = faults if faults is not None else faults_for(rank)
         self.train_cell: Any = None
         self.network: Any = None
         self._armed_scale = False
@@ -152,8 +108,6 @@ class FaultInjector:
     def _desync(self) -> None:
         import mindspore as ms
         from mindspore import ops
-
-        from .fingerprint import model_parameters
 
         if self.network is None:
             log.warning("[rank %d] cannot inject desync: no network", self.rank)

@@ -13,24 +13,13 @@ from __future__ import annotations
 import hashlib
 import math
 
-import numpy as np
-from mindspore import nn, ops
 import mindspore as ms
+import numpy as np
+from mindspore import ops
 
-from .train_cell import FAULT_PARAM_PREFIX
+from .model_params import model_parameters
 
-
-def model_parameters(network: nn.Cell) -> list:
-    """The weights that define the model (trainable and not, e.g. norms' statistics),
-    without optimizer state and without the fault-injection scalars."""
-    out = []
-    seen = set()
-    for p in network.get_parameters():
-        if p.name in seen or p.name.startswith(FAULT_PARAM_PREFIX):
-            continue
-        seen.add(p.name)
-        out.append(p)
-    return out
+__all__ = ["model_parameters", "param_sums", "fingerprint_of", "param_fingerprint"]
 
 
 @ms.jit
@@ -61,9 +50,4 @@ def fingerprint_of(vec: np.ndarray) -> tuple[str, float]:
 
 def param_fingerprint(params) -> tuple[str, float]:
     """(16-hex-digit hash, global L2 norm of the parameters)."""
-    if not params:
-        return "0" * 16, 0.0
-    vec = param_sums(params)
-    digest = hashlib.blake2b(vec.tobytes(), digest_size=8).hexdigest()
-    sq = float(np.sum(vec[1::2].astype(np.float64)))
-    return digest, math.sqrt(sq) if sq >= 0 and math.isfinite(sq) else float("nan")
+    return fingerprint_of(param_sums(params))

@@ -46,8 +46,15 @@ class RankActor:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def run(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Run the rank's work (the same entry msrun runs); never raises."""
+    def run(self, job: Any = None) -> dict[str, Any]:
+        """Run the rank's work (the same entry msrun runs); never raises. `job` is ignored:
+        the rank reads its settings from the job.json its environment names."""
         from .rank_main import run_job
+        from .settings import SettingsError, load_settings
 
-        return run_job(job, self.rank)
+        try:
+            settings = load_settings()
+        except SettingsError as exc:
+            print(f"[rank {self.rank}] {exc}", file=sys.stderr, flush=True)
+            return {"rank": self.rank, "exit_code": 2, "error": str(exc), "traceback": "", "pid": os.getpid()}
+        return run_job(settings, self.rank)

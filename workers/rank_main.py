@@ -1,14 +1,13 @@
-"""The rank's entry point: `python rank_main.py --job RUN_DIR/job.json`.
+"""The rank's entry point: `python -m mindpulse.workers.rank_main --job RUN_DIR/job.json`.
 
 msrun starts it once per rank (and once more as the scheduler, MS_ROLE=MS_SCHED, on the
 master node); the Ray backend's rank actor calls `run_job` in-process, so both backends
-run the same code with the same environment.
+run the same code with the same settings (`RankSettings`, from the run's job.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import runpy
@@ -24,31 +23,32 @@ os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` importable the same way
     sys.path.pop(0)
 
+from mindpulse.config import from_dict  # noqa: E402
+from mindpulse.protocol import SETTINGS_ENV, RankSettings  # noqa: E402
 from mindpulse.workers.errors import StopTraining  # noqa: E402
+from mindpulse.workers.heartbeat import dump_stacks_on_sigusr1  # noqa: E402
+from mindpulse.workers.settings import SettingsError, node_rank, rank_id, settings_at  # noqa: E402
 
 
-def run_job(job: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Run the recipe or the user's script; returns exit code, error and traceback."""
+def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
+    """Run the recipe or the user's script; returns exit code, error and traceback (never raises).
+    `settings` None: this process was not launched by mindpulse, which is reported as the error."""
     t0 = time.time()
     code, error, tb = 0, "", ""
-    try:  # stacks on SIGUSR1 from the start: a hang during init must be dumpable too
-        import faulthandler
-        import signal
-
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-    except (ValueError, AttributeError, RuntimeError):
-        pass
+    dump_stacks_on_sigusr1()  # from the start: a hang during init must be dumpable too
     print(f"[rank {rank}] pid {os.getpid()} starting", flush=True)
     try:
-        if job["job"].get("script"):
-            script = job["job"]["script"]
-            sys.argv = [script] + list(job["job"].get("args") or [])
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
+        if settings is None:
+            raise SettingsError(f"{SETTINGS_ENV} names no settings: this process was not launched by mindpulse")
+        job = from_dict(settings.config, source="job.json config").job
+        if job.script:
+            sys.argv = [job.script] + list(job.args)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(job.script)))
+            runpy.run_path(job.script, run_name="__main__")
         else:
             from mindpulse.workers.recipes import llama_finetune
 
-            llama_finetune.main(job)
+            llama_finetune.main(settings)
     except StopTraining as exc:
         print(f"[rank {rank}] stopped before the next step: {exc}", flush=True)
     except SystemExit as exc:
@@ -82,22 +82,25 @@ def release_communication(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, help="the run's job.json (the resolved config)")
+    ap.add_argument("--job", required=True, help="the run's job.json (its RankSettings)")
     args = ap.parse_args(argv)
+    try:
+        settings = settings_at(args.job)
+    except SettingsError as exc:
+        print(f"mindpulse rank: {exc}", file=sys.stderr, flush=True)
+        return 2
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         # msrun starts the scheduler from the same script on every node whose address is
         # the master's; only node 0 hosts it (on one machine all "nodes" look like masters)
-        if os.environ.get("MINDPULSE_NODE_RANK", "0") != "0":
+        if node_rank() != 0:
             print("not node 0: no MindSpore scheduler here", flush=True)
             return 0
         from mindpulse.workers.scheduler import main as sched_main
 
         return sched_main()
-    with open(args.job) as fh:
-        job = json.load(fh)
-    rank = int(os.environ.get("RANK_ID", "0"))
+    rank = rank_id()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s")
-    res = run_job(job, rank)
+    res = run_job(settings, rank)
     return int(res["exit_code"])
 
 

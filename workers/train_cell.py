@@ -11,6 +11,10 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from .faults import cell_faults_armed
+from .model_params import FAULT_PARAM_PREFIX
+from .settings import rank_id
+
 # indices into the stats vector returned next to the loss
 STAT_GRAD_NORM = 0
 STAT_GRAD_NORM_LOCAL = 1
@@ -18,8 +22,6 @@ STAT_NAN = 2
 STAT_INF = 3
 STATS_LEN = 4
 
-FAULT_PARAM_PREFIX = "mindpulse_fault_"
-"""Names of the fault-injection scalars; they are not model weights and never saved."""
 
 _scale = ops.MultitypeFuncGraph("scale")
 
@@ -62,13 +64,9 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
                  fault_armed: bool | None = None):
         super().__init__(network, optimizer, sens)
         # the scaling ops are only in the graph when a fault may be injected in this rank
-        # (known at launch from MINDPULSE_FAULTS): a normal run pays nothing for them
+        # (known at launch, from the run's settings): a normal run pays nothing for them
         if fault_armed is None:
-            import os
-
-            from .faults import cell_faults_armed
-
-            fault_armed = cell_faults_armed(int(os.environ.get("RANK_ID", "0")))
+            fault_armed = cell_faults_armed(rank_id())
         self.fault_armed = bool(fault_armed)
         self.hyper_map = ops.HyperMap()
         self.fault_loss_scale = Parameter(

@@ -18,6 +18,10 @@ from typing import Any
 
 import numpy as np
 
+DEFAULT_HIST_REGEX = (r"(?:^|\.)(?:tok_embeddings\.embedding_weight|tok_embeddings\.weight|lm_head\.weight"
+                      r"|layers\.0\.attention\.wq\.weight)$")
+"""Histograms for a few layers when `monitor.histogram_regex` is empty: the embedding, the
+output head, the first query projection."""
 BINS = 64
 MAX_LAYERS = 2000
 """Per-layer norms beyond this many parameters are not shipped (packet size)."""

@@ -11,8 +11,8 @@ import time
 
 T_IMPORT = time.time()
 
-import numpy as np  # noqa: E402
 import mindspore as ms  # noqa: E402
+import numpy as np  # noqa: E402
 from mindspore import nn  # noqa: E402
 from mindspore.communication import get_group_size, get_rank, init  # noqa: E402
 from mindspore.train import Model  # noqa: E402

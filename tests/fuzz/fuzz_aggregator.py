@@ -9,9 +9,9 @@ import tempfile
 import atheris
 
 with atheris.instrument_imports():
-    from mindpulse.aggregator import packets
+    from mindpulse import protocol as packets
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.aggregator.packets import PacketError, StepPacket
+    from mindpulse.protocol import PacketError, StepPacket
 
 SEEDS = [StepPacket(rank=0, step=1, loss=1.0, decision=True, extra={"a": 1.0}).encode()]
 CORE = AggregatorCore(tempfile.mkdtemp(prefix="mp-fuzz-"), world_size=2, settings={"tensorboard": False})

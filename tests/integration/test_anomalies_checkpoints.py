@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from conftest import ROOT, mindpulse_cmd
 
 from mindpulse.aggregator.metrics_store import read_wire
 from mindpulse.aggregator.reducer import reduce_all
-from mindpulse.aggregator.packets import from_wire
-
-from conftest import ROOT, mindpulse_cmd
+from mindpulse.protocol import from_wire
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +55,8 @@ def test_nan_grad_on_rank1_stops_every_rank_after_the_same_step(run_cli):
     "fault, rule, extra",
     [
         ("loss_spike@1:8", "loss_spike",
-         ["--set", "anomalies=[{rule: loss_spike, action: stop, warmup: 4, z: 6}, {rule: grad_explosion, enabled: false}]"]),
+         ["--set", "anomalies=[{rule: loss_spike, action: stop, warmup: 4, z: 6}, "
+                   "{rule: grad_explosion, enabled: false}]"]),
         ("grad_spike@0:8", "grad_explosion", ["--set", "anomalies=[{rule: grad_explosion, warmup: 4, factor: 20}]"]),
     ],
 )

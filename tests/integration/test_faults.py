@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import ROOT, _run_processes, mindpulse_cmd
+
 from mindpulse.aggregator.metrics_store import read_wire
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.aggregator.packets import EventPacket, StepPacket, TelemetryPacket
-from mindpulse.aggregator.report import PLOT_NAMES, build_report
+from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
+from mindpulse.views.report import PLOT_NAMES, build_report
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import ROOT, mindpulse_cmd
+
 from mindpulse.aggregator.metrics_store import read_wire
 from mindpulse.launcher.spec import free_port
 

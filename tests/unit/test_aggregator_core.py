@@ -6,7 +6,7 @@ import msgpack
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.metrics_store import read_packets, read_wire
-from mindpulse.aggregator.packets import Action, EventPacket, StepPacket
+from mindpulse.protocol import Action, EventPacket, StepPacket
 
 
 def step(rank, s, loss=1.0, decision=True, **kw):
@@ -89,7 +89,8 @@ def test_metrics_file_is_readable_while_open(tmp_path):
 
 
 # ---- fuzzing the aggregator's input ---------------------------------------------------------
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 def _mutate(data: bytes, flips: list[tuple[int, int]]) -> bytes:

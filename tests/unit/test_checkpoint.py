@@ -105,7 +105,7 @@ def test_readonly_directory_fails_clearly_and_keeps_the_manifest(tmp_path, cell)
     m.save(cell, step=1, epoch=1, kinds=["best"])
     os.chmod(tmp_path, 0o500)
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(OSError):
             m.save(cell, step=2, epoch=1, kinds=["best"])
     finally:
         os.chmod(tmp_path, 0o700)
@@ -121,39 +121,64 @@ def test_safetensors_format(tmp_path, cell):
     np.testing.assert_allclose(params[[k for k in params if k.endswith("weight")][0]].asnumpy().shape, (2, 4))
 
 
+def _settings(run_dir):
+    from mindpulse.protocol import (
+        CheckpointSettings,
+        MonitorSettings,
+        ProfileSettings,
+        RankSettings,
+        Schedule,
+    )
+
+    return RankSettings(
+        run_id="t", run_dir=str(run_dir), attempt=0, namespace="t", aggregator="t", ray_address="", world_size=1,
+        ranks_per_node=1, device_target="CPU", relays={}, batch_size=4,
+        schedule=Schedule(total_steps=0, collect_freq=10, decision_every=1, save_every=0, best_every=1,
+                          eval_every=0, eval_per_epoch=False),
+        monitor=MonitorSettings(decision_timeout_s=5.0, heartbeat_s=1.0, weight_stats=False, histogram_regex=""),
+        checkpoint=CheckpointSettings(keep_periodic=5, keep_best=1, format="ckpt"),
+        profile=ProfileSettings(steps=(), ranks=(0,)), faults=(), resume=None, config={},
+    )
+
+
 def test_a_failing_save_is_reported_and_training_goes_on(tmp_path, cell, monkeypatch):
     """Disk full (ENOSPC) on rank 0: a clear error to the aggregator, the previous best
     and the manifest stay valid, and no exception reaches the training loop."""
     import errno
 
-    from mindpulse.aggregator.packets import Directive, StepPacket, decode
+    from mindpulse.protocol import Directive, EventKind, decode
+    from mindpulse.workers.channel import Channel
     from mindpulse.workers.monitor import Monitor
-    from mindpulse.workers.shipping import AggregatorClient
 
-    class RecordingClient(AggregatorClient):
+    class SavingChannel(Channel):
+        """Answers every decision with "save the best", metric falling."""
+
         def __init__(self):
-            super().__init__(handle=None)
+            super().__init__()
             self.packets = []
 
-        def send(self, packet):
-            self.packets.append(decode(packet))
+        def _ship(self, batch):
+            self.packets.extend(map(decode, batch))
 
-        def flush(self):
-            pass
+        def _decide(self, batch, step):
+            self._ship(batch)
+            return Directive(step=step, save="best", metric=3.0 - step, metric_name="loss")
 
-    client = RecordingClient()
-    mon = Monitor(client=client, rank=0, train_cell=cell)
-    mon.ckpt = CheckpointManager(tmp_path)
-    mon._save(Directive(step=1, save="best", metric=2.0, metric_name="loss"), StepPacket(rank=0, step=1))
-    assert [e.step for e in read_manifest(tmp_path)] == [1]
+    channel = SavingChannel()
+    mon = Monitor(client=channel, rank=0, train_cell=cell, settings=_settings(tmp_path))
+    ckpt_dir = tmp_path / "checkpoints"
+    assert not mon.record(2.0, step=1).stop
+    assert [e.step for e in read_manifest(ckpt_dir)] == [1]
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(mon.ckpt, "save", full)
-    mon._save(Directive(step=2, save="best", metric=1.0, metric_name="loss"), StepPacket(rank=0, step=2))
-    assert mon.ckpt_failures == 1
-    errors = [p for p in client.packets if getattr(p, "kind", "") == "error"]
-    assert errors and "No space left on device" in errors[0].message and "step 2" in errors[0].message
-    entries = read_manifest(tmp_path)
-    assert [e.step for e in entries] == [1] and verify(tmp_path, entries[0]) is None
+    writer = mon.session.checkpoints
+    monkeypatch.setattr(writer.manager, "save", full)
+    assert not mon.record(1.0, step=2).stop
+    assert writer.failures == 1
+    events = [p for p in channel.packets if hasattr(p, "kind")]
+    assert [p.kind for p in events] == [EventKind.CHECKPOINT, EventKind.ERROR]
+    assert "No space left on device" in events[1].message and "step 2" in events[1].message
+    entries = read_manifest(ckpt_dir)
+    assert [e.step for e in entries] == [1] and verify(ckpt_dir, entries[0]) is None

@@ -14,7 +14,7 @@ def test_atheris_finds_no_crash_in_the_aggregator_input(tmp_path):
     script = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_aggregator.py"
     seeds = tmp_path / "corpus"
     seeds.mkdir()
-    from mindpulse.aggregator.packets import StepPacket
+    from mindpulse.protocol import StepPacket
 
     (seeds / "step").write_bytes(StepPacket(rank=1, step=2, loss=0.5, fingerprint="ab", decision=True).encode())
     proc = subprocess.run([sys.executable, str(script), "-runs=20000", "-max_len=512", str(seeds)],

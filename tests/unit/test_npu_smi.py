@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mindpulse.aggregator.npu_smi import (
+from mindpulse.node.npu_smi import (
     MAX_WARNINGS,
     NpuCard,
     ParseResult,

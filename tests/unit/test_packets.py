@@ -7,9 +7,10 @@ import math
 
 import msgpack
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mindpulse.aggregator.packets import (
+from mindpulse.protocol import (
     MAX_PACKET_BYTES,
     SCHEMA_VERSION,
     Action,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.launcher.config import from_dict, load_config
+from mindpulse.config import from_dict
 from mindpulse.launcher.spec import rank_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,8 @@ def test_gpu_visibility_and_placeholders():
 
 
 def test_plan_text_output_and_set():
-    proc = subprocess.run([sys.executable, "-m", "mindpulse.launcher.cli", "plan", "cluster_configs/ascend_910b_8p.yaml",
+    proc = subprocess.run([sys.executable, "-m", "mindpulse.launcher.cli", "plan",
+                           "cluster_configs/ascend_910b_8p.yaml",
                            "--set", "world.ranks_per_node=4", "--set", "world.devices=[0,1,2,3]"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

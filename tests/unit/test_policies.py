@@ -6,8 +6,6 @@ import json
 import math
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.packets import Action as DirectiveAction
-from mindpulse.aggregator.packets import StepPacket, TelemetryPacket
 from mindpulse.aggregator.policies import (
     Action,
     CardOverloadRule,
@@ -18,6 +16,8 @@ from mindpulse.aggregator.policies import (
     build_rules,
 )
 from mindpulse.aggregator.reducer import reduce_step
+from mindpulse.protocol import Action as DirectiveAction
+from mindpulse.protocol import StepPacket, TelemetryPacket
 
 
 def red(step, losses, grad_norm=1.0, locals_=None, **kw):

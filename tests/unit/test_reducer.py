@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mindpulse.aggregator.packets import StepPacket
 from mindpulse.aggregator.reducer import StepReducer, reduce_all, reduce_step
+from mindpulse.protocol import StepPacket
 
 
 def pkt(rank, step, loss=1.0, **kw):

@@ -7,8 +7,9 @@ import struct
 import threading
 import time
 
-from mindpulse.aggregator.packets import Action, Directive, StepPacket
-from mindpulse.aggregator.relay import RelayClient, RelayServer
+from mindpulse.node.relay import RelayServer
+from mindpulse.protocol import Action, Directive, StepPacket
+from mindpulse.workers.channel import RelayChannel as RelayClient
 
 
 class Upstream:

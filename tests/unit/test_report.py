@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from mindpulse.aggregator.packets import EventPacket, StepPacket, TelemetryPacket
 from mindpulse.aggregator.reducer import reduce_all
-from mindpulse.aggregator.report import PLOT_NAMES, build_report, final_tables
+from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
+from mindpulse.views.report import PLOT_NAMES, build_report, final_tables
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WORLD = 2

@@ -23,9 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mindpulse.aggregator import telemetry
-from mindpulse.aggregator.packets import TelemetryPacket, decode
-from mindpulse.aggregator.telemetry import (
+from mindpulse.node.samplers import dcmi as dcmi_sampler
+from mindpulse.node.samplers import npu_smi as npu_smi_sampler
+from mindpulse.node.telemetry import (
     CARD_KEYS,
     DcmiSampler,
     NodeSampler,
@@ -39,6 +39,7 @@ from mindpulse.aggregator.telemetry import (
     sample_this_machine,
     telemetry_packet,
 )
+from mindpulse.protocol import TelemetryPacket, decode
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "npu-smi"
@@ -326,7 +327,7 @@ def test_samplers_in_two_processes_serialize(tmp_path, lock_path):
     log = tmp_path / "runs.log"
     fake = make_fake_npu_smi(tmp_path, SET_910B, log=log, delay_s=0.02)
     code = (
-        "from mindpulse.aggregator.telemetry import NpuSmiSampler\n"
+        "from mindpulse.node.telemetry import NpuSmiSampler\n"
         f"s = NpuSmiSampler({str(fake)!r}, card_ids=[0, 1], lock_path={lock_path!r})\n"
         "for _ in range(2):\n"
         "    assert s.sample()[0]['power_w'] == 103.5, s.last_warnings\n"
@@ -383,7 +384,7 @@ def test_parse_logic_ids():
         0                              2                              -                              Mcu
         1                              0                              2                              Ascend 910
 """
-    assert telemetry._parse_logic_ids(text) == {(0, 0): 0, (0, 1): 1, (1, 0): 2}
+    assert npu_smi_sampler._parse_logic_ids(text) == {(0, 0): 0, (0, 1): 1, (1, 0): 2}
 
 
 # --------------------------------------------------------------------------------- DCMI
@@ -471,7 +472,7 @@ def test_dcmi_is_not_available_here(monkeypatch):
     monkeypatch.setattr(DcmiSampler, "LIBRARY_PATHS", ("/nonexistent/libdcmi.so",))
     monkeypatch.setattr(DcmiSampler, "_load_tried", False)
     monkeypatch.setattr(DcmiSampler, "_loaded", None)
-    monkeypatch.setattr(telemetry.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(dcmi_sampler.ctypes.util, "find_library", lambda name: None)
     assert DcmiSampler.available() is False
     assert "libdcmi.so not found" in DcmiSampler.load_error
     with pytest.raises(TelemetryUnavailable):
@@ -614,11 +615,11 @@ def no_ascend(monkeypatch, tmp_path):
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    monkeypatch.setattr(telemetry, "NPU_SMI_DIRS", ())
+    monkeypatch.setattr(npu_smi_sampler, "NPU_SMI_DIRS", ())
     monkeypatch.setattr(DcmiSampler, "LIBRARY_PATHS", ())
     monkeypatch.setattr(DcmiSampler, "_load_tried", False)
     monkeypatch.setattr(DcmiSampler, "_loaded", None)
-    monkeypatch.setattr(telemetry.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(dcmi_sampler.ctypes.util, "find_library", lambda name: None)
     return empty
 
 

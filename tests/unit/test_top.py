@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.aggregator.packets import EventPacket, StepPacket, TelemetryPacket
-from mindpulse.launcher import top
-from mindpulse.launcher.top import RunView, main_top, newest_run
+from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
+from mindpulse.views import top
+from mindpulse.views.top import RunView, main_top, newest_run
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -266,7 +266,7 @@ def test_terminal_view_in_tmux(run_dir, tmp_path, key):
     sock = f"mindpulse-test-{uuid.uuid4().hex[:8]}"
     rc_file = tmp_path / "rc"
     stty_file = tmp_path / "stty"
-    code = ("import sys; from pathlib import Path; from mindpulse.launcher.top import main_top; "
+    code = ("import sys; from pathlib import Path; from mindpulse.views.top import main_top; "
             "sys.exit(main_top(Path(sys.argv[1]), interval=0.2))")
     cmd = (f"cd {shlex.quote(str(ROOT))} && {shlex.quote(sys.executable)} -c {shlex.quote(code)} "
            f"{shlex.quote(str(run_dir))}; echo $? > {shlex.quote(str(rc_file))}; "

@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mindpulse.protocol import RankSettings
 
 log = logging.getLogger(__name__)
 
@@ -182,19 +186,23 @@ def set_mode(mode: str, device_target: str) -> None:
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE, device_target=device_target)
 
 
-def main(job: dict[str, Any]) -> None:
-    """Run in every rank by the launcher. `job` is the resolved config as a dict."""
+def main(settings: RankSettings) -> None:
+    """Run in every rank by the launcher, with the run's settings (the recipe's options are
+    in their resolved config)."""
     import mindspore as ms
     from mindspore import nn
     from mindspore.communication import get_group_size, get_rank, init
     from mindspore.train import Model
 
+    from mindpulse.config import from_dict
     from mindpulse.workers.monitor import Monitor
     from mindpulse.workers.train_cell import MonitoredTrainOneStepCell
 
-    train, recipe, world = job["train"], job["job"]["recipe"], job["world"]
-    device_target = {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}[world["device"]]
-    set_mode(train["mode"], device_target)
+    cfg = from_dict(settings.config, source="job.json config")
+    train, recipe = cfg.train, cfg.job.recipe
+    if recipe is None:
+        raise ValueError("job.recipe: this run's config gives job.script; the recipe does not run it")
+    set_mode(train.mode.value, settings.device_target)
     distributed = "MS_ROLE" in os.environ or "RANK_SIZE" in os.environ and int(os.environ["RANK_SIZE"]) > 1
     if distributed:
         init()
@@ -203,58 +211,56 @@ def main(job: dict[str, Any]) -> None:
                                      device_num=size)
     else:
         rank, size = 0, 1
-    ms.set_seed(int(train["seed"]))
+    ms.set_seed(train.seed)
 
-    shape = ModelShape(**{k: recipe[k] for k in ModelShape.__dataclass_fields__})
-    bs = int(train["batch_size"])
-    tokens = read_tokens(Path(recipe.get("train_file") or TRAIN_FILE))
-    resume = job.get("resume") or {}
-    start = int(resume.get("step", 0))
-    source = ByteWindows(tokens, shape.seq_length, rank, size, int(train["seed"]), bs)
-    total = int(train["steps"]) or source.steps_per_epoch * int(train["epochs"])
+    shape = ModelShape(**{k: getattr(recipe, k) for k in ModelShape.__dataclass_fields__})
+    bs = train.batch_size
+    tokens = read_tokens(Path(recipe.train_file or TRAIN_FILE))
+    resume = settings.resume
+    start = resume.step if resume is not None else 0
+    source = ByteWindows(tokens, shape.seq_length, rank, size, train.seed, bs)
+    total = train.steps or source.steps_per_epoch * train.epochs
     if start >= total:
         raise ValueError(f"resume: the checkpoint is at step {start}, the run has {total} steps; raise train.steps")
-    source = ByteWindows(tokens, shape.seq_length, rank, size, int(train["seed"]), bs, start_step=start,
-                         stop_step=total)
+    source = ByteWindows(tokens, shape.seq_length, rank, size, train.seed, bs, start_step=start, stop_step=total)
     dataset = ms.dataset.GeneratorDataset(source, ["input_ids"], shuffle=False, num_parallel_workers=1,
                                           python_multiprocessing=False)
     dataset = dataset.batch(bs, drop_remainder=True)
 
     model = build_model(shape, bs)
     # mindformers' get_context may have switched the mode: set it again (measured quirk)
-    set_mode(train["mode"], device_target)
-    if recipe.get("init_from"):
-        load_base(model, Path(recipe["init_from"]))
-    lrs = lr_schedule(float(train["lr"]), int(train.get("warmup_steps", 0)), total)
+    set_mode(train.mode.value, settings.device_target)
+    if recipe.init_from:
+        load_base(model, Path(recipe.init_from))
+    lrs = lr_schedule(train.lr, train.warmup_steps, total)
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=ms.Tensor(np.array(lrs, np.float32)),
                                    weight_decay=0.0)
     train_net = MonitoredTrainOneStepCell(model, optimizer)
     train_net.set_train()
-    if resume.get("path"):
+    if resume is not None and resume.path:
         # weights, optimizer moments and its global step (which indexes the lr schedule)
-        params = ms.load_checkpoint(resume["path"])
+        params = ms.load_checkpoint(resume.path)
         params.pop("learning_rate", None)  # the schedule comes from this run's config (train.steps may grow)
         not_loaded, _ = ms.load_param_into_net(train_net, params, strict_load=False)
         missing = [n for n in not_loaded if not n.startswith("mindpulse_") and n != "learning_rate"]
         if missing:
-            raise ValueError(f"resume: {resume['path']} lacks {missing[:5]}")
-        log.info("[rank %d] resumed from %s at step %d", rank, resume["path"], start)
-    ev = job.get("eval") or {}
+            raise ValueError(f"resume: {resume.path} lacks {missing[:5]}")
+        log.info("[rank %d] resumed from %s at step %d", rank, resume.path, start)
     evaluate = None
-    if ev.get("every_steps") or ev.get("per_epoch"):
-        valid = read_tokens(Path(recipe.get("valid_file") or VALID_FILE))
-        evaluate = make_evaluator(model, eval_windows(valid, shape.seq_length, rank, size), bs,
-                                  int(ev.get("max_batches", 16)))
-    monitor = Monitor(total_steps=total, batch_size=bs, evaluate=evaluate, epoch_steps=source.steps_per_epoch,
-                      step_offset=start, train_cell=train_net)
+    if cfg.eval.every_steps or cfg.eval.per_epoch:
+        valid = read_tokens(Path(recipe.valid_file or VALID_FILE))
+        evaluate = make_evaluator(model, eval_windows(valid, shape.seq_length, rank, size), bs, cfg.eval.max_batches)
+    # batch size, resume step and schedule come from the settings; the total is the
+    # recipe's own when train.steps is 0 (the epochs decide)
+    monitor = Monitor(total_steps=total, evaluate=evaluate, epoch_steps=source.steps_per_epoch, train_cell=train_net,
+                      settings=settings)
     log.info("[rank %d] steps %d..%d of %d (epochs of %d steps), world %d", rank, start + 1, total, total,
              source.steps_per_epoch, size)
-    sink = bool(train["dataset_sink_mode"])
-    sink_size = int(train.get("sink_size", -1))
+    sink = train.dataset_sink_mode
     epochs = 1
-    if sink and sink_size > 0:
-        epochs = math.ceil((total - start) / sink_size)
-    Model(train_net).train(epochs, dataset, callbacks=[monitor], dataset_sink_mode=sink, sink_size=sink_size)
+    if sink and train.sink_size > 0:
+        epochs = math.ceil((total - start) / train.sink_size)
+    Model(train_net).train(epochs, dataset, callbacks=[monitor], dataset_sink_mode=sink, sink_size=train.sink_size)
 
 
 def pretrain(out: Path, steps: int = 400, batch_size: int = 16, lr: float = 3e-3, seed: int = 7,

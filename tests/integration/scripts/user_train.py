@@ -6,8 +6,8 @@ Launched by `mindpulse launch` with `job.script`; every rank runs it with MS_* s
 
 import argparse
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 from mindspore.communication import get_group_size, get_rank, init
 from mindspore.train import Model

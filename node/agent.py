@@ -16,13 +16,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
+# Every Ray worker (and subprocess) that imports mindspore needs the pure-Python protobuf from
+# the start (Ray imports protobuf first; mindspore's generated code then fails to load). The one
+# definition: the launcher gives it to every actor it starts, this agent to what it spawns.
 WORKER_ENV = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 
 
@@ -38,7 +40,7 @@ def node_ip() -> str:
 class NodeAgent:
     def __init__(self, node: int, aggregator: Any, device: str, rank_devices: dict[int, int],
                  interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0):
-        from mindpulse.aggregator.relay import RelayServer
+        from mindpulse.node.relay import RelayServer
 
         self.node = node
         self.name = f"node{node}-{socket.gethostname()}"
@@ -84,13 +86,13 @@ class NodeAgent:
                 "pid": os.getpid(), "python": sys.executable}
 
     # ---- MindSpore scheduler (ray backend, node 0) ------------------------------------------
-    def start_scheduler(self, host: str, port: int, world: int, log_path: str, device_target: str,
-                        extra_env: dict[str, str]) -> int:
+    def start_scheduler(self, sched_env: dict[str, str], log_path: str) -> int:
+        """`sched_env` is the launcher's `scheduler_env` (what `mindpulse plan` shows): the
+        user's `env:`, MS_ROLE=MS_SCHED with the scheduler's address and worker count, and
+        MINDPULSE_SETTINGS (the scheduler reads its device target from the run's settings)."""
         env = dict(os.environ)
         env.update(WORKER_ENV)
-        env.update(extra_env)
-        env.update({"MS_ROLE": "MS_SCHED", "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port),
-                    "MS_WORKER_NUM": str(world), "MINDPULSE_DEVICE_TARGET": device_target})
+        env.update(sched_env)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as logf:
             self.sched = subprocess.Popen([sys.executable, "-m", "mindpulse.workers.scheduler"], env=env,
@@ -125,7 +127,7 @@ class NodeAgent:
 
     # ---- telemetry ---------------------------------------------------------------------------------
     def start_telemetry(self, rank_pids: dict[int, int]) -> dict[str, Any]:
-        from mindpulse.aggregator.telemetry import NodeSampler, TelemetryUnavailable, pick_sampler
+        from mindpulse.node.telemetry import NodeSampler, TelemetryUnavailable, pick_sampler
 
         if self.interval_s <= 0:
             return {"node": self.name, "source": None, "reason": "telemetry off"}
@@ -140,7 +142,7 @@ class NodeAgent:
         return {"node": self.name, "source": sampler.name}
 
     def _ship(self, sample: dict[str, Any]) -> None:
-        from mindpulse.aggregator.telemetry import telemetry_packet
+        from mindpulse.node.telemetry import telemetry_packet
 
         try:
             self.aggregator.ingest.remote([telemetry_packet(sample).encode()])

@@ -2,48 +2,37 @@
 agent talks to the aggregator in batches, so the aggregator's load grows with nodes,
 not ranks (one actor drains ~2,000 calls/s; batched records reach ~50,000/s).
 
-Wire: frames of a 4-byte big-endian length and a msgpack map (no pickle):
+Wire: the protocol's relay frames, a 4-byte big-endian length and a msgpack map (no pickle):
   {"op": "send", "packets": [bytes, ...]}                       no answer
   {"op": "decide", "packets": [...], "step": s, "timeout": t}   answer {"directive": bytes}
 At a decision step the relay waits (a few ms) for the node's other ranks' decide calls
 for the same step and forwards them as one aggregator call; the directive fans out.
-The server listens on 127.0.0.1 only: ranks are on the agent's own machine.
+The server listens on 127.0.0.1 only: ranks are on the agent's own machine. The rank's
+side is `mindpulse.workers.channel.RelayChannel`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import struct
 import threading
-import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Callable
+from typing import Any
 
-import msgpack
-
-from .packets import Directive
+from mindpulse.protocol import (
+    FRAME_HEADER_BYTES,
+    MAX_FRAME,
+    Directive,
+    decode_frame_body,
+    encode_frame,
+    frame_length,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME = 8 << 20
-_LEN = struct.Struct(">I")
 FLUSH_S = 0.05
 FLUSH_PACKETS = 256
 GROUP_WAIT_S = 0.02
-
-
-def encode_frame(obj: dict[str, Any]) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
-
-
-def decode_body(body: bytes) -> dict[str, Any]:
-    obj = msgpack.unpackb(body, raw=False, max_bin_len=MAX_FRAME, max_array_len=1 << 16, max_map_len=64,
-                          max_str_len=1 << 16)
-    if not isinstance(obj, dict):
-        raise ValueError("frame is not a map")
-    return obj
 
 
 class RelayServer:
@@ -112,14 +101,13 @@ class RelayServer:
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readexactly(_LEN.size)
-                (n,) = _LEN.unpack(head)
+                n = frame_length(await reader.readexactly(FRAME_HEADER_BYTES))
                 if n > MAX_FRAME:
                     self.stats["bad_frames"] += 1
                     break
                 body = await reader.readexactly(n)
                 try:
-                    msg = decode_body(body)
+                    msg = decode_frame_body(body)
                     packets = [bytes(p) for p in msg.get("packets") or [] if isinstance(p, (bytes, bytearray))]
                 except Exception:
                     self.stats["bad_frames"] += 1
@@ -172,7 +160,7 @@ class RelayServer:
     async def _send_group(self, step: int, group: dict[str, Any], timeout: float) -> None:
         try:
             await asyncio.wait_for(group["full"].wait(), GROUP_WAIT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self._groups.pop(step, None)
         # everything buffered goes first, in the same call, so the aggregator sees it before deciding
@@ -184,91 +172,6 @@ class RelayServer:
                 None, self.forward_decide, batch, step, timeout)
         except Exception as exc:
             self.stats["forward_errors"] += 1
-            directive = Directive(step=step, reason=f"no directive: {exc}").encode()
+            directive = Directive.no_directive(step, str(exc)).encode()
         if not group["done"].done():
             group["done"].set_result(directive)
-
-
-class RelayClient:
-    """The rank's side: same interface as AggregatorClient (send / flush / decide)."""
-
-    BATCH = 32
-    FLUSH_S = 0.5
-
-    def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0):
-        self.addr = (host, port)
-        self.decision_timeout_s = decision_timeout_s
-        self.sock: socket.socket | None = None
-        self._buffer: list[bytes] = []
-        self._last = time.monotonic()
-        self.failures = 0
-        self._connect()
-
-    def _connect(self) -> None:
-        try:
-            self.sock = socket.create_connection(self.addr, timeout=10)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as exc:
-            self.sock = None
-            self.failures += 1
-            log.warning("cannot reach the node's packet relay at %s:%d: %s", *self.addr, exc)
-
-    def _write(self, obj: dict[str, Any]) -> bool:
-        if self.sock is None:
-            self._connect()
-            if self.sock is None:
-                return False
-        try:
-            self.sock.settimeout(30)
-            self.sock.sendall(encode_frame(obj))
-            return True
-        except OSError as exc:
-            self.failures += 1
-            log.warning("packet relay write failed: %s", exc)
-            self.close()
-            return False
-
-    def send(self, packet: bytes) -> None:
-        self._buffer.append(packet)
-        if len(self._buffer) >= self.BATCH or time.monotonic() - self._last >= self.FLUSH_S:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._buffer:
-            batch, self._buffer = self._buffer, []
-            self._last = time.monotonic()
-            self._write({"op": "send", "packets": batch})
-
-    def decide(self, packet: bytes, step: int) -> Directive:
-        batch, self._buffer = self._buffer + [packet], []
-        self._last = time.monotonic()
-        if not self._write({"op": "decide", "packets": batch, "step": step, "timeout": self.decision_timeout_s}):
-            return Directive(step=step, reason="no directive: relay unreachable")
-        try:
-            self.sock.settimeout(self.decision_timeout_s + 15)  # type: ignore[union-attr]
-            head = _recv_exact(self.sock, _LEN.size)
-            (n,) = _LEN.unpack(head)
-            body = decode_body(_recv_exact(self.sock, n))
-            return Directive.decode(body["directive"])
-        except Exception as exc:
-            self.failures += 1
-            self.close()
-            log.warning("no directive for step %d from the relay (%s); continuing", step, exc)
-            return Directive(step=step, reason=f"no directive: {exc}")
-
-    def close(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            finally:
-                self.sock = None
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("relay closed the connection")
-        buf.extend(chunk)
-    return bytes(buf)

@@ -1,9 +1,8 @@
 """`mindpulse top [RUN_DIR]`: a live cluster table of a running (or finished) run.
 
-Reads `RUN_DIR/metrics.msgpack` incrementally: the file offset and a streaming msgpack
-unpacker are kept between refreshes and only the bytes appended since the last refresh
-are read, so a long run costs no more per refresh than a short one. A torn last record
-(the aggregator is mid-write) stays in the unpacker until the rest of it arrives.
+The run is read through `run_reader.RunReader`: only the bytes appended to
+`RUN_DIR/metrics.msgpack` since the last refresh are read, and steps complete in the
+aggregator's own reducer, so the table is the one the aggregator prints.
 
 On a terminal the screen is redrawn in place every `interval` seconds and `q` (or
 Ctrl-C) quits. With `once`, or when stdout is not a terminal, plain frames are printed
@@ -13,7 +12,6 @@ run's `summary.json` appears (then the final frame).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import select
@@ -22,32 +20,17 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-import msgpack
-
 try:  # POSIX terminals; elsewhere the terminal view refreshes without keys
     import termios
     import tty
 except ImportError:  # pragma: no cover
     termios = tty = None  # type: ignore[assignment]
 
-from mindpulse.aggregator.packets import (
-    _UNPACK_LIMITS,
-    MAX_PACKET_BYTES,
-    EventPacket,
-    PacketError,
-    StepPacket,
-    TelemetryPacket,
-    from_wire,
-)
-from mindpulse.aggregator.reducer import ReducedStep, reduce_step
+from mindpulse.aggregator.reducer import ReducedStep
 from mindpulse.aggregator.tables import card_table, cluster_table
+from mindpulse.protocol import EventPacket, Packet, StepPacket, TelemetryPacket
+from mindpulse.views.run_reader import CONFIG, METRICS, SUMMARY, MetricsTail, RunReader
 
-METRICS = "metrics.msgpack"
-SUMMARY = "summary.json"
-READ_CHUNK = 1 << 20
-"""Bytes read from the metrics file per read call (the unpacker is drained after each)."""
-MAX_PENDING_STEPS = 512
-"""Incomplete steps kept at most (a lost rank must not grow memory forever)."""
 MAX_ERROR_LINES = 3
 
 _CLEAR = "\x1b[2J"
@@ -58,112 +41,60 @@ _HIDE_CURSOR = "\x1b[?25l"
 _SHOW_CURSOR = "\x1b[?25h"
 
 
-# ------------------------------------------------------------------------------ reading
-
-
-class MetricsTail:
-    """Incremental reader of an append-only msgpack stream: feeds only new bytes."""
-
-    def __init__(self, path: Path, chunk: int = READ_CHUNK):
-        self.path = Path(path)
-        self.chunk = chunk
-        self.offset = 0
-        """Bytes of the file already fed to the unpacker."""
-        self.bytes_read = 0
-        """Bytes read over the reader's life (equals `offset` unless the file was replaced)."""
-        self.errors = 0
-        """Undecodable stretches met (the unpacker was restarted after each)."""
-        self.restarts = 0
-        """Times the file shrank (replaced or truncated) and was read again from the start."""
-        self._unpacker = self._new_unpacker()
-
-    @staticmethod
-    def _new_unpacker() -> msgpack.Unpacker:
-        return msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_PACKET_BYTES * 4,
-                                **_UNPACK_LIMITS)
-
-    def poll(self) -> tuple[list[Any], bool]:
-        """(new wire objects, restarted): `restarted` means earlier objects are void."""
-        try:
-            size = os.stat(self.path).st_size
-        except FileNotFoundError:
-            return [], False
-        restarted = False
-        if size < self.offset:
-            self.offset = 0
-            self.restarts += 1
-            self._unpacker = self._new_unpacker()
-            restarted = True
-        if size == self.offset:
-            return [], restarted
-        out: list[Any] = []
-        try:
-            fh = open(self.path, "rb")
-        except FileNotFoundError:
-            return [], restarted
-        with fh:
-            fh.seek(self.offset)
-            while True:
-                data = fh.read(self.chunk)
-                if not data:
-                    break
-                self.offset += len(data)
-                self.bytes_read += len(data)
-                try:
-                    self._unpacker.feed(data)
-                except msgpack.BufferFull:
-                    self._restart_unpacker()
-                    continue
-                self._drain(out)
-        return out, restarted
-
-    def _drain(self, out: list[Any]) -> None:
-        while True:
-            try:
-                out.append(next(self._unpacker))
-            except StopIteration:
-                return  # nothing more, or a torn record waiting for its remaining bytes
-            except Exception:  # corrupt bytes: msgpack raises several types
-                self._restart_unpacker()
-                return
-
-    def _restart_unpacker(self) -> None:
-        self.errors += 1
-        self._unpacker = self._new_unpacker()
+# ------------------------------------------------------------------------------ the view
 
 
 class RunView:
-    """What `top` shows of one run directory, updated by :meth:`refresh`."""
+    """What `top` shows of one run directory, updated by :meth:`refresh`.
+
+    Steps, world size, completion and straggler scores are the reader's (the aggregator's
+    reducer and tracker); the view itself keeps only what it draws besides: the newest
+    sample per card, each rank's last error and the newest packet time.
+    """
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
-        self.tail = MetricsTail(self.run_dir / METRICS)
-        self.summary: dict[str, Any] | None = None
-        self._summary_mtime: float | None = None
-        self.total_steps = _total_steps(self.run_dir)
+        self.run = RunReader(self.run_dir)
         self._reset_data()
 
     def _reset_data(self) -> None:
-        self.records = 0
-        self.rejected = 0
-        self.max_rank = -1
-        self.newest_step_seen = -1
         self.newest_ts = 0.0
-        self.last_step_of_rank: dict[int, int] = {}
         self.cards: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
         self.errors: dict[int, str] = {}
-        self._buckets: dict[int, dict[int, StepPacket]] = {}
-        self.complete_step: int | None = None
-        self._reduced: ReducedStep | None = None
-        self._reduced_key: tuple[int, int] | None = None
 
     # ---- state
     @property
+    def tail(self) -> MetricsTail:
+        return self.run.tail
+
+    @property
+    def records(self) -> int:
+        return self.run.records
+
+    @property
+    def rejected(self) -> int:
+        return self.run.rejected
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        return self.run.summary
+
+    @property
     def world_size(self) -> int:
-        ws = (self.summary or {}).get("world_size")
-        if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0:
-            return ws
-        return self.max_rank + 1
+        return self.run.world_size
+
+    @property
+    def complete_step(self) -> int | None:
+        return self.run.complete_step
+
+    @property
+    def newest_step_seen(self) -> int:
+        return self.run.newest_step_seen
+
+    @property
+    def total_steps(self) -> int | None:
+        """train.steps of the run's config (None when 0: the run goes by epochs)."""
+        return self.run.config.train.steps or None
 
     @property
     def status(self) -> str:
@@ -176,54 +107,21 @@ class RunView:
         return self.summary is not None
 
     def reduced(self) -> ReducedStep | None:
-        """The reduction of the newest complete step (cached)."""
-        if self.complete_step is None:
-            return None
-        key = (self.complete_step, self.world_size)
-        if self._reduced_key != key:
-            bucket = {r: p for r, p in self._buckets[self.complete_step].items() if r < self.world_size}
-            self._reduced = reduce_step(self.complete_step, bucket, self.world_size)
-            self._reduced_key = key
-        return self._reduced
+        """The reduction of the newest complete step."""
+        return self.run.latest
 
     # ---- updating
     def refresh(self) -> int:
         """Read what was appended since the last refresh; returns the number of new records."""
-        self._read_summary()
-        objs, restarted = self.tail.poll()
-        if restarted:
+        batch = self.run.poll()
+        if batch.restarted:
             self._reset_data()
-        for obj in objs:
-            self._ingest(obj)
-        self._update_complete()
-        return len(objs)
+        for pkt in batch.packets:
+            self._ingest(pkt)
+        return batch.objects
 
-    def _read_summary(self) -> None:
-        path = self.run_dir / SUMMARY
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            return
-        if mtime == self._summary_mtime:
-            return
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return  # being written: the next refresh tries again
-        if isinstance(obj, dict):
-            self.summary = obj
-            self._summary_mtime = mtime
-
-    def _ingest(self, obj: Any) -> None:
-        try:
-            pkt = from_wire(obj)
-        except PacketError:
-            self.rejected += 1
-            return
-        self.records += 1
-        if isinstance(pkt, StepPacket):
-            self._add_step(pkt)
-        elif isinstance(pkt, TelemetryPacket):
+    def _ingest(self, pkt: Packet) -> None:
+        if isinstance(pkt, TelemetryPacket):
             for i, card in enumerate(pkt.cards):
                 if not isinstance(card, dict):
                     continue
@@ -232,45 +130,11 @@ class RunView:
                 old = self.cards.get(key)
                 if old is None or pkt.ts >= old[0]:
                     self.cards[key] = (float(pkt.ts), dict(card, node=pkt.node))
-        elif isinstance(pkt, EventPacket):
-            self.max_rank = max(self.max_rank, pkt.rank)
-            if pkt.kind == "error":
-                self.errors[pkt.rank] = pkt.message
-            if _finite(pkt.ts):
-                self.newest_ts = max(self.newest_ts, float(pkt.ts))
-
-    def _add_step(self, p: StepPacket) -> None:
-        self.max_rank = max(self.max_rank, p.rank)
-        self.newest_step_seen = max(self.newest_step_seen, p.step)
-        if p.step >= self.last_step_of_rank.get(p.rank, -1):
-            self.last_step_of_rank[p.rank] = p.step
-        if _finite(p.ts):
-            self.newest_ts = max(self.newest_ts, float(p.ts))
-        if self.complete_step is not None and p.step < self.complete_step:
-            return  # late: a newer step is already complete
-        bucket = self._buckets.setdefault(p.step, {})
-        bucket.setdefault(p.rank, p)  # the first report of a (rank, step) wins, as in the aggregator
-
-    def _update_complete(self) -> None:
-        ws = self.world_size
-        if ws <= 0:
             return
-        need = range(ws)
-        newest = None
-        for s in sorted(self._buckets, reverse=True):
-            bucket = self._buckets[s]
-            if all(r in bucket for r in need):
-                newest = s
-                break
-        if newest is not None:
-            for s in [s for s in self._buckets if s < newest]:
-                del self._buckets[s]
-            self.complete_step = newest
-        elif self.complete_step is not None and self.complete_step not in self._buckets:
-            self.complete_step = None  # the world grew and older steps are gone
-        pending = sorted(s for s in self._buckets if s != self.complete_step)
-        for s in pending[: max(0, len(pending) - MAX_PENDING_STEPS)]:
-            del self._buckets[s]
+        if isinstance(pkt, EventPacket) and pkt.kind == "error":
+            self.errors[pkt.rank] = pkt.message
+        if isinstance(pkt, (StepPacket, EventPacket)) and _finite(pkt.ts):
+            self.newest_ts = max(self.newest_ts, float(pkt.ts))
 
     # ---- rendering
     def card_rows(self) -> list[dict[str, Any]]:
@@ -282,7 +146,8 @@ class RunView:
         red = self.reduced()
         lines.append("")
         if red is not None:
-            lines.append(cluster_table(red, self.total_steps))
+            lines.append(cluster_table(red, self.total_steps,
+                                       straggler_threshold=self.run.config.monitor.straggler_threshold))
         elif self.newest_step_seen >= 0:
             lines.append(f"no complete step yet (newest step reported: {self.newest_step_seen})")
         elif self.tail.offset == 0 and not (self.run_dir / METRICS).exists():
@@ -326,11 +191,11 @@ class RunView:
         """Ranks that reported beyond the newest complete step while others did not."""
         if self.complete_step is None or self.newest_step_seen <= self.complete_step:
             return ""
-        ws = self.world_size
-        lagging = [r for r in range(ws) if self.last_step_of_rank.get(r, -1) < self.newest_step_seen]
+        last = self.run.last_step_of_rank
+        lagging = [r for r in range(self.world_size) if last.get(r, -1) < self.newest_step_seen]
         if not lagging:
             return ""
-        shown = ", ".join(f"{r}@{self.last_step_of_rank.get(r, '-')}" for r in lagging[:16])
+        shown = ", ".join(f"{r}@{last.get(r, '-')}" for r in lagging[:16])
         more = f" (+{len(lagging) - 16})" if len(lagging) > 16 else ""
         return f"waiting for step {self.newest_step_seen} from rank@last step: {shown}{more}"
 
@@ -350,21 +215,6 @@ def _clean_card(card: dict[str, Any]) -> dict[str, Any]:
     h = card.get("health")
     out["health"] = str(h) if h is not None else None
     return out
-
-
-def _total_steps(run_dir: Path) -> int | None:
-    """train.steps of the run's config.yaml (None when absent or 0: the run goes by epochs)."""
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        return None
-    try:
-        import yaml
-
-        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-        steps = cfg["train"]["steps"]
-    except Exception:
-        return None
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
 
 
 # ------------------------------------------------------------------------- run selection
@@ -401,7 +251,7 @@ def resolve_run_dir(run_dir: Path | None, root: Path) -> tuple[Path | None, str]
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None, f"mindpulse top: {run_dir} is not a directory"
-    if not _is_run_dir(run_dir) and not (run_dir / SUMMARY).exists() and not (run_dir / "config.yaml").exists():
+    if not _is_run_dir(run_dir) and not (run_dir / SUMMARY).exists() and not (run_dir / CONFIG).exists():
         found = newest_run(run_dir)  # a folder of runs: show its newest
         if found is None:
             return None, f"mindpulse top: {run_dir} has no {METRICS}; is it a run directory?"
@@ -547,4 +397,4 @@ def main_top(run_dir: Path | None, root: Path = Path("runs"), interval: float = 
     return _run_plain(view, out, interval)
 
 
-__all__ = ["main_top", "RunView", "MetricsTail", "newest_run", "resolve_run_dir"]
+__all__ = ["main_top", "RunView", "newest_run", "resolve_run_dir"]

@@ -24,8 +24,9 @@ plus human-readable warnings for what could not.  Only the standard library is u
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 __all__ = [
     "HEALTH_VALUES",
@@ -48,29 +49,18 @@ _MAX_NUMBER_CHARS = 32
 #: Real rows are 100-200 characters; far longer lines are not npu-smi output.
 MAX_LINE_CHARS = 4096
 
-_CARD_FIELDS: tuple[str, ...] = (
-    "npu",
-    "chip",
-    "phy_id",
-    "name",
-    "health",
-    "power_w",
-    "temp_c",
-    "aicore_pct",
-    "hbm_used_mb",
-    "hbm_total_mb",
-    "memory_used_mb",
-    "memory_total_mb",
-    "bus_id",
-)
-
-
 # --------------------------------------------------------------------------- data
 
 
 @dataclass
 class NpuCard:
-    """One NPU chip as reported by ``npu-smi`` (``None`` = not reported or unreadable)."""
+    """One NPU chip as reported by ``npu-smi`` (``None`` = not reported or unreadable).
+
+    The fields, in this order, are the keys of :meth:`to_dict`. This is what ``npu-smi``
+    prints, not a telemetry card record: the npu-smi sampler turns it into one
+    (:class:`mindpulse.node.samplers.base.CardRecord`) in one place,
+    ``NpuSmiSampler._record`` of :mod:`mindpulse.node.samplers.npu_smi`.
+    """
 
     npu: int | None = None
     chip: int | None = None
@@ -90,26 +80,17 @@ class NpuCard:
     processes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict with exactly the contract keys."""
-        return {
-            "npu": self.npu,
-            "chip": self.chip,
-            "phy_id": self.phy_id,
-            "name": self.name,
-            "health": self.health,
-            "power_w": self.power_w,
-            "temp_c": self.temp_c,
-            "aicore_pct": self.aicore_pct,
-            "hbm_used_mb": self.hbm_used_mb,
-            "hbm_total_mb": self.hbm_total_mb,
-            "memory_used_mb": self.memory_used_mb,
-            "memory_total_mb": self.memory_total_mb,
-            "bus_id": self.bus_id,
-            "processes": [
-                {"pid": p.get("pid"), "name": p.get("name"), "memory_mb": p.get("memory_mb")}
-                for p in self.processes
-            ],
-        }
+        """JSON-ready dict with exactly the contract keys (the fields, in their order)."""
+        d: dict[str, Any] = {f: getattr(self, f) for f in _CARD_FIELDS}
+        d["processes"] = [
+            {"pid": p.get("pid"), "name": p.get("name"), "memory_mb": p.get("memory_mb")}
+            for p in self.processes
+        ]
+        return d
+
+
+#: The value fields of an :class:`NpuCard` (all but ``processes``), in order.
+_CARD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(NpuCard) if f.name != "processes")
 
 
 @dataclass
@@ -817,7 +798,7 @@ _KV_IGNORED = frozenset(
         "chipcount", "model", "manufacturer", "serialnumber", "softwareversion",
         "firmwareversion", "compatibility", "boardid", "pcbid", "bomid", "slotid",
         "classid", "pcivendorid", "pcideviceid", "subsystemvendorid", "subsystemdeviceid",
-        "chiptype", "chipversion", "chippositionid", "vdieid", "ndieid", "chiptype",
+        "chiptype", "chipversion", "chippositionid", "vdieid", "ndieid",
         "ddrhugepagestotal(page)", "ddrhugepagesusagerate(%)", "hugepagestotal(page)",
         "hugepagesusagerate(%)", "aivectorusagerate(%)", "aicpuusagerate(%)",
         "ctrlcpuusagerate(%)", "ddrbandwidthusagerate(%)", "hbmbandwidthusagerate(%)",
@@ -856,14 +837,15 @@ def _parse_kv(lines: list[tuple[int, str]], warn: _Warnings) -> list[NpuCard]:
         key, _, value = s.partition(":")
         nk = _norm_key(key)
         if not nk or len(nk) > 80:
-            warn.add(lambda: f"line {lineno}: not understood: {_excerpt(s)}")
+            warn.add(lambda lineno=lineno, s=s: f"line {lineno}: not understood: {_excerpt(s)}")
             continue
         if nk == "npuid":
             cur = _KvGroup(lineno, conv.integer(value, lineno, "NPU ID"))
             groups.append(cur)
             continue
         if nk not in _KV_FIELDS and nk not in _KV_IGNORED and nk != "chipid":
-            warn.add(lambda: f"line {lineno}: key {_excerpt(key.strip())} not recognised; ignored")
+            warn.add(lambda lineno=lineno, key=key:
+                     f"line {lineno}: key {_excerpt(key.strip())} not recognised; ignored")
             continue
         if cur is None:
             warn.add(
@@ -1021,7 +1003,7 @@ def parse_npu_smi(text: str, *, max_warnings: int = MAX_WARNINGS) -> ParseResult
                 continue
             if len(s) > MAX_LINE_CHARS:
                 warn.add(
-                    lambda: f"line {lineno}: {len(s)} characters long, not npu-smi output; "
+                    lambda lineno=lineno, s=s: f"line {lineno}: {len(s)} characters long, not npu-smi output; "
                     "skipped"
                 )
                 continue
@@ -1035,7 +1017,7 @@ def parse_npu_smi(text: str, *, max_warnings: int = MAX_WARNINGS) -> ParseResult
             elif ":" in s:
                 kv_lines.append((lineno, s))
             else:
-                warn.add(lambda: f"line {lineno}: not understood: {_excerpt(s)}")
+                warn.add(lambda lineno=lineno, s=s: f"line {lineno}: not understood: {_excerpt(s)}")
 
         if saw_table:
             cards.extend(table.finish())

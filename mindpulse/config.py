@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from mindpulse.protocol import RULE_ACTIONS, Action, MonitorSettings, Schedule, parse_fault
+
 
 class ConfigError(ValueError):
     """A config problem; the message names the dotted path, the bad value and what is allowed."""
@@ -148,6 +150,10 @@ class MonitorConfig:
     decision_every: int = 1
     """Every N steps each rank waits for the aggregator's directive (stop/continue);
     all ranks stop after the same decision step."""
+    max_lag_steps: int = 0
+    """How far a rank may run ahead of the aggregator: it starts step k once step
+    k-1-max_lag_steps is reduced, so no rank waits while the aggregator keeps up, and a
+    stop decided at step S ends every rank after step S+max_lag_steps (0: lockstep)."""
     decision_timeout_s: float = 120.0
     """How long a rank waits for a directive before it goes on without one."""
     hang_timeout_s: float = 300.0
@@ -176,10 +182,8 @@ class RuleKind(str, enum.Enum):
     STRAGGLER = "straggler"
 
 
-class RuleAction(str, enum.Enum):
-    WARN = "warn"
-    STOP = "stop"
-    SAVE_AND_STOP = "save_and_stop"
+RuleAction = Action
+"""A rule's action is the one `Action` enum of the protocol (warn, stop or save_and_stop)."""
 
 
 @dataclass
@@ -219,6 +223,44 @@ class AnomalyRuleConfig:
     """card_overload: seconds the card must stay past the limit (-1: the rule's default)."""
     tolerance: float = 0.0
     """desync: relative tolerance on parameter norms (0: fingerprints must be bit-equal)."""
+
+
+RULE_DEFAULTS: dict[RuleKind, dict[str, Any]] = {
+    RuleKind.NONFINITE: {"action": Action.STOP},
+    RuleKind.GRAD_EXPLOSION: {"action": Action.STOP, "factor": 20.0, "window": 50, "warmup": 5},
+    RuleKind.LOSS_SPIKE: {"action": Action.WARN, "z": 6.0, "window": 50, "warmup": 10, "patience": 1},
+    RuleKind.THRESHOLD: {"action": Action.WARN, "op": ">", "for_steps": 1},
+    RuleKind.CARD_OVERLOAD: {"action": Action.WARN, "metric": "temp_c", "for_s": 30.0},
+    RuleKind.DESYNC: {"action": Action.STOP, "tolerance": 0.0},
+    RuleKind.STRAGGLER: {"action": Action.WARN, "patience": 2},
+}
+"""Each rule's real defaults, filling the fields an entry leaves at their placeholder
+(None, 0, -1 or empty); the straggler threshold comes from `monitor.straggler_threshold`."""
+CARD_LIMITS: dict[str, float | None] = {"temp_c": 95.0, "memory_pct": 98.0, "power_w": None}
+"""card_overload's default limit per metric (power has none: it depends on the card)."""
+DEFAULT_RULES = (RuleKind.NONFINITE, RuleKind.GRAD_EXPLOSION, RuleKind.LOSS_SPIKE, RuleKind.CARD_OVERLOAD,
+                 RuleKind.DESYNC, RuleKind.STRAGGLER)
+"""On unless turned off with `{rule: NAME, enabled: false}`."""
+
+
+def resolve_rule(raw: dict[str, Any], straggler_threshold: float | None = None) -> dict[str, Any]:
+    """A rule entry (plain dict, as the aggregator receives it) with every placeholder
+    replaced by the rule's default; idempotent. Unknown kinds (extra rules) pass through."""
+    out = dict(raw)
+    try:
+        kind = RuleKind(out.get("rule"))
+    except ValueError:
+        return out
+    for key, value in RULE_DEFAULTS[kind].items():
+        cur = out.get(key)
+        if cur is None or cur == "" or (key in ("warmup", "for_s") and cur < 0) or (
+                key not in ("warmup", "for_s", "tolerance") and cur == 0):
+            out[key] = value.value if isinstance(value, enum.Enum) else value
+    if kind is RuleKind.CARD_OVERLOAD and out.get("threshold") is None:
+        out["threshold"] = CARD_LIMITS.get(out["metric"])
+    if kind is RuleKind.STRAGGLER and out.get("threshold") is None:
+        out["threshold"] = MonitorConfig.straggler_threshold if straggler_threshold is None else straggler_threshold
+    return out
 
 
 @dataclass
@@ -465,6 +507,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("monitor.collect_freq", cfg.monitor.collect_freq)
     _positive("monitor.per_print_step", cfg.monitor.per_print_step)
     _positive("monitor.decision_every", cfg.monitor.decision_every)
+    _positive("monitor.max_lag_steps", cfg.monitor.max_lag_steps, allow_zero=True)
     _positive("monitor.decision_timeout_s", cfg.monitor.decision_timeout_s)
     _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
     _positive("monitor.telemetry_interval_s", cfg.monitor.telemetry_interval_s, allow_zero=True)
@@ -498,8 +541,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         _validate_rule(f"anomalies[{i}]", rc)
     for i, spec in enumerate(cfg.faults):
         try:
-            from mindpulse.workers.faults import parse_fault
-
             parse_fault(spec, world_size=cfg.world.world_size)
         except ValueError as exc:
             raise ConfigError(f"faults[{i}]: {exc}") from None
@@ -526,7 +567,10 @@ _OPS = (">", ">=", "<", "<=")
 _CARD_METRICS = ("temp_c", "memory_pct", "power_w")
 
 
-def _validate_rule(path: str, rc: "AnomalyRuleConfig") -> None:
+def _validate_rule(path: str, rc: AnomalyRuleConfig) -> None:
+    if rc.action is not None and rc.action not in RULE_ACTIONS:
+        raise ConfigError(f"{path}.action: {rc.action.value!r} is not allowed; use one of "
+                          + ", ".join(a.value for a in RULE_ACTIONS))
     if rc.op not in _OPS:
         raise ConfigError(f"{path}.op: {rc.op!r} is not allowed; use one of " + ", ".join(_OPS))
     if rc.for_steps < 1:
@@ -544,6 +588,14 @@ def _validate_rule(path: str, rc: "AnomalyRuleConfig") -> None:
     if rc.rule is RuleKind.CARD_OVERLOAD and rc.metric and rc.metric not in _CARD_METRICS:
         raise ConfigError(f"{path}.metric: {rc.metric!r} is not allowed for card_overload; use one of "
                           + ", ".join(_CARD_METRICS))
+
+
+def sections_of(raw: dict[str, Any]) -> RunConfig:
+    """A config from some of its sections (the aggregator receives `monitor`, `checkpoint`,
+    `eval`, `anomalies` as plain dicts): every field not given takes its one default here.
+    Fields are type-checked; cross-field checks are the launcher's (it validated the run)."""
+    keep = {f.name for f in dataclasses.fields(RunConfig)}
+    return _build(RunConfig, {k: v for k, v in raw.items() if k in keep}, "")
 
 
 def from_dict(raw: Any, source: str = "<config>") -> RunConfig:
@@ -660,3 +712,28 @@ def describe_fields() -> list[tuple[str, str, str]]:
 
     walk(RunConfig, "")
     return rows
+
+
+def schedule_of(cfg: RunConfig) -> Schedule:
+    """The run's special steps, computed once here and shipped to every rank."""
+    return Schedule(
+        total_steps=cfg.train.steps,
+        collect_freq=cfg.monitor.collect_freq,
+        decision_every=cfg.monitor.decision_every,
+        save_every=cfg.checkpoint.save_checkpoint_steps,
+        best_every=cfg.checkpoint.best_every_steps,
+        eval_every=cfg.eval.every_steps,
+        eval_per_epoch=cfg.eval.per_epoch,
+    )
+
+
+def monitor_settings_of(cfg: RunConfig) -> MonitorSettings:
+    """What a rank's monitor needs of `monitor.*`."""
+    m = cfg.monitor
+    return MonitorSettings(
+        decision_timeout_s=m.decision_timeout_s,
+        # a few beats per hang timeout, never slower than every 5 s
+        heartbeat_s=max(0.5, min(5.0, m.hang_timeout_s / 4)),
+        weight_stats=m.weight_stats,
+        histogram_regex=m.histogram_regex,
+    )

@@ -3,11 +3,11 @@
 Reads what a run leaves behind, all but the metrics file optional, and copes with a
 crashed run (a torn last record in `metrics.msgpack`, no `summary.json`):
 
-* `metrics.msgpack` — every accepted packet (steps are re-reduced with `reduce_all`);
-* `summary.json` — the launcher's summary (status, world size, ranks' exit codes);
+* `metrics.msgpack`, `summary.json`, `config.yaml` — through `run_reader.RunReader`: every
+  accepted packet replayed with the aggregator's reducer and straggler tracker (built from
+  the run's config), the launcher's summary, and the resolved configuration (shown as is);
 * `anomalies.json` — a list of {rule, step, rank, value, threshold, action, message};
 * `checkpoints/manifest.json` — {"files": [{path, step, metric, kind, size, sha256}]};
-* `config.yaml` — the resolved configuration, shown as is;
 * `profile/rank_*/` — profiler output folders, linked relatively.
 
 Plots are drawn with matplotlib's Agg canvas directly (no pyplot, no display needed).
@@ -23,16 +23,18 @@ import logging
 import math
 import os
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from tabulate import tabulate
 
-from .metrics_store import read_packets
-from .packets import EventPacket, StepPacket, TelemetryPacket
-from .reducer import ReducedStep, reduce_all
-from .tables import totals_table
+from mindpulse.aggregator.reducer import ReducedStep
+from mindpulse.aggregator.tables import totals_table
+from mindpulse.config import RunConfig
+from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
+from mindpulse.views.run_reader import METRICS, SUMMARY, RunReader, read_json
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,14 @@ class RunData:
     """Everything the report shows, read once from a run directory."""
 
     run_dir: Path
+    config: RunConfig = field(default_factory=RunConfig)
+    """The run's resolved config (defaults where config.yaml is missing or damaged)."""
     summary: dict[str, Any] | None = None
     world_size: int = 0
     per_rank: dict[int, list[StepPacket]] = field(default_factory=dict)
-    """Each rank's step packets, one per step (first kept), sorted by step."""
+    """Each rank's step packets the reducer accepted (one per step), sorted by step."""
     reduced: list[ReducedStep] = field(default_factory=list)
+    """Every complete step, sorted by step, with the straggler scores the aggregator gave it."""
     telemetry: list[TelemetryPacket] = field(default_factory=list)
     events: list[EventPacket] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
@@ -67,6 +72,8 @@ class RunData:
     config_text: str | None = None
     profile_dirs: list[Path] = field(default_factory=list)
     records: int = 0
+    derived_totals: dict[str, Any] = field(default_factory=dict)
+    """summary.json's totals as the reader derived them from the metrics."""
     notes: list[str] = field(default_factory=list)
     """Problems met while reading (missing or unreadable files), shown in the report."""
 
@@ -94,23 +101,7 @@ class RunData:
         """summary.json, or the same fields derived from the metrics when it is missing."""
         if self.summary:
             return self.summary
-        finite = [(r.loss_mean, r.step) for r in self.reduced if _finite(r.loss_mean)]
-        stats: dict[str, int] = {"accepted": self.records}
-        return {
-            "status": self.status,
-            "world_size": self.world_size,
-            "steps_completed": self.reduced[-1].step if self.reduced else 0,
-            "first_loss": finite[0][0] if finite else None,
-            "last_loss": self.reduced[-1].loss_mean if self.reduced else None,
-            "best_loss": min(finite)[0] if finite else None,
-            "best_loss_step": min(finite)[1] if finite else None,
-            "fingerprints_equal": self._fingerprints_equal(),
-            "packets": stats,
-        }
-
-    def _fingerprints_equal(self) -> bool | None:
-        fps = {fp for fp in (self.last_fingerprint(r) for r in self.per_rank) if fp}
-        return (len(fps) == 1) if fps else None
+        return {"status": self.status, **self.derived_totals}
 
     def last_fingerprint(self, rank: int) -> str | None:
         for p in reversed(self.per_rank.get(rank, [])):
@@ -165,13 +156,39 @@ def _finite(x: Any) -> bool:
 
 
 def _read_json(path: Path, data: RunData) -> Any:
-    if not path.exists():
-        return None
+    obj, err = read_json(path)
+    if err is not None:
+        data.notes.append(f"{path.name} could not be read: {err}")
+    return obj
+
+
+def _read_run(run: RunReader, data: RunData) -> None:
+    """Metrics, summary and config through the shared reader, in one poll."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        data.notes.append(f"{path.name} could not be read: {exc}")
-        return None
+        packets = run.poll().packets
+    except OSError as exc:
+        packets = []
+        data.notes.append(f"{METRICS} could not be read: {exc}")
+    data.summary = run.summary
+    if run.summary is None:
+        if run.summary_problem:
+            data.notes.append(run.summary_problem)
+        data.notes.append(f"{SUMMARY} is missing: the run did not finish (crashed, killed or still running)")
+    if not (data.run_dir / METRICS).exists():
+        data.notes.append(f"{METRICS} is missing")
+    if run.tail.errors:
+        data.notes.append(f"{METRICS}: {run.tail.errors} unreadable stretch(es) skipped")
+    data.config = run.config
+    data.config_text = run.config_file.text
+    data.world_size = run.world_size
+    data.records = run.records
+    data.derived_totals = run.totals()
+    data.per_rank = {r: sorted(pkts, key=lambda p: p.step) for r, pkts in sorted(run.per_rank.items())}
+    data.reduced = sorted(run.reduced, key=lambda r: r.step)
+    data.telemetry = sorted((p for p in packets if isinstance(p, TelemetryPacket)), key=lambda t: t.ts)
+    data.events = [p for p in packets if isinstance(p, EventPacket)]
+    if not data.has_steps:
+        data.notes.append(f"no step data: {METRICS} holds no step packets")
 
 
 def load_run(run_dir: Path | str) -> RunData:
@@ -180,51 +197,8 @@ def load_run(run_dir: Path | str) -> RunData:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run directory at {run_dir}")
     data = RunData(run_dir=run_dir)
-
-    summary = _read_json(run_dir / "summary.json", data)
-    if isinstance(summary, dict):
-        data.summary = summary
-    else:
-        if summary is not None:
-            data.notes.append("summary.json is not a JSON object")
-        data.notes.append("summary.json is missing: the run did not finish (crashed, killed or still running)")
-
-    steps: list[StepPacket] = []
-    metrics = run_dir / "metrics.msgpack"
-    if metrics.exists():
-        try:
-            for pkt in read_packets(metrics):
-                data.records += 1
-                if isinstance(pkt, StepPacket):
-                    steps.append(pkt)
-                elif isinstance(pkt, TelemetryPacket):
-                    data.telemetry.append(pkt)
-                elif isinstance(pkt, EventPacket):
-                    data.events.append(pkt)
-        except OSError as exc:
-            data.notes.append(f"metrics.msgpack could not be read: {exc}")
-    else:
-        data.notes.append("metrics.msgpack is missing")
-
-    ws = _int((data.summary or {}).get("world_size"))
-    if ws is None or ws <= 0:
-        ranks = [p.rank for p in steps] + [e.rank for e in data.events]
-        ws = max(ranks) + 1 if ranks else 0
-    data.world_size = ws
-    seen: set[tuple[int, int]] = set()
-    for p in steps:
-        if p.rank >= ws or (p.rank, p.step) in seen:
-            continue  # a duplicate or a rank outside the world: the aggregator dropped it too
-        seen.add((p.rank, p.step))
-        data.per_rank.setdefault(p.rank, []).append(p)
-    for pkts in data.per_rank.values():
-        pkts.sort(key=lambda p: p.step)
-    data.per_rank = dict(sorted(data.per_rank.items()))
-    if ws > 0:
-        data.reduced = sorted(reduce_all(steps, ws), key=lambda r: r.step)
-    if not data.has_steps:
-        data.notes.append("no step data: metrics.msgpack holds no step packets")
-    data.telemetry.sort(key=lambda t: t.ts)
+    run = RunReader(run_dir, history=True)
+    _read_run(run, data)
 
     anomalies = _read_json(run_dir / "anomalies.json", data)
     if isinstance(anomalies, dict):  # tolerate {"anomalies": [...]}
@@ -242,12 +216,7 @@ def load_run(run_dir: Path | str) -> RunData:
     elif manifest is not None:
         data.notes.append("checkpoints/manifest.json has no list of files")
 
-    cfg = run_dir / "config.yaml"
-    if cfg.exists():
-        try:
-            data.config_text = cfg.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            data.notes.append(f"config.yaml could not be read: {exc}")
+    data.notes += run.config_file.notes
 
     prof = run_dir / "profile"
     if prof.is_dir():
@@ -408,13 +377,12 @@ def _plot_throughput(data: RunData, path: Path) -> Path:
 
 
 def _plot_straggler(data: RunData, path: Path) -> Path:
-    """Per-rank straggler score over time (1.0 = the fastest rank), as the aggregator scores it."""
-    from .reducer import StragglerTracker
-
-    tracker = StragglerTracker(window=10)
+    """Per-rank straggler score over time (1.0 = the fastest rank), as the aggregator scored it
+    with the run's `monitor.straggler_window`, against its `monitor.straggler_threshold`."""
+    monitor = data.config.monitor
     series: dict[int, tuple[list[float], list[float]]] = {}
     for red in data.reduced:
-        for r, sc in tracker.update(red).items():
+        for r, sc in red.straggler_scores.items():
             xs, ys = series.setdefault(r, ([], []))
             xs.append(red.step)
             ys.append(sc)
@@ -424,12 +392,14 @@ def _plot_straggler(data: RunData, path: Path) -> Path:
     ax = axes[0, 0]
     for r, (xs, ys) in sorted(series.items()):
         _plot(ax, xs, ys, f"rank {r}", linewidth=1.0)
-    ax.axhline(0.7, color="tab:red", linestyle=":", linewidth=1.0, label="threshold (default 0.7)")
+    ax.axhline(monitor.straggler_threshold, color="tab:red", linestyle=":", linewidth=1.0,
+               label=f"threshold {monitor.straggler_threshold:g} (monitor.straggler_threshold)")
     _markers(ax, data.anomaly_steps, data.checkpoint_steps)
     ax.set_xlabel("step")
     ax.set_ylabel("score (fastest / rank's busy time)")
     ax.set_ylim(0, 1.05)
-    return _finish(fig, axes, path, "straggler score per rank (1.0 = fastest)")
+    return _finish(fig, axes, path,
+                   f"straggler score per rank (1.0 = fastest, median over {monitor.straggler_window} steps)")
 
 
 _TELEMETRY_PANELS = (("util_pct", "utilization (%)"), ("memory_used_mb", "memory used (MB)"),
@@ -454,7 +424,7 @@ def _step_to_time(data: RunData, t0: float) -> Any:
 
 def _plot_telemetry(data: RunData, path: Path) -> Path:
     series: dict[tuple[str, str], list[tuple[float, dict[str, Any]]]] = {}
-    for i, pkt in enumerate(data.telemetry):
+    for pkt in data.telemetry:
         for j, card in enumerate(pkt.cards):
             if isinstance(card, dict):
                 cid = card.get("card")
@@ -464,7 +434,13 @@ def _plot_telemetry(data: RunData, path: Path) -> Path:
     have_time = any(_finite(t) and t > 0 for s in series.values() for t, _ in s)
     t0 = min((t for s in series.values() for t, _ in s if _finite(t) and t > 0), default=0.0)
     all_t = [t - t0 for s in series.values() for t, _ in s if _finite(t) and t > 0]
-    x_range = (min(all_t, default=0.0), max(all_t, default=0.0))
+    lo, hi = min(all_t, default=0.0), max(all_t, default=0.0)
+
+    def inside(xs: list[float]) -> list[float]:
+        # only markers inside the sampled time range: the others would stretch the axis
+        return [x for x in xs if lo <= x <= hi]
+
+    conv = _step_to_time(data, t0) if have_time else None
     fig, axes = _figure(2, 2, size=(12.0, 7.0))
     drawn = False
     for ax, (key, label) in zip(axes.flat, _TELEMETRY_PANELS):
@@ -474,14 +450,7 @@ def _plot_telemetry(data: RunData, path: Path) -> Path:
                            linewidth=1.0, marker="." if len(samples) < 50 else None)
         ax.set_ylabel(label)
         ax.set_xlabel("seconds since first sample" if have_time else "sample")
-        conv = _step_to_time(data, t0) if have_time else None
         if conv is not None:
-            # only markers inside the sampled time range: the others would stretch the axis
-            lo, hi = x_range
-
-            def inside(xs: list[float]) -> list[float]:
-                return [x for x in xs if lo <= x <= hi]
-
             _markers(ax, inside(conv(data.anomaly_steps)), inside(conv(data.checkpoint_steps)))
     if not drawn:
         return _placeholder(path, "telemetry", "no telemetry values")
@@ -615,7 +584,7 @@ def _html_table(headers: list[str], rows: list[list[Any]], empty: str) -> str:
 
 def _summary_value(key: str, value: Any) -> str:
     if key == "started" and _finite(value):
-        when = _dt.datetime.fromtimestamp(value, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        when = _dt.datetime.fromtimestamp(value, tz=_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return f"{value} ({when})"
     if isinstance(value, (dict, list)):
         return json.dumps(value, default=str, sort_keys=True)

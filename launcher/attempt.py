@@ -1,0 +1,156 @@
+"""One attempt of the run: its aggregator, its nodes' agents and its worker group, from
+start to teardown. Attempt k's logs go to logs/ (k = 0) or logs/attempt_<k>/.
+
+Start order: aggregator → placement group and node agents → the settings (job.json, now
+that the relays and the scheduler's address are known) → the rank specs (plan.json) →
+the ranks → telemetry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mindpulse.aggregator.rundir_io import write_atomic
+from mindpulse.config import RunConfig
+
+from .node_agents import NodeAgents
+from .progress import Console
+from .ray_session import RaySession
+from .rundir import PidFile, write_json
+from .spec import RunResult, RunStatus, rank_settings, rank_specs, settings_path_of
+from .worker_group import RefOwner, WorkerGroup, worker_group
+
+AGGREGATOR_TIMEOUT_S = 60
+
+
+def logs_dir_of(run_dir: Path, index: int) -> Path:
+    return run_dir / "logs" if index == 0 else run_dir / "logs" / f"attempt_{index}"
+
+
+class Attempt:
+    def __init__(self, cfg: RunConfig, *, index: int, run_dir: Path, run_id: str, session: RaySession,
+                 resume: dict[str, Any] | None, pids: PidFile, console: Console):
+        self.cfg = cfg
+        self.index = index
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.session = session
+        self.resume = resume
+        self.pids = pids
+        self.console = console
+        self.logs_dir = logs_dir_of(run_dir, index)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        # attempt k > 0 has its own aggregator (and rank actor names): the last one's may linger
+        self.name = run_id + (f"-a{index}" if index else "")
+        self.aggregator: Any = None
+        self.nodes = NodeAgents(cfg)
+        self.group: WorkerGroup = worker_group(cfg, self.nodes, self.logs_dir, pids, console.say,
+                                               actor_prefix=f"{run_id}-a{index}")
+        self.dropped_packets = 0
+        self.aggregator_lost = False
+
+    def total_steps(self) -> int | None:
+        return self.cfg.train.steps or None
+
+    # ---- start ------------------------------------------------------------------------------
+    def start(self) -> dict[Any, RefOwner]:
+        import ray
+
+        from mindpulse.aggregator.actor import actor_name, start_aggregator
+
+        from .preflight import check_cluster
+
+        cfg = self.cfg
+        check_cluster(cfg, ray.cluster_resources(), [n for n in ray.nodes() if n.get("Alive")])
+        plain = cfg.to_dict()
+        agg_settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
+                        "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"],
+                        "config_yaml": (self.run_dir / "config.yaml").read_text()}
+        self.aggregator = start_aggregator(self.name, cfg.ray.namespace, self.run_dir, cfg.world.world_size,
+                                           cfg.monitor.per_print_step, self.total_steps(),
+                                           node_id=ray.get_runtime_context().get_node_id(), settings=agg_settings)
+        self.pids["aggregator"] = ray.get(self.aggregator.ping.remote(), timeout=AGGREGATOR_TIMEOUT_S)
+        self.pids.save()  # for operators (and tests) while it runs
+
+        self.nodes.place(self.aggregator)
+        sched_host, sched_port = self.nodes.sched_endpoint(self.session.embedded)
+        settings_path = settings_path_of(str(self.run_dir))
+        settings = rank_settings(cfg, run_dir=str(self.run_dir), run_id=self.run_id, attempt=self.index,
+                                 aggregator=actor_name(self.name), ray_address=self.session.address,
+                                 relays=self.nodes.relays(), resume=self.resume)
+        write_atomic(Path(settings_path), settings.to_json().encode())
+        specs = rank_specs(cfg, run_dir=str(self.run_dir), logs_dir=str(self.logs_dir), settings_path=settings_path,
+                           sched_host=sched_host, sched_port=sched_port)
+        write_json(self.run_dir / "plan.json", [s.to_dict() for s in specs])
+        self.pids["agents"] = self.nodes.pids()
+
+        refs = self.group.start(specs, sched_host, sched_port, settings_path)
+        self.nodes.start_telemetry(self.group.rank_pids, self.console.say)
+        return refs
+
+    # ---- while it runs ----------------------------------------------------------------------
+    def poll(self, final: bool = False) -> dict[str, Any] | None:
+        """Print the aggregator's new console lines; returns its progress (None: no answer)."""
+        import ray
+
+        try:
+            info = ray.get(self.aggregator.poll.remote(), timeout=10)
+        except Exception:
+            return None
+        for text in info["console"]:
+            self.console.say(text)
+        return None if final else info["progress"]
+
+    def hang_check(self) -> dict[str, Any] | None:
+        """The aggregator's verdict: None, or the stuck ranks with their steps and pids."""
+        import ray
+
+        timeout = self.cfg.monitor.hang_timeout_s
+        try:
+            return ray.get(self.aggregator.hang_check.remote(timeout, max(3.0, min(15.0, timeout / 2))), timeout=10)
+        except Exception:
+            return None
+
+    def request_stop(self, reason: str) -> None:
+        """Every rank stops after the next decision step (the aggregator's stop directive)."""
+        try:
+            self.aggregator.request_stop.remote(reason, "interrupt", True)
+        except Exception:
+            pass
+
+    def kill_ranks(self) -> None:
+        self.group.kill()
+
+    # ---- the end ----------------------------------------------------------------------------
+    def finish(self, result: RunResult, graceful: bool) -> dict[str, Any]:
+        """Flush telemetry and packets, close the aggregator (its snapshot is returned), end
+        the ranks and the agents, give the cards back."""
+        import ray
+
+        self.dropped_packets += self.nodes.flush(kill=result.status is RunStatus.FAILED)
+        snapshot: dict[str, Any] = {}
+        try:
+            self.poll(final=True)
+            snapshot = ray.get(self.aggregator.close.remote(), timeout=30)
+        except Exception as exc:
+            self.console.say(f"mindpulse: WARNING the aggregator did not answer at the end ({exc}); the ranks' own "
+                             "results stand, the cluster metrics are incomplete (metrics.msgpack has what it "
+                             "accepted)")
+            self.aggregator_lost = True
+        self.terminate(graceful)
+        try:
+            ray.kill(self.aggregator, no_restart=True)  # closed: its state is in summary and metrics
+        except Exception:
+            pass
+        self.nodes.release()
+        return snapshot
+
+    def terminate(self, graceful: bool) -> None:
+        self.group.terminate(graceful)
+        self.nodes.shutdown()
+
+    def abort(self) -> None:
+        """The launcher itself failed mid-attempt: kill what was started."""
+        self.kill_ranks()
+        self.terminate(graceful=False)

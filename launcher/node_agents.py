@@ -1,0 +1,161 @@
+"""One attempt's nodes: a placement group with one bundle per node, and a NodeAgent actor
+in each bundle (packet relay, telemetry, stack dumps; msrun or the scheduler live there).
+
+Both backends place their ranks in these bundles, so the agents are shared by the worker
+groups; the attempt creates them before the ranks and shuts them down after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mindpulse.config import RunConfig
+
+from .preflight import LaunchRefused
+from .spec import free_port, node_devices
+
+DEVICE_RESOURCE = {"cpu": "CPU", "ascend": "NPU", "gpu": "GPU"}
+"""Ray's resource name for a card of each `world.device`."""
+PLACEMENT_TIMEOUT_S = 120
+LOOPBACK = "127.0.0.1"
+
+
+class NodeAgents:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.resource = DEVICE_RESOURCE[cfg.world.device.value]
+        self.pg: Any = None
+        self.agents: list[Any] = []
+        self.infos: list[dict[str, Any]] = []
+
+    def place(self, aggregator: Any) -> None:
+        """Reserve every node's cards and start its agent; refused when the cluster cannot
+        hold the job. Handles are kept as they are made, so a failure halfway is cleaned up."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from mindpulse.node.agent import WORKER_ENV, NodeAgent
+
+        w = self.cfg.world
+        # one bundle per node holding that node's ranks; STRICT_SPREAD puts nodes apart
+        bundles = [{self.resource: float(w.ranks_per_node)} for _ in range(w.nodes)]
+        pg = placement_group(bundles, strategy="PACK" if w.nodes == 1 else "STRICT_SPREAD")
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except Exception as exc:
+            raise LaunchRefused(f"the Ray cluster cannot place {w.nodes} node(s) x {w.ranks_per_node} "
+                                f"{self.resource}: {exc}") from None
+        self.pg = pg
+        devices = node_devices(self.cfg)
+        for n in range(w.nodes):
+            self.agents.append(ray.remote(NodeAgent).options(
+                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
+                runtime_env={"env_vars": dict(WORKER_ENV)}, max_restarts=0,
+                # threaded: run_msrun holds one thread for the whole job; kill_ranks, stop,
+                # dump_stacks and telemetry must still get through
+                max_concurrency=8,
+            ).remote(n, aggregator, w.device.value,
+                     {n * w.ranks_per_node + i: devices[i] for i in range(w.ranks_per_node)},
+                     self.cfg.monitor.telemetry_interval_s, w.ranks_per_node, self.cfg.monitor.decision_timeout_s))
+        self.infos = ray.get([a.info.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
+
+    def bundle(self, node: int) -> Any:
+        """The scheduling strategy that puts an actor in `node`'s bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node)
+
+    # ---- what ranks are told -----------------------------------------------------------------
+    def relays(self) -> dict[int, str]:
+        """Node → host:port of its agent's packet relay."""
+        return {int(i["node"]): i["relay"] for i in self.infos}
+
+    def sched_endpoint(self, embedded: bool) -> tuple[str, int]:
+        """Where MindSpore's scheduler listens: node 0 (loopback when every rank is on the
+        driver's machine), on `msrun.master_port` or a free port."""
+        import ray
+
+        w = self.cfg.world
+        node0 = self.infos[0]
+        local = embedded or (w.nodes == 1 and node0["ip"] == ray.util.get_node_ip_address())
+        host = LOOPBACK if local else (self.cfg.msrun.master_addr or node0["ip"])
+        port = self.cfg.msrun.master_port or free_port(LOOPBACK if host == LOOPBACK else "")
+        return host, port
+
+    def pids(self) -> dict[int, int]:
+        return {i["node"]: i["pid"] for i in self.infos}
+
+    # ---- while the ranks run ------------------------------------------------------------------
+    def start_telemetry(self, rank_pids: dict[int, int], say: Callable[[str], None]) -> None:
+        import ray
+
+        rpn = self.cfg.world.ranks_per_node
+        for n, agent in enumerate(self.agents):
+            pids = {r: p for r, p in rank_pids.items() if r // rpn == n}
+            try:
+                res = ray.get(agent.start_telemetry.remote(pids), timeout=60)
+                if res.get("source") is None and self.cfg.monitor.telemetry_interval_s > 0:
+                    say(f"mindpulse: no telemetry on {res['node']}: {res.get('reason')}")
+            except Exception as exc:
+                say(f"mindpulse: node agent {n} did not start telemetry: {exc}")
+
+    def dump_stacks(self, pids: dict[int, int], logs_dir: str, ready: list[int],
+                    say: Callable[[str], None]) -> None:
+        """Every node dumps its own ranks' stacks into `logs_dir`."""
+        import ray
+
+        rpn = self.cfg.world.ranks_per_node
+        for n, agent in enumerate(self.agents):
+            mine = {r: p for r, p in pids.items() if r // rpn == n}
+            try:
+                ray.get(agent.dump_stacks.remote(mine, logs_dir, ready), timeout=90)
+            except Exception as exc:
+                say(f"mindpulse: stack dump on node {n} failed: {exc}")
+
+    def kill_ranks(self) -> None:
+        """msrun backend: each agent kills its msrun's process group (no wait: all at once)."""
+        for a in self.agents:
+            try:
+                a.kill_ranks.remote()
+            except Exception:
+                pass
+
+    # ---- the end ------------------------------------------------------------------------------
+    def flush(self, kill: bool) -> int:
+        """Last telemetry sample, relay flushed to the aggregator; returns packets dropped."""
+        import ray
+
+        dropped = 0
+        for a in self.agents:
+            try:
+                dropped += ray.get(a.stop.remote(kill=kill), timeout=20).get("dropped", 0)
+            except Exception:
+                pass
+        return dropped
+
+    def shutdown(self) -> None:
+        """Stop every agent (killing what it started: msrun, the scheduler) and the actor."""
+        import ray
+
+        for a in self.agents:
+            try:
+                ray.get(a.stop.remote(kill=True), timeout=20)
+            except Exception:
+                pass
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+
+    def release(self) -> None:
+        """Give the placement group's cards back (the next attempt reserves them again)."""
+        from ray.util.placement_group import remove_placement_group
+
+        if self.pg is None:
+            return
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass

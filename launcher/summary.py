@@ -1,0 +1,111 @@
+"""The end of a run: `RUN_DIR/summary.json`, the final tables, the failure's root cause,
+and the HTML report when `output.report` asks for it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mindpulse.config import RunConfig
+
+from .rundir import write_json
+from .spec import ExitCode, RunResult, RunStatus
+
+
+@dataclass
+class RunHistory:
+    """What the attempts leave for the summary."""
+
+    logs_dir: Path
+    """The last attempt's log folder."""
+    resume: dict[str, Any] | None = None
+    """The checkpoint the last attempt started from."""
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    """One record per attempt: status, message, resumed_from, logs, steps_completed, failure."""
+    rank_nodes: dict[int, str] = field(default_factory=dict)
+    """Rank → Ray node id, of the last attempt whose ranks were started."""
+    dropped_packets: int = 0
+    aggregator_lost: bool = False
+
+
+def final_status(result: RunResult, snap: dict[str, Any]) -> RunStatus:
+    """The run's status: a clean end after an anomaly rule's stop is ANOMALY_STOP, after an
+    interrupt's stop INTERRUPTED."""
+    status = result.status
+    stop = snap.get("stop")
+    if status is RunStatus.SUCCEEDED and stop and stop.get("rule") not in (None, "interrupt"):
+        status = RunStatus.ANOMALY_STOP
+    if stop and stop.get("rule") == "interrupt" and status is RunStatus.SUCCEEDED:
+        status = RunStatus.INTERRUPTED
+    return status
+
+
+def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[str, Any], history: RunHistory,
+                  pids: dict[str, Any], started: float, say: Callable[[str], None]) -> tuple[RunStatus, dict[str, Any]]:
+    from mindpulse.aggregator.tables import summary_table, totals_table
+
+    status = final_status(result, snap)
+    stop = snap.get("stop")
+    ranks = []
+    for r in range(cfg.world.world_size):
+        base = next((x for x in snap.get("ranks", []) if x["rank"] == r), {"rank": r, "last_step": 0,
+                                                                           "param_fingerprint": None})
+        o = result.outcomes.get(r)
+        ranks.append(dict(base, exit_code=o.exit_code if o else None, error=o.error if o else "",
+                          pid=base.get("pid") or (o.pid if o else None),
+                          node=r // cfg.world.ranks_per_node,
+                          node_id=history.rank_nodes.get(r)))
+    summary = {
+        "status": status.value,
+        "exit_code": int(ExitCode.of(status)),
+        "run_dir": str(run_dir),
+        "name": cfg.name,
+        "world_size": cfg.world.world_size,
+        "steps_completed": snap.get("steps_completed", 0),
+        "ranks": ranks,
+        "stop": stop if status is not RunStatus.SUCCEEDED else None,
+        "best_checkpoint": snap.get("best_checkpoint"),
+        "anomalies": snap.get("anomalies", 0),
+        "resumed_from": history.resume,
+        "attempts": history.attempts,
+        "aggregator_lost": history.aggregator_lost,
+        "message": result.message,
+        "first_loss": snap.get("first_loss"),
+        "last_loss": snap.get("last_loss"),
+        "best_loss": snap.get("best_loss"),
+        "best_loss_step": snap.get("best_loss_step"),
+        "fingerprints_equal": snap.get("fingerprints_equal"),
+        "packets": dict(snap.get("packets", {}), dropped=history.dropped_packets,
+                        aggregator_restarts=snap.get("aggregator_restarts", 0)),
+        "pids": pids,
+        "started": started,
+        "wall_time_s": time.time() - started,
+    }
+    summary["failure"] = None
+    if status is RunStatus.FAILED:
+        from .failures import FailureKind, describe_failure, format_failure
+
+        last_steps = {x["rank"]: x["last_step"] for x in ranks}
+        kind = FailureKind.HANG if result.hang else (
+            FailureKind.LAUNCHER if not result.outcomes else FailureKind.CRASH)
+        summary["failure"] = describe_failure(result.outcomes, result.order, history.logs_dir, last_steps,
+                                              kind, stuck=result.hang, message=result.message)
+        say(format_failure(summary["failure"]))
+    write_json(run_dir / "summary.json", summary)
+    say("")
+    say(summary_table(ranks))
+    say("")
+    say(totals_table(summary))
+    say(f"\nmindpulse: {status.value} (exit code {int(ExitCode.of(status))}); run directory {run_dir}")
+    if cfg.output.report:
+        try:
+            from mindpulse.views.report import build_report
+
+            rep = build_report(run_dir)
+            say(f"mindpulse: report {rep['html']}")
+        except Exception as exc:  # the run's outcome stands; say why there is no report
+            say(f"mindpulse: could not write the report: {type(exc).__name__}: {exc}")
+    return status, summary

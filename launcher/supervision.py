@@ -1,0 +1,138 @@
+"""Watching one attempt's ranks until it ends (one `tick` per pass of the controller).
+
+A tick collects finished ranks, prints the aggregator's tables and progress, and ends the
+attempt on the first rank failure (the others are stopped at once so no rank is left
+blocked in a collective), on a hang (stacks dumped first), or on a second interrupt (kill);
+a first interrupt asks every rank to stop after the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mindpulse.config import RunConfig
+
+from .attempt import Attempt
+from .failures import VICTIM
+from .progress import Console
+from .spec import RankOutcome, RunResult, RunStatus
+from .worker_group import RefOwner
+
+WAIT_S = 0.5
+"""How long a tick waits for a rank to finish; also the aggregator poll interval."""
+HANG_CHECK_EVERY_S = 2.0
+
+
+class Interrupts:
+    """Ctrl-C, SIGTERM and SIGHUP, counted: the first stops every rank after the same step,
+    the second kills."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+
+class AttemptWatch:
+    def __init__(self, cfg: RunConfig, attempt: Attempt, refs: dict[Any, RefOwner], interrupts: Interrupts,
+                 console: Console, started: float):
+        self.cfg = cfg
+        self.attempt = attempt
+        self.refs = refs
+        self.pending = list(refs)
+        self.interrupts = interrupts
+        self.console = console
+        self.started = started
+        self.outcomes: dict[int, RankOutcome] = {}
+        self.failure_order: list[int] = []
+        self.status = RunStatus.RUNNING
+        self.message = ""
+        self.hang: list[int] = []
+        self.interrupted_at: float | None = None
+        self._last_poll = 0.0
+        self._last_hang_check = 0.0
+
+    def tick(self) -> RunStatus:
+        import ray
+
+        done, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=WAIT_S)
+        for ref in done:
+            self._collect(ref, self.refs[ref])
+        failed = [o for o in self.outcomes.values() if o.exit_code != 0]
+        if failed and self.pending:
+            first = failed[0]
+            self.message = f"rank {first.rank} failed: {first.error or 'exit code ' + str(first.exit_code)}"
+            self.console.say(f"mindpulse: {self.message}; stopping the other ranks")
+            return self._end(RunStatus.FAILED, lambda r: VICTIM)
+        if self.interrupts.count and self.interrupted_at is None:
+            self.interrupted_at = time.time()
+            self.console.say("mindpulse: interrupt: every rank stops after the next decision step "
+                             "(interrupt again to kill)")
+            self.attempt.request_stop("interrupted by the user (signal)")
+        if self.interrupts.count >= 2 and self.pending:
+            self.console.say("mindpulse: second interrupt: killing every rank")
+            return self._end(RunStatus.INTERRUPTED, lambda r: "killed")
+        if time.time() - self._last_poll > WAIT_S:
+            progress = self.attempt.poll()
+            if progress is not None:
+                self.console.progress.update(progress, self.attempt.total_steps(), self.started)
+            self._last_poll = time.time()
+            stuck = self._check_hang()
+            if stuck and self.pending:
+                self.hang = stuck
+                self.message = f"hang: ranks {stuck} made no progress for {self.cfg.monitor.hang_timeout_s:g}s"
+                return self._end(RunStatus.FAILED, lambda r: "stuck" if r in stuck else VICTIM)
+        if not self.pending:
+            if failed:
+                first = failed[0]
+                self.message = f"rank {first.rank} failed: {first.error or 'exit code ' + str(first.exit_code)}"
+                self.status = RunStatus.FAILED
+            elif self.interrupted_at is not None:
+                self.status = RunStatus.INTERRUPTED
+            else:
+                self.status = RunStatus.SUCCEEDED
+            self.console.progress.clear()
+        return self.status
+
+    def result(self) -> RunResult:
+        return RunResult(status=self.status, outcomes=self.outcomes, message=self.message,
+                         order=list(self.failure_order), hang=self.hang)
+
+    def _end(self, status: RunStatus, error_of: Callable[[int], str]) -> RunStatus:
+        """Kill every rank still running; those without an outcome get `error_of(rank)`."""
+        self.attempt.kill_ranks()
+        for r in range(self.cfg.world.world_size):
+            self.outcomes.setdefault(r, RankOutcome(rank=r, exit_code=None, error=error_of(r)))
+        self.pending = []
+        self.status = status
+        self.console.progress.clear()
+        return status
+
+    def _collect(self, ref: Any, owner: RefOwner) -> None:
+        for o in self.attempt.group.outcomes(ref, owner):
+            seen = o.rank in self.outcomes
+            self.outcomes[o.rank] = o
+            if not seen and (o.exit_code != 0 or o.error):
+                self.failure_order.append(o.rank)
+
+    def _check_hang(self) -> list[int]:
+        """Ask the aggregator whether the job is hung; if so name the ranks, dump stacks."""
+        now = time.time()
+        if now - self._last_hang_check < HANG_CHECK_EVERY_S:
+            return []
+        self._last_hang_check = now
+        info = self.attempt.hang_check()
+        if not info:
+            return []
+        stuck = info["stuck"]
+        self.console.say(f"mindpulse: HANG: no rank made progress for {info['no_progress_s']:.0f}s; stuck ranks "
+                         f"{stuck} at steps {[info['steps'][r] for r in stuck]}"
+                         + (f" (heartbeats silent: {info['silent']})" if info["silent"] else "")
+                         + "; dumping every rank's stacks into logs/")
+        pids = {int(r): p for r, p in info["pids"].items() if p}
+        pids.update({r: p for r, p in (self.attempt.pids.get("ranks") or {}).items() if r not in pids})
+        self.attempt.nodes.dump_stacks(pids, str(self.attempt.logs_dir), info.get("started", []), self.console.say)
+        return stuck

@@ -1,0 +1,215 @@
+"""The ranks of one attempt, one worker group per backend (after Ray Train v2's WorkerGroup):
+
+- `RayWorkerGroup`: one Ray actor per rank in its node's bundle, and MindSpore's scheduler
+  as a subprocess of node 0's agent;
+- `MsrunWorkerGroup`: one `msrun` per node, run by that node's agent; msrun starts the
+  node's ranks (and the scheduler on node 0) itself.
+
+Both start exactly the `RankSpec`s they are given (what `mindpulse plan` prints) and hand
+back one Ray reference per thing that ends: a rank (Ray) or a node's msrun.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from mindpulse.config import Backend, RunConfig
+
+from .node_agents import NodeAgents
+from .rundir import PidFile
+from .spec import RankOutcome, RankSpec, scheduler_env
+
+SCHED_EXIT_WAIT_S = 40.0
+"""How long a graceful end waits for the scheduler to see every worker leave."""
+RANK_START_TIMEOUT_S = 120
+
+
+class OwnerKind(str, enum.Enum):
+    RANK = "rank"
+    NODE = "node"
+
+
+class RefOwner(NamedTuple):
+    """What a reference's result reports on: one rank, or every rank of a node (msrun)."""
+
+    kind: OwnerKind
+    index: int
+
+
+class WorkerGroup(abc.ABC):
+    """Start, kill and end the ranks of one attempt; tell where each rank ran."""
+
+    def __init__(self, cfg: RunConfig, nodes: NodeAgents, logs_dir: Path, pids: PidFile,
+                 say: Callable[[str], None]):
+        self.cfg = cfg
+        self.nodes = nodes
+        self.logs_dir = logs_dir
+        self.pids = pids
+        self.say = say
+        self.rank_hosts: dict[int, str] = {}
+        self.rank_nodes: dict[int, str] | None = None
+        """Rank → Ray node id; None until the ranks were started."""
+        self.rank_pids: dict[int, int] = {}
+
+    @abc.abstractmethod
+    def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
+              settings_path: str) -> dict[Any, RefOwner]:
+        """Start every rank; returns reference → what its result reports on."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Stop every rank now, without waiting (a rank failed, a hang, a second interrupt)."""
+
+    @abc.abstractmethod
+    def terminate(self, graceful: bool) -> None:
+        """The end of the attempt: let the ranks leave (graceful) or kill them."""
+
+    def ranks_of(self, owner: RefOwner) -> list[int]:
+        if owner.kind is OwnerKind.RANK:
+            return [owner.index]
+        rpn = self.cfg.world.ranks_per_node
+        return list(range(owner.index * rpn, (owner.index + 1) * rpn))
+
+    def outcomes(self, ref: Any, owner: RefOwner) -> list[RankOutcome]:
+        """What happened to the ranks `ref` reports on (it has finished)."""
+        import ray
+
+        ranks = self.ranks_of(owner)
+        try:
+            res = ray.get(ref)
+        except Exception as exc:  # the actor died: killed, OOM, segfault
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return [RankOutcome(rank=r, exit_code=None, error=f"rank process died: {text}",
+                                host=self.rank_hosts.get(r)) for r in ranks]
+        return [RankOutcome(rank=r, exit_code=res["exit_code"], error=self._error(owner, res),
+                            traceback=res.get("traceback", ""), pid=res.get("pid"), host=self.rank_hosts.get(r))
+                for r in ranks]
+
+    @abc.abstractmethod
+    def _error(self, owner: RefOwner, res: dict[str, Any]) -> str:
+        """The error text of a finished reference's result."""
+
+
+class RayWorkerGroup(WorkerGroup):
+    def __init__(self, cfg: RunConfig, nodes: NodeAgents, logs_dir: Path, pids: PidFile,
+                 say: Callable[[str], None], *, actor_prefix: str):
+        super().__init__(cfg, nodes, logs_dir, pids, say)
+        self.actor_prefix = actor_prefix
+        """Rank actors are named `<prefix>-rank-<r>` in the run's namespace."""
+        self.actors: list[Any] = []
+
+    def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
+              settings_path: str) -> dict[Any, RefOwner]:
+        import ray
+
+        from mindpulse.node.agent import WORKER_ENV
+        from mindpulse.workers.rank_actor import RankActor
+
+        cfg = self.cfg
+        cpu = self.nodes.resource == "CPU"
+        env = scheduler_env(cfg, settings_path=settings_path, sched_host=sched_host, sched_port=sched_port)
+        self.pids["scheduler"] = ray.get(self.nodes.agents[0].start_scheduler.remote(
+            env, str(self.logs_dir / "scheduler.log")), timeout=60)
+        for spec in specs:
+            opts: dict[str, Any] = dict(
+                num_cpus=1 if cpu else 0,
+                resources={} if cpu else {self.nodes.resource: 1},
+                scheduling_strategy=self.nodes.bundle(spec.node),
+                runtime_env={"env_vars": dict(WORKER_ENV, **spec.env)},
+                max_restarts=0,
+                name=f"{self.actor_prefix}-rank-{spec.rank}",
+                namespace=cfg.ray.namespace,
+            )
+            self.actors.append(ray.remote(RankActor).options(**opts).remote(
+                spec.rank, str(self.logs_dir / f"rank_{spec.rank}.log")))
+        self.say(f"mindpulse: started {len(specs)} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
+                 f"{cfg.world.device.value}, ray backend), scheduler on {sched_host}:{sched_port}")
+        infos: list[dict[str, Any]] = []
+        try:
+            infos = ray.get([a.info.remote() for a in self.actors], timeout=RANK_START_TIMEOUT_S)
+        except Exception as exc:
+            self.say(f"mindpulse: ranks did not start: {exc}")
+        self.rank_pids = {i["rank"]: i["pid"] for i in infos}
+        self.pids["ranks"] = self.rank_pids
+        self.pids.save()
+        self.rank_hosts = {i["rank"]: i["host"] for i in infos}
+        self.rank_nodes = {i["rank"]: i["node_id"] for i in infos}
+        # the rank reads its settings from MINDPULSE_SETTINGS in its runtime_env
+        return {actor.run.remote(): RefOwner(OwnerKind.RANK, spec.rank) for actor, spec in zip(self.actors, specs)}
+
+    def _error(self, owner: RefOwner, res: dict[str, Any]) -> str:
+        return res.get("error", "")
+
+    def kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+
+    def terminate(self, graceful: bool) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                if graceful:
+                    a.__ray_terminate__.remote()
+                else:
+                    ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        if self.nodes.agents:
+            try:
+                ray.get(self.nodes.agents[0].wait_scheduler.remote(SCHED_EXIT_WAIT_S if graceful else 2),
+                        timeout=SCHED_EXIT_WAIT_S + 10)
+            except Exception:
+                pass
+
+
+class MsrunWorkerGroup(WorkerGroup):
+    def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
+              settings_path: str) -> dict[Any, RefOwner]:
+        cfg = self.cfg
+        refs: dict[Any, RefOwner] = {}
+        for n, agent in enumerate(self.nodes.agents):
+            spec = next(s for s in specs if s.node == n)
+            refs[agent.run_msrun.remote(spec.command, msrun_env(cfg, spec),
+                                        str(self.logs_dir / f"msrun_node{n}.log"))] = RefOwner(OwnerKind.NODE, n)
+        infos = self.nodes.infos
+        self.rank_hosts = {s.rank: infos[s.node]["host"] for s in specs}
+        self.rank_nodes = {s.rank: infos[s.node]["node_id"] for s in specs}
+        self.say(f"mindpulse: started msrun on {cfg.world.nodes} node(s) x {cfg.world.ranks_per_node} ranks "
+                 f"({cfg.world.device.value}), scheduler on {sched_host}:{sched_port}")
+        return refs
+
+    def _error(self, owner: RefOwner, res: dict[str, Any]) -> str:
+        return "" if res["exit_code"] == 0 else f"msrun on node {owner.index} exited {res['exit_code']}"
+
+    def kill(self) -> None:
+        self.nodes.kill_ranks()
+
+    def terminate(self, graceful: bool) -> None:
+        # nothing of its own: msrun, its ranks and its scheduler are the agents' children and
+        # end with them (NodeAgents.shutdown, next)
+        return
+
+
+def msrun_env(cfg: RunConfig, spec: RankSpec) -> dict[str, str]:
+    """What a node's msrun is given of its ranks' environment: msrun sets MS_*, RANK_* and
+    DEVICE_ID per rank itself; the rest (mindpulse's, visibility, the user's) passes through."""
+    return {k: v for k, v in spec.env.items()
+            if k.startswith("MINDPULSE_") or k in cfg.env or k in (
+                "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GLOG_v")}
+
+
+def worker_group(cfg: RunConfig, nodes: NodeAgents, logs_dir: Path, pids: PidFile, say: Callable[[str], None],
+                 *, actor_prefix: str) -> WorkerGroup:
+    if cfg.backend is Backend.MSRUN:
+        return MsrunWorkerGroup(cfg, nodes, logs_dir, pids, say)
+    return RayWorkerGroup(cfg, nodes, logs_dir, pids, say, actor_prefix=actor_prefix)

@@ -1,0 +1,652 @@
+"""What the four places code runs say to each other, in one module that imports nothing
+else of mindpulse: packets (rank/node → aggregator), directives (aggregator → rank), the
+relay's frames (rank ↔ node agent), the settings a rank receives from the launcher, and
+the enums all of them share (`Action`, `EventKind`, `CheckpointKind`).
+
+No pickle: a packet is a msgpack map with a version `v` and a type `t`. Decoding is
+bounded (explicit size limits handed to msgpack) and strict (every field is type-checked);
+anything else raises `PacketError`, which the aggregator counts and drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+MAX_PACKET_BYTES = 1 << 20
+"""Largest accepted packet (1 MiB): room for histograms, far below anything that hurts."""
+_UNPACK_LIMITS = dict(
+    max_str_len=64 * 1024,
+    max_bin_len=512 * 1024,
+    max_array_len=65536,
+    max_map_len=4096,
+    max_ext_len=0,
+)
+
+
+class PacketError(ValueError):
+    """A packet that cannot be accepted; `reason` is a short category for counters."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class PacketType(str, enum.Enum):
+    STEP = "step"
+    EVENT = "event"
+    TELEMETRY = "telemetry"
+
+
+class EventKind(str, enum.Enum):
+    START = "start"
+    """A rank started (pid and host)."""
+    END = "end"
+    ERROR = "error"
+    CHECKPOINT = "checkpoint"
+    """Rank 0 wrote a checkpoint; `message` is JSON of the manifest entries written."""
+    HEARTBEAT = "heartbeat"
+    """From a thread of its own: the rank is alive, at `step`."""
+    STRUCTURE = "structure"
+    """The model's structure as text (rank 0, once)."""
+
+
+class CheckpointKind(str, enum.Enum):
+    """Why rank 0 writes a checkpoint (one file may serve several kinds)."""
+
+    PERIODIC = "periodic"
+    BEST = "best"
+    LAST = "last"
+
+
+class Action(str, enum.Enum):
+    """The one action enum: what a rule asks for (warn, stop, save_and_stop) and what a
+    directive tells every rank to do after a step (continue, stop)."""
+
+    CONTINUE = "continue"
+    WARN = "warn"
+    STOP = "stop"
+    SAVE_AND_STOP = "save_and_stop"
+
+    @property
+    def stops(self) -> bool:
+        return self in (Action.STOP, Action.SAVE_AND_STOP)
+
+
+RULE_ACTIONS = (Action.WARN, Action.STOP, Action.SAVE_AND_STOP)
+"""The actions a rule may take."""
+
+
+def _f(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+@dataclass
+class Packet:
+    TYPE: ClassVar[PacketType]
+    # field name → allowed python types (after msgpack decoding); None allowed if listed
+    SCHEMA: ClassVar[dict[str, tuple[type, ...]]]
+    REQUIRED: ClassVar[tuple[str, ...]]
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"v": SCHEMA_VERSION, "t": self.TYPE.value}
+        d.update(dataclasses.asdict(self))
+        return d
+
+    def encode(self) -> bytes:
+        return msgpack.packb(self.to_wire(), use_bin_type=True)
+
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+
+
+@dataclass
+class StepPacket(Packet):
+    """One rank's report of one finished optimizer step (steps count from 1)."""
+
+    TYPE: ClassVar[PacketType] = PacketType.STEP
+    rank: int
+    step: int
+    epoch: int = 0
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    """Global grad norm, after the data-parallel reduction (equal on all ranks)."""
+    grad_norm_local: float | None = None
+    """This rank's grad norm before the reduction: tells which rank produced a NaN."""
+    nan_count: int = 0
+    inf_count: int = 0
+    step_time_s: float | None = None
+    data_wait_s: float | None = None
+    """Time from the end of the previous step to the start of this one (fetching the
+    batch, host work): before the collective, so it tells stragglers apart."""
+    compute_s: float | None = None
+    """PYNATIVE: time from the step's start until the local gradients were ready (before
+    the all-reduce); None where the mode does not allow measuring it."""
+    samples: int = 0
+    ts: float = 0.0
+    fingerprint: str | None = None
+    """Hash of the parameters, every `collect_freq` steps (and step 0)."""
+    param_norm: float | None = None
+    decision: bool = False
+    """True when the rank waits for the directive of this step (rank 0 at a checkpoint
+    candidate: the best checkpoint must hold exactly the judged weights)."""
+    monitor_wait_s: float = 0.0
+    """Seconds this rank blocked on the aggregator before this step (0.0 when it did not)."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Additional named scalars (user metrics); reduced like the loss."""
+    weights: dict[str, Any] = field(default_factory=dict)
+    """Every collect_freq steps: per-layer `norms`, `update_ratio`, and `hist` / `grad_hist`
+    (histograms of the layers matching monitor.histogram_regex)."""
+
+    SCHEMA: ClassVar[dict[str, tuple[type, ...]]] = {
+        "rank": (int,),
+        "step": (int,),
+        "epoch": (int,),
+        "loss": _OPT_NUM,
+        "lr": _OPT_NUM,
+        "grad_norm": _OPT_NUM,
+        "grad_norm_local": _OPT_NUM,
+        "nan_count": (int,),
+        "inf_count": (int,),
+        "step_time_s": _OPT_NUM,
+        "data_wait_s": _OPT_NUM,
+        "compute_s": _OPT_NUM,
+        "samples": (int,),
+        "ts": _NUM,
+        "fingerprint": (str, type(None)),
+        "param_norm": _OPT_NUM,
+        "decision": (bool,),
+        "monitor_wait_s": _NUM,
+        "extra": (dict,),
+        "weights": (dict,),
+    }
+    REQUIRED: ClassVar[tuple[str, ...]] = ("rank", "step")
+
+
+@dataclass
+class EventPacket(Packet):
+    """Life-cycle events of a rank: start (with pid and host), end, error."""
+
+    TYPE: ClassVar[PacketType] = PacketType.EVENT
+    rank: int
+    kind: str
+    ts: float = 0.0
+    step: int = 0
+    pid: int = 0
+    host: str = ""
+    message: str = ""
+
+    SCHEMA: ClassVar[dict[str, tuple[type, ...]]] = {
+        "rank": (int,),
+        "kind": (str,),
+        "ts": _NUM,
+        "step": (int,),
+        "pid": (int,),
+        "host": (str,),
+        "message": (str,),
+    }
+    REQUIRED: ClassVar[tuple[str, ...]] = ("rank", "kind")
+
+
+@dataclass
+class TelemetryPacket(Packet):
+    """One node's sample of its cards (and host): a list of card records."""
+
+    TYPE: ClassVar[PacketType] = PacketType.TELEMETRY
+    node: str
+    ts: float = 0.0
+    source: str = ""
+    cards: list[dict[str, Any]] = field(default_factory=list)
+    host: dict[str, Any] = field(default_factory=dict)
+
+    SCHEMA: ClassVar[dict[str, tuple[type, ...]]] = {
+        "node": (str,),
+        "ts": _NUM,
+        "source": (str,),
+        "cards": (list,),
+        "host": (dict,),
+    }
+    REQUIRED: ClassVar[tuple[str, ...]] = ("node",)
+
+
+PACKET_CLASSES: dict[str, type[Packet]] = {
+    PacketType.STEP.value: StepPacket,
+    PacketType.EVENT.value: EventPacket,
+    PacketType.TELEMETRY.value: TelemetryPacket,
+}
+
+_MAX_RANK = 1 << 20
+_MAX_STEP = 1 << 40
+
+
+def from_wire(obj: Any) -> Packet:
+    """Validate a decoded msgpack object and build its packet; raises PacketError."""
+    if not isinstance(obj, dict):
+        raise PacketError("malformed", f"expected a map, got {type(obj).__name__}")
+    v = obj.get("v")
+    if v != SCHEMA_VERSION:
+        raise PacketError("version", f"unsupported schema version {v!r} (this aggregator reads {SCHEMA_VERSION})")
+    t = obj.get("t")
+    cls = PACKET_CLASSES.get(t) if isinstance(t, str) else None
+    if cls is None:
+        raise PacketError("type", f"unknown packet type {t!r}")
+    kwargs: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key in ("v", "t"):
+            continue
+        allowed = cls.SCHEMA.get(key) if isinstance(key, str) else None
+        if allowed is None:
+            raise PacketError("malformed", f"unknown field {key!r} in a {t} packet")
+        if isinstance(value, bool) and bool not in allowed:
+            raise PacketError("malformed", f"field {key!r} has bad type bool")
+        if not isinstance(value, allowed):
+            raise PacketError("malformed", f"field {key!r} has bad type {type(value).__name__}")
+        kwargs[key] = value
+    for key in cls.REQUIRED:
+        if key not in kwargs:
+            raise PacketError("malformed", f"{t} packet misses field {key!r}")
+    if "rank" in kwargs and not (0 <= kwargs["rank"] < _MAX_RANK):
+        raise PacketError("malformed", f"rank {kwargs['rank']} out of range")
+    if "step" in kwargs and not (0 <= kwargs["step"] < _MAX_STEP):
+        raise PacketError("malformed", f"step {kwargs['step']} out of range")
+    if cls is StepPacket:
+        extra = kwargs.get("extra", {})
+        if len(extra) > 64 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(x, _NUM) and not isinstance(x, bool)
+            for k, x in extra.items()
+        ):
+            raise PacketError("malformed", "field 'extra' must map up to 64 short names to numbers")
+        for key in ("nan_count", "inf_count", "samples"):
+            if key in kwargs and kwargs[key] < 0:
+                raise PacketError("malformed", f"field {key!r} is negative")
+    return cls(**kwargs)
+
+
+def decode(data: bytes) -> Packet:
+    """bytes → Packet; raises PacketError for anything that is not a valid packet."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PacketError("malformed", f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_PACKET_BYTES:
+        raise PacketError("too_large", f"{len(data)} bytes > {MAX_PACKET_BYTES}")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, UnicodeDecodeError...)
+        raise PacketError("malformed", f"not msgpack ({type(exc).__name__}: {exc})") from None
+    return from_wire(obj)
+
+
+def iter_stream(data_or_file: Any):
+    """Yield decoded wire objects of an append-only stream (e.g. metrics.msgpack).
+
+    A torn record at the end (a crash mid-write) ends the iteration quietly.
+    """
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_PACKET_BYTES * 4,
+                                **_UNPACK_LIMITS)
+    read = getattr(data_or_file, "read", None)
+    if read is None:
+        unpacker.feed(data_or_file)
+        chunks = [b""]
+    else:
+        chunks = iter(lambda: read(1 << 16), b"")
+    for chunk in chunks:
+        if chunk:
+            unpacker.feed(chunk)
+        while True:
+            try:
+                obj = next(unpacker)
+            except StopIteration:
+                break
+            except Exception:
+                return
+            yield obj
+
+
+@dataclass
+class Directive:
+    """The aggregator's answer at a decision point."""
+
+    step: int
+    action: Action = Action.CONTINUE
+    reason: str = ""
+    save: str = ""
+    """Non-empty: rank 0 saves a checkpoint after the step; comma-separated
+    `CheckpointKind` values (`periodic`, `best`, `last`)."""
+    metric: float | None = None
+    """The reduced metric of the step (recorded with a `best` checkpoint)."""
+    metric_name: str = ""
+
+    @property
+    def save_kinds(self) -> list[CheckpointKind]:
+        return [CheckpointKind(k) for k in self.save.split(",") if k in _CKPT_KINDS]
+
+    @staticmethod
+    def no_directive(step: int, why: str) -> Directive:
+        """What a rank goes on with when no directive came (it continues and says why)."""
+        return Directive(step=step, action=Action.CONTINUE, reason=f"no directive: {why}")
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {"v": SCHEMA_VERSION, "t": "directive", "step": self.step, "action": self.action.value,
+             "reason": self.reason, "save": self.save, "metric": self.metric, "metric_name": self.metric_name},
+            use_bin_type=True,
+        )
+
+    @staticmethod
+    def decode(data: bytes) -> Directive:
+        try:
+            obj = msgpack.unpackb(bytes(data), raw=False, **_UNPACK_LIMITS)
+            if obj.get("v") != SCHEMA_VERSION or obj.get("t") != "directive":
+                raise PacketError("version", f"not a directive of schema {SCHEMA_VERSION}")
+            m = obj.get("metric")
+            return Directive(step=int(obj["step"]), action=Action(obj["action"]),
+                             reason=str(obj.get("reason", "")), save=str(obj.get("save", "")),
+                             metric=float(m) if isinstance(m, (int, float)) else None,
+                             metric_name=str(obj.get("metric_name", "")))
+        except PacketError:
+            raise
+        except Exception as exc:
+            raise PacketError("malformed", f"bad directive ({exc})") from None
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MAX_PACKET_BYTES",
+    "PacketError",
+    "PacketType",
+    "EventKind",
+    "Packet",
+    "StepPacket",
+    "EventPacket",
+    "TelemetryPacket",
+    "decode",
+    "Action",
+    "RULE_ACTIONS",
+    "Directive",
+    "Lease",
+    "from_wire",
+    "iter_stream",
+    "CheckpointKind",
+    "encode_frame",
+    "decode_frame_body",
+    "RankSettings",
+    "Schedule",
+]
+
+
+@dataclass
+class Lease:
+    """The aggregator's progress as every rank sees it, pushed asynchronously: a rank starts
+    step k only once `reduced_through` >= k - 1 - monitor.max_lag_steps, and stops after
+    `stop_after` (the same step on every rank: the stop is decided when a step is reduced,
+    `max_lag_steps` steps before it takes effect)."""
+
+    reduced_through: int = -1
+    stop_after: int = -1
+    """-1: no stop decided."""
+    reason: str = ""
+    save_last: bool = False
+    """Rank 0 writes a `last` checkpoint after `stop_after` (interrupts, save_and_stop rules)."""
+
+    def allows(self, step: int, lag: int) -> bool:
+        """Whether a rank may start `step` (steps count from 1)."""
+        return self.reduced_through >= step - 1 - lag or self.stopping
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_after >= 0
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": SCHEMA_VERSION, "t": "lease", "reduced_through": self.reduced_through,
+                              "stop_after": self.stop_after, "reason": self.reason, "save_last": self.save_last},
+                             use_bin_type=True)
+
+    @staticmethod
+    def decode(data: bytes) -> Lease:
+        try:
+            obj = msgpack.unpackb(bytes(data), raw=False, **_UNPACK_LIMITS)
+            if not isinstance(obj, dict) or obj.get("v") != SCHEMA_VERSION or obj.get("t") != "lease":
+                raise PacketError("version", f"not a lease of schema {SCHEMA_VERSION}")
+            return Lease(reduced_through=int(obj["reduced_through"]), stop_after=int(obj["stop_after"]),
+                         reason=str(obj.get("reason", "")), save_last=bool(obj.get("save_last", False)))
+        except PacketError:
+            raise
+        except Exception as exc:
+            raise PacketError("malformed", f"bad lease ({exc})") from None
+
+
+_CKPT_KINDS = frozenset(k.value for k in CheckpointKind)
+
+
+# ---- relay frames (rank ↔ its node agent) ------------------------------------------------
+MAX_FRAME = 8 << 20
+"""Largest relay frame (a batch of packets)."""
+_LEN = struct.Struct(">I")
+FRAME_HEADER_BYTES = _LEN.size
+
+
+def encode_frame(obj: dict[str, Any]) -> bytes:
+    """A 4-byte big-endian length, then a msgpack map (no pickle)."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    return _LEN.unpack(header)[0]
+
+
+def decode_frame_body(body: bytes) -> dict[str, Any]:
+    obj = msgpack.unpackb(body, raw=False, max_bin_len=MAX_FRAME, max_array_len=1 << 16, max_map_len=64,
+                          max_str_len=1 << 16)
+    if not isinstance(obj, dict):
+        raise ValueError("frame is not a map")
+    return obj
+
+
+# ---- the launcher → rank contract ----------------------------------------------------------
+SETTINGS_ENV = "MINDPULSE_SETTINGS"
+"""The one variable a rank reads: the path of the run's `job.json` (a `RankSettings`)."""
+NODE_RANK_ENV = "MINDPULSE_NODE_RANK"
+"""msrun backend only: which node's msrun started this process (its scheduler runs on node 0)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's special steps, computed once by the launcher from the config. The rank
+    asks it which steps are decision points; the aggregator which are best candidates."""
+
+    total_steps: int
+    """train.steps (0: the recipe's epochs decide)."""
+    collect_freq: int
+    """Fingerprint and weight statistics every N steps (and step 0)."""
+    decision_every: int
+    """Every N steps each rank waits for the directive of its step."""
+    save_every: int
+    """Periodic checkpoint every N steps (0: none)."""
+    best_every: int
+    """A new best is considered every N steps."""
+    eval_every: int
+    """Evaluation every N steps (0: off)."""
+    eval_per_epoch: bool
+    """Evaluation at the end of every epoch too."""
+
+    def is_collect(self, step: int) -> bool:
+        return step % self.collect_freq == 0
+
+    def eval_due(self, step: int, epoch_steps: int | None = None) -> bool:
+        if self.eval_every and step % self.eval_every == 0:
+            return True
+        return bool(self.eval_per_epoch and epoch_steps and step % epoch_steps == 0)
+
+    def is_decision(self, step: int, evaluates: bool = False, epoch_steps: int | None = None) -> bool:
+        """Whether every rank waits for the directive of `step` (so all stop after the same one)."""
+        return bool(
+            step % self.decision_every == 0
+            or (self.total_steps and step >= self.total_steps)
+            or (self.save_every and step % self.save_every == 0)
+            or (evaluates and self.eval_due(step, epoch_steps))
+        )
+
+    def is_save_step(self, step: int) -> bool:
+        return bool(self.save_every and step > 0 and step % self.save_every == 0)
+
+    def is_best_candidate(self, step: int, eval_metric: bool) -> bool:
+        return step > 0 and (eval_metric or step % self.best_every == 0)
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    decision_timeout_s: float
+    """How long a rank waits for a directive before it goes on without one."""
+    heartbeat_s: float
+    """Interval of the rank's heartbeat thread."""
+    weight_stats: bool
+    histogram_regex: str
+    """Empty: the monitor's default layers."""
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    keep_periodic: int
+    keep_best: int
+    format: str
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    steps: tuple[int, ...]
+    """(START, END) or empty (off)."""
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: str
+    step: int
+    epoch: int = 0
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """Everything a rank needs from the launcher, written once per attempt into
+    `RUN_DIR/job.json` and handed over by one path (`MINDPULSE_SETTINGS`); ranks read
+    nothing else of mindpulse's (MindSpore's own cluster variables aside)."""
+
+    run_id: str
+    run_dir: str
+    attempt: int
+    namespace: str
+    aggregator: str
+    """The aggregator actor's name (ranks talk to it through their node's relay)."""
+    ray_address: str
+    world_size: int
+    ranks_per_node: int
+    device_target: str
+    """MindSpore's device_target: CPU, Ascend or GPU."""
+    relays: dict[int, str]
+    """Node → host:port of its agent's packet relay (empty: ranks call the aggregator)."""
+    batch_size: int
+    schedule: Schedule
+    monitor: MonitorSettings
+    checkpoint: CheckpointSettings
+    profile: ProfileSettings
+    faults: tuple[str, ...]
+    """KIND@RANK:STEP specs armed in this attempt."""
+    resume: ResumePoint | None
+    config: dict[str, Any]
+    """The resolved run config (plain data: the recipe reads it with `mindpulse.config`)."""
+
+    def node_of(self, rank: int) -> int:
+        return rank // max(1, self.ranks_per_node)
+
+    def relay_of(self, rank: int) -> str:
+        return self.relays.get(self.node_of(rank), "")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["relays"] = {str(k): v for k, v in self.relays.items()}
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=_json_enum) + "\n"
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> RankSettings:
+        try:
+            return RankSettings(
+                **{k: v for k, v in d.items() if k not in _NESTED},
+                relays={int(k): str(v) for k, v in (d.get("relays") or {}).items()},
+                schedule=Schedule(**d["schedule"]),
+                monitor=MonitorSettings(**d["monitor"]),
+                checkpoint=CheckpointSettings(**d["checkpoint"]),
+                profile=ProfileSettings(steps=tuple(d["profile"]["steps"]), ranks=tuple(d["profile"]["ranks"])),
+                faults=tuple(d.get("faults") or ()),
+                resume=ResumePoint(**d["resume"]) if d.get("resume") else None,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a mindpulse job.json of this version ({type(exc).__name__}: {exc})") from None
+
+    @staticmethod
+    def from_json(text: str) -> RankSettings:
+        return RankSettings.from_dict(json.loads(text))
+
+
+_NESTED = frozenset({"relays", "schedule", "monitor", "checkpoint", "profile", "faults", "resume"})
+
+
+def _json_enum(x: Any) -> Any:
+    if isinstance(x, enum.Enum):
+        return x.value
+    raise TypeError(f"{type(x).__name__} is not JSON")
+
+
+# ---- faults (a rehearsal, parsed by the config and armed in the rank) ---------------------
+class FaultKind(str, enum.Enum):
+    NAN_LOSS = "nan_loss"
+    NAN_GRAD = "nan_grad"
+    INF_GRAD = "inf_grad"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_SPIKE = "grad_spike"
+    CRASH = "crash"
+    HANG = "hang"
+    SLOW = "slow"
+    DESYNC = "desync"
+
+
+_FAULT_SPEC = re.compile(r"^\s*([a-z_]+)@(\d+):(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    rank: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}@{self.rank}:{self.step}"
+
+
+def parse_fault(spec: str, world_size: int | None = None) -> Fault:
+    """`nan_grad@1:5` → Fault; ValueError saying what is allowed otherwise."""
+    m = _FAULT_SPEC.match(spec or "")
+    if not m:
+        raise ValueError(f"{spec!r} is not a fault; use KIND@RANK:STEP, e.g. nan_grad@1:5")
+    kind, rank, step = m.group(1), int(m.group(2)), int(m.group(3))
+    try:
+        fk = FaultKind(kind)
+    except ValueError:
+        raise ValueError(f"{spec!r}: unknown kind {kind!r}; use one of "
+                         + ", ".join(k.value for k in FaultKind)) from None
+    if world_size is not None and rank >= world_size:
+        raise ValueError(f"{spec!r}: rank {rank} does not exist in a world of {world_size} ranks")
+    return Fault(fk, rank, step)

@@ -1,0 +1,206 @@
+"""The rank's one way out: a `Channel` ships packets and fetches directives.
+
+Two kinds, one behaviour: `RelayChannel` talks to the node agent's packet relay over
+loopback (the normal case: the aggregator's load then grows with nodes, not ranks);
+`ActorChannel` calls the aggregator actor itself (a run without relays, a benchmark).
+
+Between decision points packets are buffered and sent fire-and-forget in batches; at a
+decision point the buffer and the step's packet go in one call that returns the
+directive, so the aggregator has seen everything before it decides. A missing or dead
+peer never blocks training for longer than the decision timeout: the rank goes on with
+`Directive.no_directive` and says why in its log.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import socket
+import time
+from typing import Any
+
+from mindpulse.protocol import (
+    FRAME_HEADER_BYTES,
+    MAX_FRAME,
+    Directive,
+    RankSettings,
+    decode_frame_body,
+    encode_frame,
+    frame_length,
+)
+
+log = logging.getLogger(__name__)
+
+BATCH_PACKETS = 32
+"""A batch goes out when it holds this many packets..."""
+FLUSH_S = 0.5
+"""...or when this long has passed since the last one went (checked on `send`)."""
+CONNECT_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 30.0
+REPLY_GRACE_S = 15.0
+"""Waited past the decision timeout for the directive itself: the peer answers after
+at most the timeout it was handed, so a longer silence means it is gone."""
+
+
+class Channel(abc.ABC):
+    """Buffered packets out, directives back; subclasses only move batches."""
+
+    def __init__(self, decision_timeout_s: float = 120.0):
+        self.decision_timeout_s = decision_timeout_s
+        self.failures = 0
+        """Batches or decisions that did not get through (the rank went on regardless)."""
+        self._buffer: list[bytes] = []
+        self._last_flush = time.monotonic()
+
+    def send(self, packet: bytes) -> None:
+        """Queue one encoded packet; it goes out with the next batch."""
+        self._buffer.append(packet)
+        if len(self._buffer) >= BATCH_PACKETS or time.monotonic() - self._last_flush >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is queued now (fire-and-forget)."""
+        if self._buffer:
+            self._ship(self._take())
+
+    def decide(self, packet: bytes, step: int) -> Directive:
+        """Send the queue and the decision step's packet; wait for the step's directive."""
+        return self._decide(self._take() + [packet], step)
+
+    def close(self) -> None:
+        """Send what is queued and let go of the connection (a later call reconnects)."""
+        self.flush()
+
+    def _take(self) -> list[bytes]:
+        batch, self._buffer = self._buffer, []
+        self._last_flush = time.monotonic()
+        return batch
+
+    def _no_directive(self, step: int, why: Any) -> Directive:
+        self.failures += 1
+        log.warning("no directive for step %d (%s); continuing", step, why)
+        return Directive.no_directive(step, str(why))
+
+    @abc.abstractmethod
+    def _ship(self, batch: list[bytes]) -> None:
+        """Hand a batch over; never raises (count a failure and log instead)."""
+
+    @abc.abstractmethod
+    def _decide(self, batch: list[bytes], step: int) -> Directive:
+        """Hand a batch over and return the step's directive; never raises."""
+
+
+class RelayChannel(Channel):
+    """Frames (protocol's `encode_frame`) to the node agent's relay on this machine."""
+
+    def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0):
+        super().__init__(decision_timeout_s)
+        self.addr = (host, port)
+        self.sock: socket.socket | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        try:
+            self.sock = socket.create_connection(self.addr, timeout=CONNECT_TIMEOUT_S)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            self.sock = None
+            self.failures += 1
+            log.warning("cannot reach the node's packet relay at %s:%d: %s", *self.addr, exc)
+
+    def _write(self, obj: dict[str, Any]) -> bool:
+        if self.sock is None:
+            self._connect()
+            if self.sock is None:
+                return False
+        try:
+            self.sock.settimeout(WRITE_TIMEOUT_S)
+            self.sock.sendall(encode_frame(obj))
+            return True
+        except OSError as exc:
+            self.failures += 1
+            log.warning("packet relay write failed: %s", exc)
+            self._disconnect()
+            return False
+
+    def _ship(self, batch: list[bytes]) -> None:
+        self._write({"op": "send", "packets": batch})
+
+    def _decide(self, batch: list[bytes], step: int) -> Directive:
+        if not self._write({"op": "decide", "packets": batch, "step": step, "timeout": self.decision_timeout_s}):
+            return Directive.no_directive(step, "relay unreachable")
+        try:
+            assert self.sock is not None
+            self.sock.settimeout(self.decision_timeout_s + REPLY_GRACE_S)
+            n = frame_length(_recv_exact(self.sock, FRAME_HEADER_BYTES))
+            if n > MAX_FRAME:
+                raise ValueError(f"a {n}-byte frame from the relay")
+            return Directive.decode(decode_frame_body(_recv_exact(self.sock, n))["directive"])
+        except Exception as exc:
+            self._disconnect()
+            return self._no_directive(step, exc)
+
+    def close(self) -> None:
+        super().close()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+
+class ActorChannel(Channel):
+    """Calls the aggregator actor (`ingest` / `decide`) through its Ray handle."""
+
+    def __init__(self, handle: Any, decision_timeout_s: float = 120.0):
+        super().__init__(decision_timeout_s)
+        self.handle = handle
+
+    @staticmethod
+    def connect(settings: RankSettings) -> ActorChannel:
+        import ray
+
+        if not ray.is_initialized():
+            # a rank started outside Ray (msrun) joins the run's cluster as a driver
+            ray.init(address=settings.ray_address or "auto", namespace=settings.namespace,
+                     log_to_driver=False, logging_level=logging.WARNING)
+        handle = ray.get_actor(settings.aggregator, namespace=settings.namespace)
+        return ActorChannel(handle, settings.monitor.decision_timeout_s)
+
+    def _ship(self, batch: list[bytes]) -> None:
+        try:
+            self.handle.ingest.remote(batch)
+        except Exception as exc:  # the aggregator is gone: training goes on
+            self.failures += 1
+            log.warning("could not ship %d packets to the aggregator: %s", len(batch), exc)
+
+    def _decide(self, batch: list[bytes], step: int) -> Directive:
+        import ray
+
+        try:
+            ref = self.handle.decide.remote(batch, step, self.decision_timeout_s)
+            return Directive.decode(ray.get(ref, timeout=self.decision_timeout_s + 10))
+        except Exception as exc:
+            return self._no_directive(step, exc)
+
+
+def connect(settings: RankSettings, rank: int) -> Channel:
+    """This rank's channel: its node's relay when the run has one, else the aggregator."""
+    relay = settings.relay_of(rank)
+    if relay:
+        host, _, port = relay.rpartition(":")
+        return RelayChannel(host, int(port), settings.monitor.decision_timeout_s)
+    return ActorChannel.connect(settings)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("relay closed the connection")
+        buf.extend(chunk)
+    return bytes(buf)

@@ -1,0 +1,51 @@
+"""Rank 0's side of a save directive: write the checkpoint the aggregator asked for and
+tell it what was written (a `checkpoint` event) or why nothing was (an `error` event).
+
+A failed save is reported, never fatal: the previous best and the manifest stay valid
+(`CheckpointManager` writes atomically), and training goes on; the aggregator decides
+what a failure means (`checkpoint.on_save_error`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mindpulse.protocol import Directive, EventKind, RankSettings
+
+from .checkpoint import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[EventKind, str], None]
+"""Sends an event of the rank (kind, message) to the aggregator."""
+
+
+class CheckpointWriter:
+    def __init__(self, manager: CheckpointManager, report: Report):
+        self.manager = manager
+        self.report = report
+        self.failures = 0
+
+    @staticmethod
+    def for_run(settings: RankSettings, report: Report) -> CheckpointWriter:
+        """Writes into `RUN_DIR/checkpoints` with the run's retention and format."""
+        ck = settings.checkpoint
+        manager = CheckpointManager(Path(settings.run_dir) / "checkpoints", keep_periodic=ck.keep_periodic,
+                                    keep_best=ck.keep_best, fmt=ck.format)
+        return CheckpointWriter(manager, report)
+
+    def write(self, directive: Directive, step: int, epoch: int, train_cell: Any) -> None:
+        """Save `train_cell` (weights and optimizer state) as the directive's kinds; never raises."""
+        try:
+            entries = self.manager.save(train_cell, step, epoch, directive.save_kinds, metric=directive.metric,
+                                        metric_name=directive.metric_name)
+            msg = json.dumps([dict(e.__dict__, path=str(self.manager.dir / e.path)) for e in entries])
+            self.report(EventKind.CHECKPOINT, msg)
+        except Exception as exc:
+            self.failures += 1
+            log.error("[rank 0] checkpoint save at step %d failed: %s", step, exc)
+            self.report(EventKind.ERROR, f"checkpoint save at step {step} failed: {exc}")

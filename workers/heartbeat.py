@@ -1,0 +1,68 @@
+"""The rank's heartbeat: "alive, at step N" from a thread of its own.
+
+The training loop cannot say it is alive while it is blocked in a collective, so a
+separate thread does, every `monitor.heartbeat_s` seconds, over a channel of its own (a
+socket is not shared between threads). A rank whose heartbeat stops (SIGSTOP, a dead
+host) is then told apart from ranks that are alive but waiting for it. SIGUSR1 dumps
+every thread's Python stack into the rank's log (the launcher sends it on a hang).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from mindpulse.protocol import EventKind, EventPacket, RankSettings
+
+from .channel import connect
+
+log = logging.getLogger(__name__)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """Every thread's Python stack into stderr (the rank's log) on SIGUSR1."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (ValueError, AttributeError, RuntimeError):
+        pass  # not the main thread, or no such signal: stacks then come from py-spy only
+
+
+class Heartbeat:
+    def __init__(self, settings: RankSettings, rank: int, current_step: Callable[[], int]):
+        self.settings = settings
+        self.rank = rank
+        self.current_step = current_step
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        dump_stacks_on_sigusr1()
+        self._thread = threading.Thread(target=self._beat, name="mindpulse-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """The thread ends at its next beat (it never delays the rank's exit: a daemon)."""
+        self._stop.set()
+
+    def _beat(self) -> None:
+        try:
+            channel = connect(self.settings, self.rank)
+        except Exception as exc:
+            log.warning("[rank %d] heartbeat has no connection: %s", self.rank, exc)
+            return
+        while not self._stop.wait(self.settings.monitor.heartbeat_s):
+            pkt = EventPacket(rank=self.rank, kind=EventKind.HEARTBEAT.value, ts=time.time(),
+                              step=self.current_step(), pid=os.getpid())
+            try:
+                channel.send(pkt.encode())
+                channel.flush()
+            except Exception:
+                pass  # a beat lost is the signal itself: the aggregator sees the silence
+        channel.close()

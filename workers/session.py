@@ -1,0 +1,313 @@
+"""One rank's monitoring session, under the `Monitor` callback (or a hand-written loop).
+
+Per step it builds a `StepPacket` (loss, the learning rate of the step, grad norms,
+NaN/Inf counts, step time, samples, user metrics and evaluation results, and every
+`collect_freq` steps a parameter fingerprint and rank 0's layer statistics) and ships it
+through the rank's channel. At the schedule's decision steps it waits for the directive,
+so that every rank stops after the same step, and rank 0 writes the checkpoint the
+directive asks for. It owns the rank's parts: the channel, the heartbeat, the fault
+injector, the profiler window, the weight statistics and the checkpoint writer.
+
+Outside a launch (no settings: a user script run by hand) it has no channel: it logs
+each step and never blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mindpulse.config import RunConfig, monitor_settings_of, schedule_of
+from mindpulse.protocol import Directive, EventKind, EventPacket, RankSettings, Schedule, StepPacket
+
+from .channel import Channel, connect
+from .checkpoint_writer import CheckpointWriter
+from .faults import FaultInjector, faults_for
+from .fingerprint import fingerprint_of, param_sums
+from .heartbeat import Heartbeat
+from .model_params import model_parameters
+from .profiler import ProfileWindow
+from .settings import rank_id
+from .weight_stats import DEFAULT_HIST_REGEX, WeightStats, structure_text
+
+log = logging.getLogger(__name__)
+
+# Outside a launch (a script run by hand, a benchmark): the config's defaults, so a script
+# collects, decides and reports weights the same by hand as launched with a default config.
+UNLAUNCHED_SCHEDULE = schedule_of(RunConfig())
+UNLAUNCHED_MONITOR = monitor_settings_of(RunConfig())  # its heartbeat interval is unused: no heartbeat runs
+
+EVENT_MESSAGE_CHARS = 4000
+STRUCTURE_MESSAGE_CHARS = 60000
+
+
+@dataclass
+class StepOutcome:
+    """What recording a step tells the loop."""
+
+    step: int
+    stop: bool
+    reason: str = ""
+
+
+def schedule_with(base: Schedule, *, collect_freq: int | None = None, decision_every: int | None = None,
+                  total_steps: int | None = None, eval_every: int | None = None,
+                  eval_per_epoch: bool | None = None) -> Schedule:
+    """`base` with a script's explicit overrides (None keeps the run's value; a collect or
+    decision period of 0 too: every step modulo 0 is no schedule)."""
+    changes: dict[str, Any] = {}
+    if collect_freq:
+        changes["collect_freq"] = collect_freq
+    if decision_every:
+        changes["decision_every"] = decision_every
+    if total_steps is not None:
+        changes["total_steps"] = total_steps
+    if eval_every is not None:
+        changes["eval_every"] = eval_every
+    if eval_per_epoch is not None:
+        changes["eval_per_epoch"] = eval_per_epoch
+    return dataclasses.replace(base, **changes)
+
+
+class RankSession:
+    """Args:
+        settings: the run's settings (None outside a launch).
+        rank: this rank (default: MindSpore's RANK_ID).
+        channel: where packets go (default: the settings' relay or aggregator; none outside a launch).
+        schedule: the special steps (default: the settings').
+        batch_size: samples per step on this rank (default: the settings' `train.batch_size`).
+        step_offset: the global step this run starts after (default: the settings' resume point).
+        evaluate: returns this rank's validation metrics at the schedule's evaluation steps.
+        epoch_steps: steps per epoch (for evaluation at epoch ends).
+        network / train_cell: what is fingerprinted / what rank 0 checkpoints.
+    """
+
+    def __init__(
+        self,
+        settings: RankSettings | None,
+        *,
+        rank: int | None = None,
+        channel: Channel | None = None,
+        schedule: Schedule | None = None,
+        batch_size: int | None = None,
+        step_offset: int | None = None,
+        evaluate: Callable[[], dict[str, float]] | None = None,
+        epoch_steps: int | None = None,
+        network: Any = None,
+        train_cell: Any = None,
+    ):
+        self.settings = settings
+        self.rank = rank if rank is not None else rank_id()
+        self.schedule = schedule or (settings.schedule if settings else UNLAUNCHED_SCHEDULE)
+        self.monitor_settings = settings.monitor if settings else UNLAUNCHED_MONITOR
+        self.batch_size = batch_size or (settings.batch_size if settings else None) or None
+        if step_offset is None:
+            step_offset = settings.resume.step if settings and settings.resume else 0
+        self.step_offset = step_offset
+        self.evaluate = evaluate
+        self.epoch_steps = epoch_steps
+        self.network = network
+        self.train_cell = train_cell
+        if channel is None and settings is not None:
+            channel = connect(settings, self.rank)
+        self.channel = channel
+        self.step = step_offset
+        """The last step recorded (the offset before the first)."""
+        self.injector = FaultInjector(self.rank, faults_for(self.rank, settings.faults if settings else ()))
+        self.checkpoints = (CheckpointWriter.for_run(settings, self.send_event)
+                            if settings is not None and self.rank == 0 else None)
+        self.profile = ProfileWindow.for_rank(settings, self.rank)
+        self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step) if settings else None
+        self.weight_stats: WeightStats | None = None
+        self._last_sums: Any = None
+        self.started = False
+        self.stopped: Directive | None = None
+        """The directive that stopped every rank (None while training goes on)."""
+        self.on_directive: Callable[[Directive], None] | None = None
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def start(self, network: Any = None, train_cell: Any = None, arm_next: bool = True) -> None:
+        """Announce the rank and ship the fingerprint of the weights before any update."""
+        if train_cell is not None:
+            self.train_cell = train_cell
+        if self.started:
+            return
+        self.started = True
+        if network is not None and self.network is None:
+            self.network = network
+        self.injector.bind(self.train_cell, self.network)
+        self.send_event(EventKind.START)
+        self._watch_layers()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+        if self.step_offset == 0:
+            self.injector.before_step(0)  # desync@R:0 perturbs the weights before step 0's fingerprint
+        fp, norm = self._fingerprint()
+        # every rank waits at its first step: a stop decided before any update (desync at step 0) holds for all
+        self._ship(StepPacket(rank=self.rank, step=self.step_offset, ts=time.time(), fingerprint=fp,
+                              param_norm=norm, decision=True))
+        if arm_next:
+            self.injector.before_step(self.step_offset + 1)
+
+    def finish(self, message: str = "") -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.profile is not None:
+            self.profile.end(self.step, force=True)
+        if self.channel is not None:
+            self.channel.flush()
+        self.send_event(EventKind.END, message)
+        if self.channel is not None:
+            self.channel.close()  # now, not when the garbage collector gets to the session
+
+    def before_step(self, step: int) -> None:
+        """Around the loop's steps: faults of `step`, and the profiler window's start."""
+        self.injector.before_step(step)
+        if self.profile is not None:
+            self.profile.begin(step)
+
+    def after_step(self, step: int) -> None:
+        self.injector.after_step(step)
+        if self.profile is not None:
+            self.profile.end(step)
+
+    # ---- one step --------------------------------------------------------------------------
+    def record(
+        self,
+        loss: float | None,
+        *,
+        step: int | None = None,
+        epoch: int = 0,
+        lr: float | None = None,
+        grad_norm: float | None = None,
+        grad_norm_local: float | None = None,
+        nan_count: int = 0,
+        inf_count: int = 0,
+        step_time_s: float | None = None,
+        samples: int | None = None,
+        extra: dict[str, float] | None = None,
+        data_wait_s: float | None = None,
+        compute_s: float | None = None,
+    ) -> StepOutcome:
+        """Ship one finished step (the next one unless `step` is given); returns whether to stop."""
+        self.step = s = step if step is not None else self.step + 1
+        fp = norm = None
+        weights: dict[str, Any] = {}
+        if self.schedule.is_collect(s):
+            fp, norm = self._fingerprint()
+            if self.weight_stats is not None:
+                try:
+                    weights = self.weight_stats.collect(self._last_sums)
+                except Exception as exc:
+                    log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, s, exc)
+        evaluates = self.evaluate is not None
+        decision = self.schedule.is_decision(s, evaluates, self.epoch_steps)
+        if evaluates and self.schedule.eval_due(s, self.epoch_steps):
+            try:
+                extra = dict(extra or {}, **{k: float(v) for k, v in self.evaluate().items()})
+            except Exception as exc:
+                log.error("[rank %d] evaluation at step %d failed: %s", self.rank, s, exc)
+        self._ship(StepPacket(
+            rank=self.rank,
+            step=s,
+            epoch=epoch,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            grad_norm_local=grad_norm_local,
+            nan_count=int(nan_count),
+            inf_count=int(inf_count),
+            step_time_s=step_time_s,
+            data_wait_s=data_wait_s,
+            compute_s=compute_s,
+            samples=int(samples or self.batch_size or 0),
+            ts=time.time(),
+            fingerprint=fp,
+            param_norm=norm,
+            decision=bool(decision),
+            extra={k: float(v) for k, v in (extra or {}).items()},
+            weights=weights,
+        ))
+        if self.weight_stats is not None and self.schedule.is_collect(s + 1):
+            try:
+                self.weight_stats.keep_previous()  # the next step is a collect step: measure its change
+            except Exception as exc:
+                log.warning("[rank %d] cannot keep the weights for the update ratio: %s", self.rank, exc)
+        if self.stopped is not None:
+            return StepOutcome(step=s, stop=True, reason=self.stopped.reason)
+        total = self.schedule.total_steps
+        if total and s >= total:
+            return StepOutcome(step=s, stop=True, reason=f"reached train.steps={total}")
+        return StepOutcome(step=s, stop=False)
+
+    # ---- shipping and directives -----------------------------------------------------------
+    def send_event(self, kind: EventKind, message: str = "") -> None:
+        if self.channel is None:
+            return
+        pkt = EventPacket(rank=self.rank, kind=kind.value, ts=time.time(), step=self.step, pid=os.getpid(),
+                          host=socket.gethostname(), message=message[:EVENT_MESSAGE_CHARS])
+        self.channel.send(pkt.encode())
+        self.channel.flush()
+
+    def _ship(self, pkt: StepPacket) -> Directive | None:
+        if self.channel is None:
+            log.info("[rank %d] step %d loss %s", self.rank, pkt.step, pkt.loss)
+            return None
+        if not pkt.decision:
+            self.channel.send(pkt.encode())
+            return None
+        d = self.channel.decide(pkt.encode(), pkt.step)
+        self._follow(d, pkt)
+        return d
+
+    def _follow(self, d: Directive, pkt: StepPacket) -> None:
+        if d.save_kinds and self.rank == 0:
+            self._save(d, pkt)
+        if d.action.stops:
+            self.stopped = d
+        if self.on_directive:
+            self.on_directive(d)
+
+    def _save(self, d: Directive, pkt: StepPacket) -> None:
+        if self.checkpoints is None or self.train_cell is None:
+            log.warning("[rank 0] asked to save %s at step %d but no checkpoint folder or train cell is known",
+                        d.save, pkt.step)
+            return
+        self.checkpoints.write(d, pkt.step, pkt.epoch, self.train_cell)
+
+    # ---- what the packets carry about the weights --------------------------------------------
+    def _fingerprint(self) -> tuple[str | None, float | None]:
+        if self.network is None:
+            return None, None
+        try:
+            self._last_sums = param_sums(model_parameters(self.network))
+            return fingerprint_of(self._last_sums)
+        except Exception as exc:
+            log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)
+            self._last_sums = None
+            return None, None
+
+    def _watch_layers(self) -> None:
+        """Per-layer statistics every collect_freq steps (rank 0 ships them: data-parallel
+        weights are identical), and the model's structure once."""
+        self.weight_stats = None
+        if self.rank != 0 or self.network is None or not self.monitor_settings.weight_stats:
+            return
+        try:
+            params = model_parameters(self.network)
+            self.weight_stats = WeightStats(params, self.monitor_settings.histogram_regex or DEFAULT_HIST_REGEX,
+                                            self.train_cell)
+            text = structure_text(params)
+            if self.channel is not None:
+                pkt = EventPacket(rank=self.rank, kind=EventKind.STRUCTURE.value, ts=time.time(),
+                                  message=text[:STRUCTURE_MESSAGE_CHARS])
+                self.channel.send(pkt.encode())
+        except Exception as exc:
+            log.warning("[rank %d] weight statistics are off: %s", self.rank, exc)
+            self.weight_stats = None
