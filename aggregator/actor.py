@@ -41,6 +41,27 @@ class AggregatorActor:
                 self._reduced.notify_all()
         return len(done)
 
+    async def ingest_node(self, node: int, batch: dict[str, Any]) -> int:
+        """A node agent's pre-reduced batch (node/prereduce.py)."""
+        done = self.core.ingest_node(node, batch)
+        if done:
+            async with self._reduced:
+                self._reduced.notify_all()
+        return len(done)
+
+    async def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> int:
+        """A group leader's call: several nodes' batches (or partials it merged already)."""
+        done = self.core.ingest_nodes(batches)
+        if done:
+            async with self._reduced:
+                self._reduced.notify_all()
+        return len(done)
+
+    async def decide_node(self, node: int, batch: dict[str, Any], step: int, timeout_s: float) -> bytes:
+        """`decide` for a node agent's pre-reduced batch."""
+        await self.ingest_node(node, batch)
+        return await self.decide([], step, timeout_s)
+
     async def decide(self, batch: list[bytes], step: int, timeout_s: float) -> bytes:
         """Ingest `batch` (ending with this rank's packet for `step`) and wait for the directive."""
         await self.ingest(batch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections import Counter, OrderedDict, deque
 from pathlib import Path
@@ -29,7 +30,10 @@ from mindpulse.protocol import (
 )
 
 from . import tables
+from .anomaly_log import AnomalyLog
 from .metrics_store import MetricsWriter
+from .partial import from_wire as partial_from_wire
+from .partial import straggler_scores
 from .policies import Firing, PolicyEngine, build_rules
 from .reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker
 
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 
 _KEEP_DIRECTIVES = 1024
 _KEEP_HISTORY = 512
+_IN_STEP = re.compile(r"^in step (\d+)$")
+"""A heartbeat's message while the rank's loop is inside a step (workers/heartbeat.py IN_STEP)."""
 
 
 class AggregatorCore:
@@ -54,42 +60,48 @@ class AggregatorCore:
         self.replaying = False
         self.restarts = 0
         self.run_dir = Path(run_dir)
-        cfg = sections_of(settings)  # typed, with the config's one set of defaults
+        # typed, with the config's one set of defaults (rules are built from their dicts below)
+        cfg = sections_of({k: v for k, v in settings.items() if k != "anomalies"})
         self.ckpt = cfg.checkpoint
         self.straggler_threshold = cfg.monitor.straggler_threshold
         self.max_lag = cfg.monitor.max_lag_steps
+        self.start_step = int(settings.get("start_step") or 0)
+        """The step this attempt starts after (a resumed run): the step window counts from it."""
+        self.collect_freq = cfg.monitor.collect_freq
         self.stragglers = StragglerTracker(cfg.monitor.straggler_window)
         self.policies = PolicyEngine(build_rules([dict(c) for c in settings.get("anomalies") or []],
                                                  extra_kinds=settings.get("extra_rules"),
                                                  straggler_threshold=self.straggler_threshold))
-        self.anomalies: list[dict[str, Any]] = []
-        prev = self.run_dir / "anomalies.json"
-        if prev.exists():  # a restarted attempt (or aggregator) continues the record
-            try:
-                import json
-
-                self.anomalies = list(json.loads(prev.read_text()))
-            except (ValueError, OSError):
-                self.anomalies = []
+        self.anomalies = AnomalyLog(self.run_dir)  # a restarted attempt (or aggregator) continues it
+        self.rule_errors: list[dict[str, Any]] = []
         self.anomalies_total = 0
+        self.repeats_while_stopping = 0
+        """Firings of the stopping rule between its decision and the stop step, not re-reported."""
         self.best: tuple[float, int] | None = None
         """(metric, step) of the best reduced metric that was saved (or asked to be)."""
         self.checkpoints: list[dict[str, Any]] = []
         self.best_checkpoint: dict[str, Any] | None = None
+        seed = settings.get("best")  # the manifest's best when this attempt started (a restart)
+        if (isinstance(seed, dict) and seed.get("metric_name") == self.ckpt.best_metric
+                and isinstance(seed.get("metric"), (int, float)) and math.isfinite(seed["metric"])):
+            self.best = (float(seed["metric"]), int(seed.get("step") or 0))
+            self.best_checkpoint = {"path": seed.get("path"), "step": self.best[1], "metric": self.best[0],
+                                    "metric_name": seed["metric_name"]}
         self.rank_errors: list[dict[str, Any]] = []
         self.tb = None
         if settings.get("tensorboard", True):
             from .tb_sink import TensorBoardSink
 
-            self.tb = TensorBoardSink(self.run_dir)
+            self.tb = TensorBoardSink(self.run_dir, collect_freq=self.collect_freq,
+                                      straggler_threshold=self.straggler_threshold)
             if settings.get("config_yaml"):
                 self.tb.on_text("config", "```\n" + settings["config_yaml"] + "\n```")
             self.milestone("start", 0)
         self.world_size = world_size
         self.per_print_step = max(1, per_print_step)
         self.total_steps = total_steps
-        self.metrics = MetricsWriter(self.run_dir / "metrics.msgpack")
-        self.reducer = StepReducer(world_size)
+        self.metrics = MetricsWriter.for_run(self.run_dir, cfg, settings, restart=replay)
+        self.reducer = StepReducer(world_size, ranks_per_node=cfg.world.ranks_per_node)
         self.accepted = 0
         self.rejected: Counter[str] = Counter()
         self.directives: OrderedDict[int, Directive] = OrderedDict()
@@ -108,33 +120,74 @@ class AggregatorCore:
         """When any rank last finished a step it had not reported before."""
         self.heartbeat: dict[int, tuple[float, int]] = {}
         self.ended: set[int] = set()
+        # the hang clocks (hang_check): start-up until a rank's first finished step, then per rank
+        self.startup_timeout_s = float(cfg.monitor.startup_timeout_s or cfg.msrun.cluster_time_out)
+        self.first_step: dict[int, int] = {}
+        """Each rank's first reported step (the one it started at: 0, or the resume step)."""
+        self.top_step: dict[int, int] = {}
+        self.progress_at: dict[int, float] = {}
+        self.node_first: dict[int, int] = {}
+        self.node_top: dict[int, int] = {}
+        self.node_progress_at: dict[int, float] = {}
+        """The same clocks per node, from node partials (every rank of the node reached the step)."""
+        """When each rank last finished a new step; absent while it is starting up."""
+        self.in_step: dict[int, int] = {}
+        """The step each rank's loop was inside at its last heartbeat (absent: between steps)."""
         if replay:  # last: every attribute the packets touch must exist
             self._replay()
 
     def _replay(self) -> None:
-        """Rebuild the state of a restarted aggregator from metrics.msgpack (every packet it
-        had accepted), without writing anything again."""
+        """Rebuild the state of a restarted aggregator from metrics.msgpack — every segment,
+        the records of this aggregator's attempt only (another attempt's steps are another
+        reducer's) — without writing anything again. A step whose per-rank packets were thinned
+        counts through its reduced record; damaged bytes are skipped and counted."""
         from mindpulse.protocol import PacketError, from_wire
 
-        from .metrics_store import read_wire
+        from . import metrics_store as ms
 
         self.replaying = True
         self.restarts += 1
-        n = 0
+        self.metrics.paused = True
+        stats = ms.ReadStats()
+        mine = self.metrics.attempt
+        n = from_records = 0
+        completed: set[int] = set()  # steps this replay completed from their packets
         try:
-            for obj in read_wire(self.metrics.path):
+            for attempt, obj in ms.with_attempts(ms.read_records(self.metrics.path, stats)):
+                if attempt != mine:
+                    continue
+                t = obj.get("t")
+                if t == ms.REDUCED:
+                    red = ms.reduced_from_record(obj)
+                    if red is None or red.step in completed:
+                        continue
+                    ms.drop_pending(self.reducer, red.step)
+                    self.reducer.reduced_through = max(self.reducer.reduced_through, red.step)
+                    self.totals.add(red)
+                    self.steps_reduced += 1
+                    from_records += 1
+                    continue
+                if t in ms.META_TYPES:
+                    continue
                 try:
                     pkt = from_wire(obj)
                 except PacketError:
                     continue
                 self.accepted += 1
                 n += 1
-                self._accept(pkt)
+                completed.update(r.step for r in self._accept_one(pkt))
         finally:
             self.replaying = False
+            self.metrics.paused = False
+        self.replay_stats = dict(stats.as_dict(), packets=n, steps_from_records=from_records)
+        notes = [f"{stats.segments} segment(s)"]
+        if from_records:
+            notes.append(f"{from_records} thinned step(s) from their reduced records")
+        if stats.skipped_bytes:
+            notes.append(f"{stats.skipped_bytes} damaged byte(s) skipped in {stats.skipped_stretches} stretch(es)")
         self.console.clear()
-        self.console.append(f"aggregator restarted: rebuilt from {n} packets in metrics.msgpack "
-                            f"(through step {self.reducer.reduced_through})")
+        self.console.append(f"aggregator restarted: rebuilt from {n} packets of attempt {mine} in metrics.msgpack "
+                            f"({'; '.join(notes)}) (through step {self.reducer.reduced_through})")
 
     # ---- input ---------------------------------------------------------------------
     def ingest(self, batch: list[bytes]) -> list[ReducedStep]:
@@ -147,13 +200,79 @@ class AggregatorCore:
             except PacketError as exc:
                 self.rejected[exc.reason] += 1
                 continue
+            why = self._out_of_bounds(pkt)
+            if why:  # before any bookkeeping: a forged rank or step must not move the clocks
+                self.rejected[why] += 1
+                continue
             good_raw.append(bytes(raw))
             packets.append(pkt)
         self.metrics.append(good_raw)
         self.accepted += len(packets)
         done: list[ReducedStep] = []
         for pkt in packets:
-            done.extend(self._accept(pkt))
+            done.extend(self._accept_one(pkt))
+        return done
+
+    STEP_WINDOW = 256
+    """How far beyond the newest reduced step (or the start step) a packet's step may be."""
+
+    def _out_of_bounds(self, pkt: Packet) -> str:
+        rank = getattr(pkt, "rank", None)
+        if rank is not None and rank >= self.world_size:
+            return "rank_out_of_world"
+        step = getattr(pkt, "step", None)
+        if step is not None and step > max(self.reducer.reduced_through, self.start_step) + self.STEP_WINDOW:
+            return "step_out_of_window"
+        return ""
+
+    def _accept_one(self, pkt: Packet) -> list[ReducedStep]:
+        """One packet in isolation: whatever it holds, the batch goes on (counted)."""
+        try:
+            return self._accept(pkt)
+        except Exception as exc:
+            self.rejected["apply_error"] += 1
+            if self.rejected["apply_error"] <= 5:
+                log.exception("a %s packet could not be applied: %s", type(pkt).__name__, exc)
+            return []
+
+    def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> list[ReducedStep]:
+        """Several nodes' batches in one call (a group leader's), each `(node or nodes, batch)`."""
+        done: list[ReducedStep] = []
+        for nodes, batch in batches:
+            done.extend(self.ingest_node(nodes, batch))
+        return done
+
+    def ingest_node(self, node: int | list[int], batch: dict[str, Any]) -> list[ReducedStep]:
+        """A node agent's batch (node/prereduce.py): its step packets validated there (stored
+        as they are, never decoded here), its other packets, and one partial per step its
+        ranks completed; the work per step follows nodes, not ranks."""
+        steps = [bytes(b) for b in batch.get("steps") or [] if isinstance(b, (bytes, bytearray))]
+        self.metrics.append(steps)
+        self.accepted += len(steps)
+        for reason, n in (batch.get("rejected") or {}).items():
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                self.rejected[f"node:{reason}"[:64]] += n
+        done = self.ingest(list(batch.get("other") or []))
+        for wire in batch.get("partials") or []:
+            try:
+                part = partial_from_wire(wire)
+            except Exception:
+                self.rejected["malformed_partial"] += 1
+                continue
+            if part["step"] > max(self.reducer.reduced_through, self.start_step) + self.STEP_WINDOW:
+                self.rejected["step_out_of_window"] += 1
+                continue
+            now = time.time()
+            for n in [node] if isinstance(node, int) else node:
+                first = self.node_first.setdefault(n, part["step"])
+                if part["step"] > self.node_top.get(n, first):
+                    self.node_top[n] = part["step"]
+                    self.node_progress_at[n] = now
+                    self.last_progress = now
+            out = self.reducer.add_partial(node, part)
+            for red in out:
+                self._on_reduced(red)
+            done.extend(out)
         return done
 
     def _accept(self, pkt: Packet) -> list[ReducedStep]:
@@ -162,6 +281,7 @@ class AggregatorCore:
             if pkt.step > self.reducer.last_step_of_rank.get(pkt.rank, -1):
                 self.last_progress = now
             self.heartbeat[pkt.rank] = (now, pkt.step)
+            self._note_step(pkt.rank, pkt.step, now)
             out = self.reducer.add(pkt)
             for red in out:
                 self._on_reduced(red)
@@ -177,10 +297,14 @@ class AggregatorCore:
                     self.tb.on_text("model/structure", pkt.message, 0)
             elif pkt.kind == EventKind.HEARTBEAT:
                 self.heartbeat[pkt.rank] = (time.time(), pkt.step)
+                self._note_step(pkt.rank, pkt.step, time.time(), pkt.message)
                 info.setdefault("pid", pkt.pid)
             elif pkt.kind == EventKind.END:
                 self.ended.add(pkt.rank)
                 info["end"] = pkt.message or True
+            elif pkt.kind == EventKind.MONITOR_ERROR:
+                if not self.replaying:
+                    self.console.append(f"rank {pkt.rank}: monitor error (training goes on): {pkt.message}")
             elif pkt.kind == EventKind.ERROR:
                 if len(self.rank_errors) < 100:
                     self.rank_errors.append({"rank": pkt.rank, "step": pkt.step, "message": pkt.message})
@@ -203,6 +327,7 @@ class AggregatorCore:
                 self.tb.on_telemetry(pkt.node, cards, pkt.ts, step)
             for f in self.policies.on_telemetry(cards, time.time(), step):
                 self._on_firing(f)
+            self._on_rule_errors(step)
         return []
 
     def milestone(self, text: str, step: int) -> None:
@@ -217,20 +342,39 @@ class AggregatorCore:
         except ValueError:
             return
         for e in entries if isinstance(entries, list) else []:
-            if not isinstance(e, dict):
+            step = e.get("step") if isinstance(e, dict) else None
+            if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step
+                    and isinstance(e.get("path"), str) and isinstance(e.get("kind"), str)):
+                self.rejected["bad_checkpoint_entry"] += 1  # checked before it reaches a table
                 continue
             self.checkpoints.append(e)
             if e.get("kind") == CheckpointKind.BEST:
                 self.best_checkpoint = {"path": e.get("path"), "step": e.get("step"), "metric": e.get("metric"),
                                         "metric_name": e.get("metric_name")}
             self.console.append(f"checkpoint ({e.get('kind')}) step {e.get('step')}: {e.get('path')}")
-            self.milestone(f"checkpoint {e.get('kind')} {e.get('path')}", int(e.get("step") or 0))
+            self.milestone(f"checkpoint {e.get('kind')} {e.get('path')}", step)
         del self.checkpoints[:-200]
 
-    def _on_firing(self, f: Firing) -> None:
-        """Record once (anomalies.json), print once, and stop every rank if the rule says so."""
-        from .rundir_io import write_json_atomic
+    def _on_rule_errors(self, step: int) -> None:
+        """A rule that raised is reported once per rule and cause (it would never fire)."""
+        for err in self.policies.take_errors():
+            if len(self.rule_errors) < 100:
+                self.rule_errors.append(dict(err, step=step))
+            if self.replaying:
+                continue
+            self.anomalies.append({"rule": err["rule"], "kind": "rule_error", "step": step, "rank": None,
+                                   "value": None, "threshold": None, "action": "none",
+                                   "message": f"rule {err['rule']} failed and is not checking: {err['error']}"})
+            self.console.append(f"RULE ERROR {err['rule']} at step {step}: {err['error']} (the rule cannot fire)")
+            log.error("rule %s raised at step %d: %s", err["rule"], step, err["error"])
 
+    def _on_firing(self, f: Firing) -> None:
+        """Record once (anomalies.jsonl), print once, and stop every rank if the rule says so."""
+        if self.stop is not None and f.rule == self.stop.get("rule") and f.step > self.stop.get("decided_at", f.step):
+            # the steps run while every rank reaches the stop step repeat its cause (a NaN
+            # in the weights stays there): reported once, counted
+            self.repeats_while_stopping += 1
+            return
         rec = f.to_record()
         self.anomalies_total += 1
         if self.replaying:  # recorded before the restart (anomalies.json was reloaded)
@@ -238,9 +382,7 @@ class AggregatorCore:
                 self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
                                   save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold)
             return
-        if len(self.anomalies) < 10_000:
-            self.anomalies.append(rec)
-            write_json_atomic(self.run_dir / "anomalies.json", self.anomalies)
+        self.anomalies.append(rec)
         where = f" (rank {f.rank})" if f.rank is not None else ""
         self.console.append(f"ANOMALY {f.rule}{where} -> {f.action.value}: {f.message}")
         if self.tb is not None:
@@ -264,11 +406,17 @@ class AggregatorCore:
         self.recent.append(red)
         self.totals.add(red)
         self._check_fingerprints(red)
-        self.stragglers.update(red)
+        if red.straggler_inputs:  # merged node partials: the nodes scored their ranks
+            red.straggler_scores = straggler_scores(red.straggler_inputs, self.straggler_threshold,
+                                                    every_rank=red.step % self.collect_freq == 0)
+        else:
+            self.stragglers.update(red)
+        self.metrics.append_reduced(red)
         for f in self.policies.on_step(red):
             self._on_firing(f)
+        self._on_rule_errors(red.step)
         decision_step = any(p.decision for p in red.per_rank.values())
-        if self.stop_request is not None and self.stop is None and decision_step:
+        if self.stop_request is not None and self.stop is None:
             # decided now, at step S; ranks may already be running up to S+max_lag (their
             # lease allowed it): every rank stops after that same step
             reason, stop = self.stop_request
@@ -288,9 +436,13 @@ class AggregatorCore:
             self.directives.popitem(last=False)
         if (red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps)
                 or any(k.startswith("eval_") for k in red.extra) or directive.action is Action.STOP):
-            text = tables.cluster_table(red, self.total_steps, self.straggler_threshold)
-            if self.telemetry_latest:
-                text += "\n" + tables.card_table(self.telemetry_latest.values())
+            try:  # a table is a view: it must never cost a stop or a save decided above
+                text = tables.cluster_table(red, self.total_steps, self.straggler_threshold)
+                if self.telemetry_latest:
+                    text += "\n" + tables.card_table(self.telemetry_latest.values())
+            except Exception as exc:
+                self.rejected["table_error"] += 1
+                text = f"step {red.step}: the cluster table could not be drawn ({type(exc).__name__}: {exc})"
             self.console.append(text)
 
     def _save_decision(self, red: ReducedStep, d: Directive) -> Directive:
@@ -370,9 +522,8 @@ class AggregatorCore:
     def snapshot(self) -> dict[str, Any]:
         ranks = []
         for r in range(self.world_size):
-            last = self.reducer.last_packet_of_rank.get(r)
             info = self.rank_info.get(r, {})
-            ranks.append({"rank": r, "last_step": last.step if last else 0,
+            ranks.append({"rank": r, "last_step": self.reducer.last_step_of_rank.get(r, 0),
                           "param_fingerprint": self.totals.fingerprints.get(r),  # the newest it sent
                           "pid": info.get("pid"), "host": info.get("host")})
         return {
@@ -382,6 +533,8 @@ class AggregatorCore:
             "stop": self.stop,
             **self.totals.as_dict(),
             "anomalies": self.anomalies_total,
+            "anomalies_repeated_while_stopping": self.repeats_while_stopping,
+            "rule_errors": self.rule_errors,
             "best_checkpoint": self.best_checkpoint,
             "checkpoints": self.checkpoints[-20:],
             "rank_errors": self.rank_errors,
@@ -398,25 +551,63 @@ class AggregatorCore:
             "last_step": self.last_reduced.to_record() if self.last_reduced else None,
         }
 
+    def _note_step(self, rank: int, step: int, now: float, heartbeat: str | None = None) -> None:
+        """A rank's step (its packet or its heartbeat): the hang clocks' bookkeeping."""
+        first = self.first_step.setdefault(rank, step)
+        if step > self.top_step.get(rank, first):
+            self.top_step[rank] = step
+            self.progress_at[rank] = now  # its first finished step ends its start-up
+        if heartbeat is not None:
+            m = _IN_STEP.match(heartbeat)
+            if m:
+                self.in_step[rank] = int(m.group(1))
+            else:
+                self.in_step.pop(rank, None)
+
     def hang_check(self, timeout_s: float, heartbeat_stale_s: float) -> dict[str, Any] | None:
-        """None, or the ranks to blame when no rank has made progress for `timeout_s`:
-        those whose heartbeat went silent (stopped processes), else the ones behind."""
+        """None, or the ranks to blame when no live rank is within its clock.
+
+        A rank's clock starts at its first finished step (the step after the one it started
+        at) and runs `timeout_s` from its last new step; until that first step (start-up, the
+        first graph compile, the first collective's connection) it runs `startup_timeout_s`
+        from the aggregator's start. Blamed: the ranks whose heartbeat went silent (stopped
+        processes), else the ranks behind the others' last step, else, all at one step, those
+        not inside the next step that others are inside (the others wait for them in its
+        collective), else every rank at that step."""
         now = time.time()
-        if now - self.last_progress < timeout_s or len(self.ended) == self.world_size:
-            return None
         live = [r for r in range(self.world_size) if r not in self.ended]
+        if not live:
+            return None
+        rpn = self.reducer.ranks_per_node
+        # a rank's clock: its own packets and heartbeats, or its node's partials
+        progress = {r: max(self.progress_at.get(r, 0.0), self.node_progress_at.get(r // rpn, 0.0) if rpn else 0.0)
+                    for r in live}
+        progress = {r: t for r, t in progress.items() if t > 0}
+        starting = [r for r in live if r not in progress]
+        if any(now - progress[r] < timeout_s for r in live if r in progress):
+            return None
+        if starting and now - self.started < self.startup_timeout_s:
+            return None
         silent = [r for r in live if now - self.heartbeat.get(r, (self.started, 0))[0] > heartbeat_stale_s]
         # packets between decision points may still sit in a client's buffer: the heartbeat's
         # step is as fresh as the rank itself
         steps = {r: max(self.reducer.last_step_of_rank.get(r, 0), self.heartbeat.get(r, (0, 0))[1])
                  for r in range(self.world_size)}
+        inside = [r for r in live if self.in_step.get(r) == steps[r] + 1]
         if silent:
             stuck = silent
         else:
-            low = min(steps[r] for r in live) if live else 0
+            low = min(steps[r] for r in live)
             stuck = [r for r in live if steps[r] == low]
-        return {"stuck": sorted(stuck), "steps": steps, "silent": sorted(silent),
-                "no_progress_s": now - self.last_progress,
+            if len(stuck) == len(live):  # all at one step: the ones the others wait for did not enter the next
+                outside = [r for r in stuck if r not in inside]
+                if inside and outside:
+                    stuck = outside
+        last = max(progress.values(), default=self.started)
+        return {"stuck": sorted(stuck), "steps": steps, "silent": sorted(silent), "inside": sorted(inside),
+                "phase": "startup" if starting else "running",
+                "limit_s": self.startup_timeout_s if starting else timeout_s,
+                "no_progress_s": now - last,
                 "pids": {r: self.rank_info.get(r, {}).get("pid") for r in range(self.world_size)},
                 "started": sorted(r for r, i in self.rank_info.items() if i.get("started"))}
 
@@ -425,6 +616,7 @@ class AggregatorCore:
 
     def close(self) -> None:
         self.metrics.close()
+        self.anomalies.close()
         if self.tb is not None:
             last = self.last_reduced.step if self.last_reduced else 0
             self.milestone("end" + (f" (stopped: {self.stop.get('message')})" if self.stop else ""), last)

@@ -269,7 +269,7 @@ class DesyncRule(Rule):
         if len(fps) < 2:
             return None
         if self.tolerance > 0:
-            norms = {r: p.param_norm for r, p in red.per_rank.items() if p.param_norm is not None}
+            norms = red.param_norms
             if len(norms) < 2:
                 return None
             ref = statistics.median(norms.values())
@@ -358,16 +358,30 @@ def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]
 class PolicyEngine:
     def __init__(self, rules: list[Rule]):
         self.rules = rules
+        self._errors: list[dict[str, str]] = []
+        self._seen: set[tuple[str, str]] = set()
+
+    def _failed(self, rule: Rule, exc: Exception) -> None:
+        """A broken rule must not take the aggregator down, nor fail silently: each (rule,
+        cause) is handed to the aggregator once to report."""
+        rule.errors = getattr(rule, "errors", 0) + 1  # type: ignore[attr-defined]
+        cause = f"{type(exc).__name__}: {exc}"[:500]
+        if (rule.name, cause) not in self._seen:
+            self._seen.add((rule.name, cause))
+            self._errors.append({"rule": rule.name, "error": cause})
+
+    def take_errors(self) -> list[dict[str, str]]:
+        out, self._errors = self._errors, []
+        return out
 
     def on_step(self, red: ReducedStep) -> list[Firing]:
         out = []
         for rule in self.rules:
             try:
                 f = rule.check(red)
-            except Exception as exc:  # a broken rule must not take the aggregator down
-                f = None
-                rule.errors = getattr(rule, "errors", 0) + 1  # type: ignore[attr-defined]
-                rule.last_error = repr(exc)  # type: ignore[attr-defined]
+            except Exception as exc:
+                self._failed(rule, exc)
+                continue
             if f is not None:
                 out.append(f)
         return out
@@ -377,6 +391,6 @@ class PolicyEngine:
         for rule in self.rules:
             try:
                 out.extend(rule.check_telemetry(cards, now, step))
-            except Exception:
-                continue
+            except Exception as exc:
+                self._failed(rule, exc)
         return out

@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mindpulse.protocol import StepPacket
+
+from .partial import _ONE, HIST_EDGES, Partial, as_packet, has_weights, mean_of, merge, partial_of, pstdev_of
 
 
 @dataclass
@@ -45,13 +47,30 @@ class ReducedStep:
     nonfinite_ranks: list[int]
     """Ranks whose local loss or local gradients were NaN/Inf (pre-reduction)."""
     fingerprints: dict[int, str] = field(default_factory=dict)
+    param_norms: dict[int, float] = field(default_factory=dict)
+    """Each rank's parameter norm, at collect steps (desync with a tolerance)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Means over ranks of the packets' `extra` scalars."""
     ts: float = 0.0
     per_rank: dict[int, StepPacket] = field(default_factory=dict)
+    """Every rank's packet (the flat reduction), or those that stand out (merged node
+    partials: the extremes, the non-finite ranks, the weight statistics)."""
+    ranks_reported: int = 0
+    monitor_errors: int = 0
+    """Errors inside the ranks' monitors so far, summed over ranks (training went on)."""
+    monitor_wait_max: float = 0.0
+    """The longest any rank blocked on the aggregator before this step (seconds)."""
+    monitor_wait_sum: float = 0.0
+    """All ranks' blocked seconds before this step, summed."""
     straggler_scores: dict[int, float] = field(default_factory=dict)
-    """Per rank, fastest / this rank's effective step time over a window (1.0 best);
-    filled by the aggregator's StragglerTracker."""
+    """Per rank, fastest / this rank's effective step time over a window (1.0 best):
+    every rank's from the flat StragglerTracker; from node partials, the ranks below the
+    threshold (every rank's at collect steps)."""
+    histograms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-step histograms over ranks (`loss`, `step_time`): TensorBoard's raw histogram
+    fields (min, max, num, sum, sum_squares, bucket_limits, bucket_counts)."""
+    straggler_inputs: list[dict[str, Any]] = field(default_factory=list)
+    """The nodes' straggler medians (merged node partials; see partial.NodeStragglers)."""
 
     def metric(self, name: str) -> float | None:
         """A reduced metric by name, for rules and best-checkpoint choice."""
@@ -62,111 +81,175 @@ class ReducedStep:
         value = getattr(self, key, None)
         return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
+    def ranks_that_matter(self, straggler_threshold: float) -> set[int]:
+        """The ranks whose detail is worth a look every step: the extremes, the non-finite
+        ranks, the stragglers."""
+        out = {r for r in (self.loss_min_rank, self.loss_max_rank, self.grad_norm_local_max_rank,
+                           self.step_time_min_rank, self.step_time_max_rank) if r is not None}
+        out.update(self.nonfinite_ranks)
+        out.update(r for r, sc in self.straggler_scores.items() if sc < straggler_threshold)
+        return out
+
     def to_record(self) -> dict:
         """A JSON/msgpack-friendly dict without the per-rank packets."""
-        d = {k: v for k, v in self.__dict__.items() if k != "per_rank"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("per_rank", "straggler_inputs", "histograms")}
         d["fingerprints"] = {str(k): v for k, v in self.fingerprints.items()}
         d["straggler_scores"] = {str(k): v for k, v in self.straggler_scores.items()}
+        d["param_norms"] = {str(k): v for k, v in self.param_norms.items()}
         return d
 
 
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
-
-
-def _argext(values: dict[int, float | None], pick) -> tuple[float | None, int | None]:
-    """min/max over ranks; a NaN wins (it is what the user must see)."""
-    items = [(r, v) for r, v in values.items() if v is not None]
-    if not items:
-        return None, None
-    nan = [(r, v) for r, v in items if not math.isfinite(v)]
-    if nan:
-        r, v = min(nan)
-        return v, r
-    r, v = pick(items, key=lambda rv: (rv[1], -rv[0] if pick is max else rv[0]))
-    return v, r
-
-
-def reduce_step(step: int, packets: dict[int, StepPacket], world_size: int) -> ReducedStep:
-    losses = {r: p.loss for r, p in packets.items()}
-    finite_losses = [v for v in losses.values() if _finite(v)]
-    if len(finite_losses) == len(packets):
-        loss_mean = statistics.fmean(finite_losses)
-        loss_std = statistics.pstdev(finite_losses) if len(finite_losses) > 1 else 0.0
-    elif any(v is not None for v in losses.values()):
+def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedStep:
+    """The `ReducedStep` of a partial holding every rank of the step (see `partial.py`)."""
+    n = part["n"]
+    if part["loss_f"] == n and n:
+        loss_mean = mean_of(part["loss_s"], n)
+        loss_std = pstdev_of(part["loss_s"], part["loss_q"], n) if n > 1 else 0.0
+    elif part["loss_n"]:
         loss_mean, loss_std = math.nan, math.nan
     else:
         loss_mean, loss_std = None, None
-    loss_min, loss_min_rank = _argext(losses, min)
-    loss_max, loss_max_rank = _argext(losses, max)
-    gl, glr = _argext({r: p.grad_norm_local for r, p in packets.items()}, max)
-    globals_ = [p.grad_norm for p in packets.values() if p.grad_norm is not None]
     grad_norm = None
-    if globals_:
-        grad_norm = math.nan if any(not math.isfinite(g) for g in globals_) else max(globals_)
-    times = {r: p.step_time_s for r, p in packets.items()}
-    tmin, tmin_r = _argext(times, min)
-    tmax, tmax_r = _argext(times, max)
-    samples = sum(p.samples for p in packets.values())
-    sps = samples / tmax if (tmax and _finite(tmax) and tmax > 0 and samples) else None
-    lrs = [p.lr for p in packets.values() if p.lr is not None]
-    nonfinite = sorted(
-        r
-        for r, p in packets.items()
-        if p.nan_count or p.inf_count or (p.loss is not None and not math.isfinite(p.loss))
-        or (p.grad_norm_local is not None and not math.isfinite(p.grad_norm_local))
-    )
-    extra_keys = set().union(*(p.extra.keys() for p in packets.values())) if packets else set()
+    if part["gn_n"]:
+        grad_norm = math.nan if part["gn_bad"] else part["gn_max"]
+    st_max = part["st_max"]
+    tmax = st_max[0] if st_max else None
+    samples = part["samples"]
+    sps = samples / tmax if (tmax and math.isfinite(tmax) and tmax > 0 and samples) else None
     extra = {}
-    for k in sorted(extra_keys):
-        vals = [p.extra[k] for p in packets.values() if k in p.extra]
-        extra[k] = statistics.fmean(vals) if vals else math.nan
+    for k in sorted(part["extra"]):
+        cnt, total, *bad = part["extra"][k]
+        extra[k] = sum(bad) if bad else mean_of(total, cnt)
+    packets = part["packets"]
+    if not (keep_all or part.get("all")):
+        # the merged extremes are among the kept packets; keep just those, the non-finite
+        # ranks and the weight statistics (a collect step keeps every rank's)
+        wanted = {x[1] for x in (part["loss_min"], part["loss_max"], part["gl_max"], part["st_min"],
+                                 part["st_max"]) if x is not None}
+        wanted.update(part["nonfinite"])
+        wanted.update(r for r, p in packets.items() if has_weights(p))
+        packets = {r: packets[r] for r in wanted if r in packets}
+    packets = {r: pk for r, pk in ((r, as_packet(p)) for r, p in packets.items()) if pk is not None}
+
+    def ext(key: str) -> tuple[float | None, int | None]:
+        x = part[key]
+        return (x[0], x[1]) if x is not None else (None, None)
+
+    (lmin, lmin_r), (lmax, lmax_r), (gl, gl_r) = ext("loss_min"), ext("loss_max"), ext("gl_max")
+    (tmin, tmin_r), (_, tmax_r) = ext("st_min"), ext("st_max")
     return ReducedStep(
-        step=step,
-        epoch=max(p.epoch for p in packets.values()),
+        step=part["step"],
+        epoch=part["epoch"],
         world_size=world_size,
         loss_mean=loss_mean,
-        loss_min=loss_min,
-        loss_min_rank=loss_min_rank,
-        loss_max=loss_max,
-        loss_max_rank=loss_max_rank,
+        loss_min=lmin,
+        loss_min_rank=lmin_r,
+        loss_max=lmax,
+        loss_max_rank=lmax_r,
         loss_std=loss_std,
         grad_norm=grad_norm,
         grad_norm_local_max=gl,
-        grad_norm_local_max_rank=glr,
+        grad_norm_local_max_rank=gl_r,
         step_time_min=tmin,
         step_time_min_rank=tmin_r,
         step_time_max=tmax,
         step_time_max_rank=tmax_r,
         samples_per_s=sps,
-        lr=lrs[0] if lrs else None,
-        nan_count=sum(p.nan_count for p in packets.values()),
-        inf_count=sum(p.inf_count for p in packets.values()),
-        nonfinite_ranks=nonfinite,
-        fingerprints={r: p.fingerprint for r, p in packets.items() if p.fingerprint is not None},
+        lr=part["lr"][1] if part["lr"] else None,
+        nan_count=part["nan"],
+        inf_count=part["inf"],
+        nonfinite_ranks=list(part["nonfinite"]),
+        fingerprints={r: fp for fp, rs in part["fp"].items() for r in rs},
+        param_norms=dict(part["pnorm"]),
         extra=extra,
-        ts=max(p.ts for p in packets.values()),
+        ts=part["ts"],
         per_rank=dict(sorted(packets.items())),
+        monitor_wait_max=part["wait_max"],
+        monitor_wait_sum=mean_of(part["wait_s"], 1),
+        ranks_reported=n,
+        monitor_errors=part["errors"],
+        histograms={name: h for name, h in (("loss", _histogram(part["h_loss"], lmin, lmax, part["loss_s"],
+                                                                part["loss_q"])),
+                                            ("step_time", _histogram(part["h_st"], tmin, tmax, part["st_s"],
+                                                                     part["st_q"]))) if h},
+        straggler_inputs=list(part.get("strag", [])),
     )
 
 
-class StepReducer:
-    """Collects step packets and emits each step's reduction once all ranks reported it.
+def _histogram(counts: list[int], lo: float | None, hi: float | None, total: int, squares: int
+               ) -> dict[str, Any] | None:
+    num = sum(counts)
+    if not num or lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    # the last bucket's limit is the largest value (TensorBoard needs a finite edge)
+    limits = list(HIST_EDGES) + [max(hi, HIST_EDGES[-1])]
+    return {"min": lo, "max": hi, "num": num, "sum": mean_of(total, 1), "sum_squares": mean_of(squares, _ONE),
+            "bucket_limits": limits, "bucket_counts": list(counts)}
 
+
+def reduce_step(step: int, packets: dict[int, StepPacket], world_size: int) -> ReducedStep:
+    """The flat reduction: one partial of every rank's packet (see `partial.py`)."""
+    return finalize(partial_of(step, packets, keep_all=True), world_size, keep_all=True)
+
+
+class _Bucket:
+    """One pending step: packets of ranks that reported directly, and merged node partials."""
+
+    __slots__ = ("packets", "partial", "nodes", "count")
+
+    def __init__(self) -> None:
+        self.packets: dict[int, StepPacket] = {}
+        self.partial: Partial | None = None
+        self.nodes: set[int] = set()
+        self.count = 0
+
+
+class _LastSteps(Mapping[int, int]):
+    """Each rank's newest reported step: from its own packets, or its node's partials."""
+
+    def __init__(self, red: StepReducer):
+        self._red = red
+
+    def __getitem__(self, rank: int) -> int:
+        red = self._red
+        node = red.node_last.get(rank // red.ranks_per_node, -1) if red.ranks_per_node else -1
+        step = max(red.rank_last.get(rank, -1), node)
+        if step < 0:
+            raise KeyError(rank)
+        return step
+
+    def __iter__(self):
+        red = self._red
+        ranks = set(red.rank_last)
+        if red.ranks_per_node:
+            for n in red.node_last:
+                ranks.update(range(n * red.ranks_per_node, min((n + 1) * red.ranks_per_node, red.world_size)))
+        return iter(sorted(ranks))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class StepReducer:
+    """Collects a step's reports and emits its reduction once every rank is in.
+
+    Reports are step packets of single ranks (`add`), or node partials (`add_partial`:
+    one per node, reduced by its agent), or a mix (a restarted aggregator replays packets).
     Bounded: at most `max_pending` incomplete steps are held; older incomplete steps are
     evicted (counted in `evicted_incomplete`) so a lost rank cannot grow memory forever.
     """
 
-    def __init__(self, world_size: int, max_pending: int = 256):
+    def __init__(self, world_size: int, max_pending: int = 256, ranks_per_node: int = 0):
         if world_size <= 0:
             raise ValueError("world_size must be positive")
         self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
         self.max_pending = max_pending
-        self._pending: OrderedDict[int, dict[int, StepPacket]] = OrderedDict()
+        self._pending: OrderedDict[int, _Bucket] = OrderedDict()
         self.reduced_through = -1
         """Highest step already reduced (steps at or below it are late or duplicates)."""
-        self.last_step_of_rank: dict[int, int] = {}
-        self.last_packet_of_rank: dict[int, StepPacket] = {}
+        self.rank_last: dict[int, int] = {}
+        self.node_last: dict[int, int] = {}
         self.duplicates = 0
         self.late = 0
         self.out_of_range = 0
@@ -175,33 +258,76 @@ class StepReducer:
         self._ring: deque[int] = deque()
         self._reduced_recent: set[int] = set()
 
+    @property
+    def last_step_of_rank(self) -> Mapping[int, int]:
+        return _LastSteps(self)
+
+    def _bucket(self, s: int) -> _Bucket | None:
+        if s <= self.reduced_through and s in self._reduced_recent:
+            self.duplicates += 1
+            return None
+        bucket = self._pending.get(s)
+        if bucket is None:
+            if s <= self.reduced_through:
+                self.late += 1
+                return None
+            bucket = self._pending[s] = _Bucket()
+            if len(self._pending) > 1 and s < next(reversed(self._pending)):
+                self._pending = OrderedDict(sorted(self._pending.items()))
+        return bucket
+
     def add(self, packet: StepPacket) -> list[ReducedStep]:
         if packet.rank >= self.world_size:
             self.out_of_range += 1
             return []
         r, s = packet.rank, packet.step
-        if s <= self.reduced_through and s in self._reduced_recent:
-            self.duplicates += 1
-            return []
-        bucket = self._pending.get(s)
+        bucket = self._bucket(s)
         if bucket is None:
-            if s <= self.reduced_through:
-                self.late += 1
-                return []
-            bucket = self._pending[s] = {}
-            if len(self._pending) > 1 and s < next(reversed(self._pending)):
-                self._pending = OrderedDict(sorted(self._pending.items()))
-        if r in bucket:
+            return []
+        if r in bucket.packets or (self.ranks_per_node and r // self.ranks_per_node in bucket.nodes):
             self.duplicates += 1
             return []
-        bucket[r] = packet
-        if s >= self.last_step_of_rank.get(r, -1):
-            self.last_step_of_rank[r] = s
-            self.last_packet_of_rank[r] = packet
+        bucket.packets[r] = packet
+        bucket.count += 1
+        if s >= self.rank_last.get(r, -1):
+            self.rank_last[r] = s
+        return self._complete(s, bucket)
+
+    def add_partial(self, nodes: int | Sequence[int], part: Partial) -> list[ReducedStep]:
+        """One node's partial of a step (every rank of the node, reduced on the node), or a
+        group's (the partials of several nodes merged by a group leader)."""
+        s = part["step"]
+        nodes = [nodes] if isinstance(nodes, int) else list(nodes)
+        rpn = self.ranks_per_node
+        sizes = [min(rpn, self.world_size - n * rpn) for n in nodes] if rpn else []
+        if not rpn or not nodes or len(set(nodes)) != len(nodes) or min(sizes) <= 0 or part["n"] != sum(sizes):
+            self.out_of_range += 1
+            return []
+        bucket = self._bucket(s)
+        if bucket is None:
+            return []
+        if any(n in bucket.nodes for n in nodes) or any(r // rpn in nodes for r in bucket.packets):
+            self.duplicates += 1
+            return []
+        bucket.nodes.update(nodes)
+        bucket.partial = part if bucket.partial is None else merge(bucket.partial, part)
+        bucket.count += part["n"]
+        for n in nodes:
+            if s >= self.node_last.get(n, -1):
+                self.node_last[n] = s
+        return self._complete(s, bucket)
+
+    def _complete(self, s: int, bucket: _Bucket) -> list[ReducedStep]:
         out: list[ReducedStep] = []
-        if len(bucket) == self.world_size:
+        if bucket.count == self.world_size:
             del self._pending[s]
-            out.append(reduce_step(s, bucket, self.world_size))
+            if bucket.partial is None:
+                out.append(reduce_step(s, bucket.packets, self.world_size))
+            else:
+                part = bucket.partial
+                if bucket.packets:
+                    part = merge(part, partial_of(s, bucket.packets))
+                out.append(finalize(part, self.world_size))
             self.reduced_through = max(self.reduced_through, s)
             self._remember(s)
         while len(self._pending) > self.max_pending:
@@ -216,8 +342,10 @@ class StepReducer:
             self._reduced_recent.discard(self._ring.popleft())
 
     def missing_ranks(self, step: int) -> list[int]:
-        bucket = self._pending.get(step, {})
-        return [r for r in range(self.world_size) if r not in bucket]
+        bucket = self._pending.get(step) or _Bucket()
+        rpn = self.ranks_per_node
+        return [r for r in range(self.world_size)
+                if r not in bucket.packets and not (rpn and r // rpn in bucket.nodes)]
 
     def pending_steps(self) -> list[int]:
         return list(self._pending)
@@ -283,8 +411,14 @@ class RunTotals:
         self.last_loss: float | None = None
         self.best_loss: tuple[float, int] | None = None
         self.fingerprints: dict[int, str] = {}
+        self.monitor_wait_s = 0.0
+        """Seconds ranks blocked on the aggregator, summed over ranks and steps."""
+        self.monitor_errors = 0
+        """Errors inside the ranks' monitors (the counts their newest packets carry)."""
 
     def add(self, red: ReducedStep) -> None:
+        self.monitor_wait_s += red.monitor_wait_sum
+        self.monitor_errors = max(self.monitor_errors, red.monitor_errors)
         loss = red.loss_mean
         if loss is not None:
             self.last_loss = loss
@@ -303,4 +437,6 @@ class RunTotals:
             "best_loss": self.best_loss[0] if self.best_loss else None,
             "best_loss_step": self.best_loss[1] if self.best_loss else None,
             "fingerprints_equal": (len(fps) == 1) if fps else None,
+            "monitor_wait_s": self.monitor_wait_s,
+            "monitor_errors": self.monitor_errors,
         }

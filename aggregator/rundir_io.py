@@ -1,13 +1,41 @@
-"""Atomic JSON writes for files the aggregator owns in the run directory."""
+"""Atomic writes for the run directory's files, and the permissions they get.
+
+`output.mode` says what the run directory's folders and files are: `private` (0700 / 0600,
+the default: `config.yaml`, `job.json` and `plan.json` carry the `env:` values) or
+`shared` (0755 / 0644). The run directory is made with its folder mode
+(`launcher/rundir.py`); every file written here takes the read bits of the folder it is
+written into, so a writer that has no config at hand (the aggregator) still follows it.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
+
+RUN_MODES: dict[str, tuple[int, int]] = {"private": (0o600, 0o700), "shared": (0o644, 0o755)}
+"""`output.mode` → (file mode, folder mode) of what the run directory holds."""
+
+
+def modes_of(mode: Any) -> tuple[int, int]:
+    """(file mode, folder mode) for an `output.mode` value (a `FileMode` or its string);
+    anything but `shared` is private."""
+    name = str(getattr(mode, "value", mode) or "private")
+    return RUN_MODES.get(name, RUN_MODES["private"])
+
+
+def file_mode_in(folder: Path) -> int:
+    """The mode of a new file in `folder`: owner read/write, and group/other read where the
+    folder grants them read (0700 → 0600, 0755 → 0644); never group or other write."""
+    try:
+        dmode = os.stat(folder).st_mode
+    except OSError:
+        return 0o600
+    return 0o600 | (dmode & (stat.S_IRGRP | stat.S_IROTH))
 
 
 def json_safe(obj: Any) -> Any:
@@ -21,16 +49,33 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file in the same folder, fsync, rename: readers never see a torn file."""
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (the folder's entry, not only the file's data)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Temp file in the same folder, fsync, rename, fsync the folder: readers never see a torn
+    file and the new name survives a crash. `mode`: the file's permissions (default: what
+    `file_mode_in` says for its folder)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    mode = file_mode_in(path.parent) if mode is None else mode
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # 0600 from the start
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; run files are meant to be read by others
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -38,8 +83,44 @@ def write_atomic(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise
+    fsync_dir(path.parent)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     text = json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n"
     write_atomic(path, text.encode())
+
+
+def apply_mode(root: Path, mode: Any) -> list[str]:
+    """Give every folder and plain file under `root` (and `root`) the `output.mode` permissions:
+    what other programs wrote there with their own umask (msrun's logs, TensorBoard's event
+    files) follows the run's mode too. Links are not followed. Returns what could not be
+    changed (`path: error`)."""
+    fmode, dmode = modes_of(mode)
+    errors: list[str] = []
+
+    def _chmod(p: str, m: int) -> None:
+        try:
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode) or stat.S_IMODE(st.st_mode) == m:
+                return
+            # keep an executable bit where the owner has one (a script saved with the run)
+            if stat.S_ISREG(st.st_mode) and st.st_mode & stat.S_IXUSR:
+                m |= (m & 0o444) >> 2
+            os.chmod(p, m)
+        except OSError as exc:
+            errors.append(f"{p}: {exc}")
+
+    root = Path(root)
+    _chmod(str(root), dmode)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            _chmod(os.path.join(dirpath, d), dmode)
+        for f in filenames:
+            full = os.path.join(dirpath, f)
+            try:
+                if stat.S_ISREG(os.lstat(full).st_mode):
+                    _chmod(full, fmode)
+            except OSError:
+                pass
+    return errors

@@ -14,8 +14,8 @@ from .reducer import ReducedStep
 def _num(x: Any, fmt: str = ".4f") -> str:
     if x is None:
         return "-"
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        return str(x)  # NaN/Inf, or read back from JSON as "nan"
     return format(x, fmt)
 
 
@@ -23,9 +23,17 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
 
+MAX_TABLE_RANKS = 16
+"""Above this many ranks the table shows the ranks that matter and counts the rest."""
+
+
 def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.7) -> str:
     rows = []
-    for r, p in red.per_rank.items():
+    shown = red.per_rank
+    if len(shown) > MAX_TABLE_RANKS or len(shown) < red.world_size:
+        matter = red.ranks_that_matter(straggler_threshold)
+        shown = {r: p for r, p in red.per_rank.items() if r in matter}
+    for r, p in shown.items():
         sps = p.samples / p.step_time_s if p.step_time_s else None
         mark = []
         if r in red.nonfinite_ranks:
@@ -45,6 +53,9 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
                 " ".join(mark),
             ]
         )
+    hidden = red.world_size - len(shown)
+    if hidden > 0:
+        rows.append([f"+{hidden}", red.step, "", "", "", "", "", "other ranks, within the ranges of the row below"])
     note = f"lr {_num(red.lr, '.2e')}"
     if red.extra:
         note += "  " + "  ".join(f"{k} {_num(v)}" for k, v in red.extra.items())
@@ -97,6 +108,7 @@ def totals_table(summary: dict[str, Any]) -> str:
         ["fingerprints equal", summary.get("fingerprints_equal")],
         ["packets accepted", summary.get("packets", {}).get("accepted")],
         ["packets rejected", summary.get("packets", {}).get("rejected")],
+        ["monitor wait s (all ranks)", _num(summary.get("monitor_wait_s"), ".3f")],
         ["wall time s", _num(summary.get("wall_time_s"), ".1f")],
     ]
     if summary.get("stop"):

@@ -41,6 +41,7 @@ _CLUSTER_SCALARS: tuple[tuple[str, str], ...] = (
     ("lr", "lr"),
     ("throughput/samples_per_s", "samples_per_s"),
     ("step_time/max", "step_time_max"),
+    ("monitor/wait_s", "monitor_wait_max"),
 )
 _RANK_SCALARS: tuple[tuple[str, str], ...] = (
     ("loss", "loss"),
@@ -87,11 +88,23 @@ def _md_escape(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+RANKS_PER_COLLECT = 256
+"""Per-rank scalars written at one collect step at most (larger worlds: a moving window)."""
+
+
 class TensorBoardSink:
     """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
 
-    def __init__(self, run_dir: Path, flush_secs: float = 10.0):
+    def __init__(self, run_dir: Path, flush_secs: float = 10.0, collect_freq: int = 1,
+                 straggler_threshold: float = 0.7):
+        """`collect_freq`: every rank's scalars every N steps; the steps between carry the
+        ranks that matter (extremes, non-finite ranks, stragglers), so the work per step
+        does not grow with the ranks."""
         self.run_dir = Path(run_dir)
+        self.collect_freq = max(1, collect_freq)
+        self.straggler_threshold = straggler_threshold
+        self._sample_from = 0
+        """Where the next collect step's window of ranks starts (it cycles through the world)."""
         self.logdir = self.run_dir / "tb"
         self.flush_secs = flush_secs
         self.errors: Counter[str] = Counter()
@@ -164,16 +177,25 @@ class TensorBoardSink:
             self._scalar(tag, getattr(red, attr, None), step, wt)
         for name, value in (red.extra or {}).items():
             self._scalar(f"extra/{_tag_part(name)}", value, step, wt)
+        every_rank = step % self.collect_freq == 0
+        matter = red.ranks_that_matter(self.straggler_threshold)
+        if every_rank:
+            matter |= self._sample(red)
         local_norms: list[float] = []
         for rank, pkt in (red.per_rank or {}).items():
+            if rank not in matter:
+                continue
             for suffix, attr in _RANK_SCALARS:
                 self._scalar(f"rank_{rank}/{suffix}", getattr(pkt, attr, None), step, wt)
             g = _number(getattr(pkt, "grad_norm_local", None))
             if g is not None:
                 local_norms.append(g)
         for rank, score in (getattr(red, "straggler_scores", None) or {}).items():
-            self._scalar(f"rank_{rank}/straggler_score", score, step, wt)
-        if local_norms:
+            if rank in matter:
+                self._scalar(f"rank_{rank}/straggler_score", score, step, wt)
+        for name, h in (red.histograms or {}).items():  # over every rank, every step
+            self._writer.add_histogram_raw(f"ranks/{name}", global_step=step, walltime=wt, **h)
+        if local_norms and every_rank:
             import numpy as np
 
             self._writer.add_histogram("grad_norm_local/ranks", np.asarray(local_norms, dtype=np.float64),
@@ -187,6 +209,17 @@ class TensorBoardSink:
                      f"ranks with non-finite values: {ranks}"]
             lines += [f"- rank {r}: loss {_fmt(v)}" for r, v in sorted(bad.items())]
             self._add_text("loss/nonfinite", "\n\n".join(lines), step, wt)
+
+    def _sample(self, red: ReducedStep) -> set[int]:
+        """Every rank's detail at a collect step, up to RANKS_PER_COLLECT of them: beyond
+        that a window that moves on each collect step, so every rank shows up in turn while
+        the work per step stays bounded."""
+        world = max(red.world_size, 1)
+        if world <= RANKS_PER_COLLECT:
+            return set(range(world))
+        lo = self._sample_from % world
+        self._sample_from = lo + RANKS_PER_COLLECT
+        return {(lo + i) % world for i in range(RANKS_PER_COLLECT)}
 
     def on_weights(self, step: int, weights: dict) -> None:
         """Per-layer norms and update ratios as scalars; weight and gradient histograms."""

@@ -85,11 +85,12 @@ def main() -> None:
     sizes = {
         "directives": len(core.directives), "recent": len(core.recent), "console": len(core.console),
         "pending_steps": len(core.reducer._pending), "reduced_ring": len(core.reducer._ring),
-        "anomalies": len(core.anomalies),
+        "anomalies": core.anomalies.count,
     }
     core.close()
     disk = {p.name: p.stat().st_size for p in (tmp / "run").rglob("*") if p.is_file()}
-    metrics_mb = disk.get("metrics.msgpack", 0) / 2**20
+    # every segment: metrics.msgpack and the closed metrics.NNNNNN.msgpack
+    metrics_mb = sum(v for k, v in disk.items() if k.startswith("metrics") and k.endswith(".msgpack")) / 2**20
     tb_mb = sum(v for k, v in disk.items() if "tfevents" in k) / 2**20
     shutil.rmtree(tmp, ignore_errors=True)
 

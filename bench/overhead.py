@@ -133,7 +133,7 @@ class Rig:
             if cfg == "mp_default":
                 return [Monitor(client=client, rank=0, batch_size=self.bs, step_offset=offset)]
             return [Monitor(client=client, rank=0, batch_size=self.bs, step_offset=offset, collect_freq=1,
-                            decision_every=1)]
+                            max_lag_steps=0)]
         raise ValueError(cfg)
 
     def run(self, cfg: str, steps: int | None = None) -> list[float]:

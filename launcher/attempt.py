@@ -17,7 +17,7 @@ from mindpulse.config import RunConfig
 from .node_agents import NodeAgents
 from .progress import Console
 from .ray_session import RaySession
-from .rundir import PidFile, write_json
+from .rundir import PidFile, apply_run_mode, make_dir, run_modes, write_json
 from .spec import RunResult, RunStatus, rank_settings, rank_specs, settings_path_of
 from .worker_group import RefOwner, WorkerGroup, worker_group
 
@@ -39,8 +39,7 @@ class Attempt:
         self.resume = resume
         self.pids = pids
         self.console = console
-        self.logs_dir = logs_dir_of(run_dir, index)
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir = make_dir(logs_dir_of(run_dir, index), run_modes(cfg)[1])
         # attempt k > 0 has its own aggregator (and rank actor names): the last one's may linger
         self.name = run_id + (f"-a{index}" if index else "")
         self.aggregator: Any = None
@@ -60,25 +59,37 @@ class Attempt:
         from mindpulse.aggregator.actor import actor_name, start_aggregator
 
         from .preflight import check_cluster
+        from .resume import best_seed
 
         cfg = self.cfg
         check_cluster(cfg, ray.cluster_resources(), [n for n in ray.nodes() if n.get("Alive")])
         plain = cfg.to_dict()
         agg_settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
-                        "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"],
-                        "config_yaml": (self.run_dir / "config.yaml").read_text()}
+                        "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"], "world": plain["world"],
+                        "start_step": int((self.resume or {}).get("step") or 0),
+                        "msrun": plain["msrun"],  # msrun.cluster_time_out: the default start-up limit
+                        "attempt": self.index, "output": plain["output"],  # metrics.msgpack's markers, segments
+                        "config_yaml": (self.run_dir / "config.yaml").read_text(),
+                        # the manifest's best: a restarted run keeps it until a step beats it
+                        "best": best_seed(self.run_dir / "checkpoints")}
         self.aggregator = start_aggregator(self.name, cfg.ray.namespace, self.run_dir, cfg.world.world_size,
                                            cfg.monitor.per_print_step, self.total_steps(),
                                            node_id=ray.get_runtime_context().get_node_id(), settings=agg_settings)
+        tag = getattr(self.session, "private_dir", "") and self.session.temp_dir
+        if tag:  # in the environment of every process of an embedded run (MINDPULSE_RUN_TAG)
+            self.pids["run_tag"] = tag
         self.pids["aggregator"] = ray.get(self.aggregator.ping.remote(), timeout=AGGREGATOR_TIMEOUT_S)
         self.pids.save()  # for operators (and tests) while it runs
 
-        self.nodes.place(self.aggregator)
+        import secrets
+
+        relay_token = secrets.token_hex(16)  # the ranks' key to their node's relay, this attempt only
+        self.nodes.place(self.aggregator, relay_token)
         sched_host, sched_port = self.nodes.sched_endpoint(self.session.embedded)
         settings_path = settings_path_of(str(self.run_dir))
         settings = rank_settings(cfg, run_dir=str(self.run_dir), run_id=self.run_id, attempt=self.index,
                                  aggregator=actor_name(self.name), ray_address=self.session.address,
-                                 relays=self.nodes.relays(), resume=self.resume)
+                                 relays=self.nodes.relays(), resume=self.resume, relay_token=relay_token)
         write_atomic(Path(settings_path), settings.to_json().encode())
         specs = rank_specs(cfg, run_dir=str(self.run_dir), logs_dir=str(self.logs_dir), settings_path=settings_path,
                            sched_host=sched_host, sched_port=sched_port)
@@ -144,6 +155,9 @@ class Attempt:
         except Exception:
             pass
         self.nodes.release()
+        # what msrun, MindSpore and TensorBoard wrote with their own umask follows output.mode
+        for err in apply_run_mode(self.run_dir, self.cfg)[:3]:
+            self.console.say(f"mindpulse: WARNING could not set the permissions of {err}")
         return snapshot
 
     def terminate(self, graceful: bool) -> None:

@@ -25,6 +25,7 @@ from .failure_policy import Decision, FailurePolicy
 from .preflight import LaunchRefused
 from .progress import Console
 from .ray_session import RaySession
+from .resume import supersede_newer
 from .rundir import PidFile
 from .spec import RunResult, RunStatus
 from .summary import RunHistory
@@ -98,6 +99,10 @@ class Controller:
     def _start(self) -> ControllerState:
         self.attempt = None
         self.history.logs_dir = logs_dir_of(self.run_dir, self.index)
+        # the line this attempt continues becomes the manifest's before any of its ranks (or
+        # its aggregator, which takes the manifest's best) reads it
+        for line in supersede_newer(self.history.resume):
+            self.console.say(f"mindpulse: {line}")
         attempt = Attempt(self.cfg, index=self.index, run_dir=self.run_dir, run_id=self.run_id,
                           session=self.session, resume=self.history.resume, pids=self.pids, console=self.console)
         self.attempt = attempt

@@ -47,8 +47,13 @@ class FailurePolicy:
         return FailureDecision(Decision.RESTART, resume, list(refused))
 
     def _newest_valid(self) -> tuple[Any, list[str]]:
-        from mindpulse.workers.checkpoint import choose_resume
+        """A malformed manifest is refused (a note) like a bad file: the restart then starts
+        from the point this attempt started from."""
+        from mindpulse.workers.checkpoint import ManifestError, choose_resume
 
         if not (self.checkpoints_dir / "manifest.json").exists():
             return None, []
-        return choose_resume(self.checkpoints_dir, "latest")
+        try:
+            return choose_resume(self.checkpoints_dir, "latest")
+        except ManifestError as exc:
+            return None, [f"refused the checkpoint manifest: {exc}"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import re
+import signal
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(keep[-lines:])
 
 
-def traceback_from_log(text: str) -> str:
-    """The last Python traceback in a log excerpt (through its exception line)."""
-    idx = text.rfind("Traceback (most recent call last)")
+def traceback_from_log(text: str, first: bool = False) -> str:
+    """The last (or `first`) Python traceback in a log excerpt (through its exception line)."""
+    marker = "Traceback (most recent call last)"
+    idx = text.find(marker) if first else text.rfind(marker)
     if idx < 0:
         return ""
     block = text[idx:].splitlines()
@@ -49,13 +51,48 @@ def traceback_from_log(text: str) -> str:
     return "\n".join(out)
 
 
-def signal_of(error: str) -> str | None:
-    m = re.search(r"\b(SIG[A-Z]+)\b", error or "")
+FATAL_SIGNAL_LINES = {
+    "Segmentation fault": "SIGSEGV",
+    "Bus error": "SIGBUS",
+    "Aborted": "SIGABRT",
+    "Floating-point exception": "SIGFPE",
+    "Floating point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
+"""Python's faulthandler (on in every rank actor) writes `Fatal Python error: <name>` into
+the rank's log when one of these signals kills it."""
+_NAMED = re.compile(r"\b(?:killed|terminated|exited) (?:by|from|with) signal:? ?(SIG[A-Z0-9]+|\d+)\b", re.I)
+_DIED = re.compile(r"\b(?:died|killed|lost|crashed)\b", re.I)
+
+
+def signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def signal_of(error: str, exit_code: int | None = None, log_tail: str = "") -> str | None:
+    """The signal that ended a rank: from its exit status where the process table gave one
+    (a negative code, as `subprocess` reports a signal: msrun's ranks, msrun itself), from
+    the error text when it names one explicitly, from faulthandler's last words in its log;
+    "unknown" for a process that died and nothing says how (Ray reports an actor's death
+    without its exit status); None when it exited on its own."""
+    if exit_code is not None:
+        return signal_name(-exit_code) if exit_code < 0 else None
+    m = _NAMED.search(error or "")
     if m:
-        return m.group(1)
-    if "killed" in (error or "").lower() or "died" in (error or "").lower():
-        return "SIGKILL?"  # Ray reports an actor's death without the signal; -9 is the usual cause
-    return None
+        sig = m.group(1)
+        return signal_name(int(sig)) if sig.isdigit() else sig.upper()
+    if not _DIED.search(error or ""):
+        return None
+    fatal = log_tail.rfind("Fatal Python error: ")
+    if fatal >= 0:
+        line = log_tail[fatal + len("Fatal Python error: "):].splitlines()[0]
+        for text, name in FATAL_SIGNAL_LINES.items():
+            if line.startswith(text):
+                return name
+    return "unknown"
 
 
 def describe_failure(outcomes: dict[int, RankOutcome], order: list[int], logs_dir: Path,
@@ -83,7 +120,8 @@ def describe_failure(outcomes: dict[int, RankOutcome], order: list[int], logs_di
         "ranks": ranks,
         "step": last_steps.get(root) if root is not None else None,
         "exit_code": o.exit_code if o else None,
-        "signal": signal_of(o.error) if o and o.exit_code is None else None,
+        # None: Ray saw the process die; negative: msrun's exit status of a killed worker
+        "signal": signal_of(o.error, o.exit_code, tail) if o else None,
         "error": (o.error if o else "") or message,
         "log_tail": tail,
         "traceback": tb,
@@ -92,6 +130,9 @@ def describe_failure(outcomes: dict[int, RankOutcome], order: list[int], logs_di
 
 
 def format_failure(f: dict[str, Any]) -> str:
+    """The failure block as the terminal shows it (what came from the ranks is made printable)."""
+    from .progress import printable
+
     lines = [f"FAILED ({f['kind']}): root cause rank {f['root_cause_rank']} at step {f['step']}"
              + (f", exit code {f['exit_code']}" if f.get("exit_code") not in (None,) else "")
              + (f", signal {f['signal']}" if f.get("signal") else "")]
@@ -103,4 +144,4 @@ def format_failure(f: dict[str, Any]) -> str:
     elif f.get("log_tail"):
         lines.append(f"  last lines of logs/rank_{f['root_cause_rank']}.log:")
         lines += ["    " + ln for ln in f["log_tail"].splitlines()[-10:]]
-    return "\n".join(lines)
+    return printable("\n".join(lines))

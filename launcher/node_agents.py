@@ -21,6 +21,14 @@ PLACEMENT_TIMEOUT_S = 120
 LOOPBACK = "127.0.0.1"
 
 
+def placement_bundles(cfg: RunConfig) -> tuple[list[dict[str, float]], str]:
+    """One bundle per node holding that node's ranks' cards (Ray takes "CPU" and "GPU" in a
+    bundle, unlike in an actor's `resources`), and the strategy: STRICT_SPREAD puts nodes apart."""
+    w = cfg.world
+    resource = DEVICE_RESOURCE[w.device.value]
+    return [{resource: float(w.ranks_per_node)} for _ in range(w.nodes)], "PACK" if w.nodes == 1 else "STRICT_SPREAD"
+
+
 class NodeAgents:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -29,19 +37,18 @@ class NodeAgents:
         self.agents: list[Any] = []
         self.infos: list[dict[str, Any]] = []
 
-    def place(self, aggregator: Any) -> None:
+    def place(self, aggregator: Any, relay_token: str = "") -> None:
         """Reserve every node's cards and start its agent; refused when the cluster cannot
         hold the job. Handles are kept as they are made, so a failure halfway is cleaned up."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from mindpulse.node.agent import WORKER_ENV, NodeAgent
+        from mindpulse.node.agent import WORKER_ENV, NodeAgent, driver_identity
 
         w = self.cfg.world
-        # one bundle per node holding that node's ranks; STRICT_SPREAD puts nodes apart
-        bundles = [{self.resource: float(w.ranks_per_node)} for _ in range(w.nodes)]
-        pg = placement_group(bundles, strategy="PACK" if w.nodes == 1 else "STRICT_SPREAD")
+        bundles, strategy = placement_bundles(self.cfg)
+        pg = placement_group(bundles, strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except Exception as exc:
@@ -58,7 +65,10 @@ class NodeAgents:
                 max_concurrency=8,
             ).remote(n, aggregator, w.device.value,
                      {n * w.ranks_per_node + i: devices[i] for i in range(w.ranks_per_node)},
-                     self.cfg.monitor.telemetry_interval_s, w.ranks_per_node, self.cfg.monitor.decision_timeout_s))
+                     self.cfg.monitor.telemetry_interval_s, w.ranks_per_node, self.cfg.monitor.decision_timeout_s,
+                     # its watchdog ends the node's processes of the run when the launcher is gone
+                     driver=driver_identity(), straggler_window=self.cfg.monitor.straggler_window,
+                     collect_freq=self.cfg.monitor.collect_freq, relay_token=relay_token))
         self.infos = ray.get([a.info.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
 
     def bundle(self, node: int) -> Any:

@@ -7,10 +7,26 @@ line at most every 30 s, so log files are not flooded.
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any, TextIO
 
 PLAIN_EVERY_S = 30.0
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+"""What a terminal would act on instead of showing: C0 controls but newline and tab (ESC
+starts escape sequences that move the cursor, retitle the window or rewrite the screen),
+DEL, C1 controls (0x9b is a one-byte CSI), and the bidirectional overrides that make
+text read differently from what it holds."""
+
+
+def printable(text: Any) -> str:
+    """`text` as a terminal may show it: controls appear as `\\xNN`/`\\uNNNN` escapes, CR LF
+    line ends become LF. Everything the launcher prints goes through here: rank errors, log
+    tails, tracebacks, host names and the aggregator's console lines come from the ranks."""
+    text = str(text).replace("\r\n", "\n")
+    return _CONTROL.sub(lambda m: (f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                   else f"\\u{ord(m.group()):04x}"), text)
 
 
 def format_eta(seconds: float | None) -> str:
@@ -57,7 +73,7 @@ class ProgressLine:
             return
         if self._first is None:
             self._first = (step, time.time())
-        text = progress_text(progress, total, started, first=self._first)
+        text = printable(progress_text(progress, total, started, first=self._first))
         if self.tty:
             self.out.write("\r\x1b[2K" + text)
             self.out.flush()
@@ -83,5 +99,6 @@ class Console:
         self.progress = ProgressLine(out)
 
     def say(self, text: str) -> None:
+        """Print one message (controls in it escaped: see `printable`)."""
         self.progress.clear()
-        print(text, file=self.out, flush=True)
+        print(printable(text), file=self.out, flush=True)

@@ -1,4 +1,6 @@
-"""`--resume RUN_DIR [--resume-from best|latest|PATH]`: pick a valid checkpoint to continue from."""
+"""`--resume RUN_DIR [--resume-from best|latest|PATH]`: pick a valid checkpoint to continue
+from; before every attempt, make the resumed line the manifest's (`supersede_newer`) and
+hand its best to the new aggregator (`best_seed`)."""
 
 from __future__ import annotations
 
@@ -13,20 +15,31 @@ def resolve_resume(run_dir: Path, which: str = "latest") -> tuple[dict[str, Any]
     """Returns ({path, step, epoch, kind, refused: [...]}, the run's config.yaml).
 
     A checkpoint whose sha256 (or size) does not match the manifest is refused with a
-    message and the next valid one is used; none valid is a usage error (exit 2).
+    message and the next valid one is used; none valid, or a malformed manifest, is a
+    usage error (exit 2) that names the file.
     """
-    from mindpulse.workers.checkpoint import choose_resume, read_manifest, verify
+    from mindpulse.workers.checkpoint import ManifestError
 
-    run_dir = Path(run_dir).resolve()
+    try:
+        return _resolve(Path(run_dir), which)
+    except ManifestError as exc:
+        raise ConfigError(f"--resume: malformed checkpoint manifest: {exc}") from None
+
+
+def _resolve(run_dir: Path, which: str) -> tuple[dict[str, Any], Path]:
+    from mindpulse.workers.checkpoint import choose_resume, known_entries, verify
+
+    run_dir = run_dir.resolve()
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.exists():
         raise ConfigError(f"--resume: {run_dir} is not a mindpulse run directory (no config.yaml)")
     ckpt_dir = run_dir / "checkpoints"
     if which not in ("best", "latest"):
         path = Path(which).resolve()
-        if not path.exists():
+        if not path.is_file():
             raise ConfigError(f"--resume-from: {path} does not exist; use best, latest or a checkpoint file")
-        entry = next((e for e in read_manifest(path.parent) if e.path == path.name), None)
+        known = known_entries(path.parent)
+        entry = next((e for e in known if e.path == path.name), None)
         if entry is not None:
             why = verify(path.parent, entry)
             if why:
@@ -45,3 +58,44 @@ def resolve_resume(run_dir: Path, which: str = "latest") -> tuple[dict[str, Any]
         raise ConfigError(f"--resume: no valid checkpoint in {ckpt_dir} ({detail})")
     return {"path": str(ckpt_dir / entry.path), "step": entry.step, "epoch": entry.epoch, "kind": entry.kind,
             "refused": refused}, cfg_path
+
+
+def supersede_newer(resume: dict[str, Any] | None) -> list[str]:
+    """Before an attempt starts from `resume`: the manifest that lists the resume
+    checkpoint moves its entries of later steps to its `superseded` list (files kept), so
+    `latest` and `best` mean the line this attempt continues. One place for `--resume` and
+    for a restart (which resumes from the newest valid one: only refused files are newer).
+    A start from scratch (None) or a file in no manifest cuts nothing. Returns lines to show."""
+    from mindpulse.workers.checkpoint import ManifestError, read_manifest, supersede_after
+
+    if resume is None:
+        return []
+    path = Path(resume["path"])
+    ckpt_dir, step = path.parent, int(resume["step"])
+    try:
+        if not any(e.path == path.name for e in read_manifest(ckpt_dir)):
+            return []  # a file given by path, in no manifest: no line to cut
+        newer = supersede_after(ckpt_dir, step, note=f"resumed from step {step}")
+    except (ManifestError, OSError) as exc:
+        return [f"WARNING the checkpoints newer than step {step} stay listed: {exc}"]
+    if not newer:
+        return []
+    names = ", ".join(e.path for e in newer)
+    return [f"{ckpt_dir / 'manifest.json'}: {len(newer)} checkpoint(s) newer than step {step} superseded "
+            f"(kept on disk, no longer latest or best): {names}"]
+
+
+def best_seed(ckpt_dir: Path) -> dict[str, Any] | None:
+    """The best checkpoint the run's manifest lists (a whole file), as the aggregator's
+    starting best: {metric, metric_name, step, path}; None when there is none."""
+    from mindpulse.workers.checkpoint import ManifestError, read_manifest, verify
+
+    try:
+        best = [e for e in read_manifest(ckpt_dir) if e.kind == "best" and e.metric is not None]
+    except (ManifestError, OSError):
+        return None
+    for e in sorted(best, key=lambda e: e.time, reverse=True):
+        if verify(ckpt_dir, e) is None:
+            return {"metric": e.metric, "metric_name": e.metric_name, "step": e.step,
+                    "path": str(Path(ckpt_dir) / e.path)}
+    return None

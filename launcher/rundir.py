@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from mindpulse.config import ConfigError, RunConfig
+from mindpulse.config import Backend, ConfigError, RunConfig, check_shell_safe_root
 
 
 def make_run_dir(cfg: RunConfig, base: Path | None = None) -> Path:
@@ -16,18 +17,52 @@ def make_run_dir(cfg: RunConfig, base: Path | None = None) -> Path:
     if not root.is_absolute():
         root = (base or Path.cwd()) / root
     root = root.resolve()
+    if cfg.backend is Backend.MSRUN:
+        # the config check saw only output.root as written: a relative root sits under the
+        # cwd, a link may point elsewhere; msrun's log folder is under this resolved path
+        check_shell_safe_root(cfg.output.root, str(root))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = (root / f"{cfg.name}-{stamp}").resolve()
     if root not in run_dir.parents:
         raise ConfigError(f"name: {cfg.name!r} would place the run outside output.root ({root})")
+    _, dmode = run_modes(cfg)
+    root.mkdir(parents=True, exist_ok=True)
     n = 1
     candidate = run_dir
-    while candidate.exists():
-        n += 1
-        candidate = run_dir.with_name(f"{run_dir.name}.{n}")
-    candidate.mkdir(parents=True)
-    (candidate / "logs").mkdir()
+    while True:
+        try:
+            candidate.mkdir(mode=dmode)  # never an existing folder: another launch may have made it
+            break
+        except FileExistsError:
+            n += 1
+            candidate = run_dir.with_name(f"{run_dir.name}.{n}")
+    os.chmod(candidate, dmode)  # mkdir's mode passes through the umask
+    make_dir(candidate / "logs", dmode)
     return candidate
+
+
+def run_modes(cfg: RunConfig) -> tuple[int, int]:
+    """(file mode, folder mode) of the run directory's contents, from `output.mode`."""
+    from mindpulse.aggregator.rundir_io import modes_of
+
+    return modes_of(getattr(cfg.output, "mode", "private"))
+
+
+def make_dir(path: Path, dmode: int) -> Path:
+    """A folder of the run directory (and its missing parents under it) with the run's mode."""
+    path = Path(path)
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, dmode)
+    return path
+
+
+def apply_run_mode(run_dir: Path, cfg: RunConfig) -> list[str]:
+    """Every folder and file of the run directory gets `output.mode`'s permissions (what
+    msrun, MindSpore or TensorBoard wrote there with their own umask included)."""
+    from mindpulse.aggregator.rundir_io import apply_mode
+
+    return apply_mode(run_dir, getattr(cfg.output, "mode", "private"))
 
 
 def write_atomic(path: Path, data: bytes) -> None:

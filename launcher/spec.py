@@ -234,7 +234,8 @@ def scheduler_env(cfg: RunConfig, *, run_dir: str = RUN_DIR, settings_path: str 
 
 
 def rank_settings(cfg: RunConfig, *, run_dir: str, run_id: str, attempt: int, aggregator: str,
-                  ray_address: str, relays: dict[int, str], resume: dict[str, Any] | None) -> RankSettings:
+                  ray_address: str, relays: dict[int, str], resume: dict[str, Any] | None,
+                  relay_token: str = "") -> RankSettings:
     """The launcher → rank contract for one attempt (written to RUN_DIR/job.json)."""
     return RankSettings(
         run_id=run_id,
@@ -258,4 +259,5 @@ def rank_settings(cfg: RunConfig, *, run_dir: str, run_id: str, attempt: int, ag
         resume=ResumePoint(path=resume["path"], step=int(resume["step"]), epoch=int(resume.get("epoch") or 0),
                            kind=str(resume.get("kind") or "")) if resume else None,
         config=cfg.to_dict(),
+        relay_token=relay_token,
     )

@@ -69,6 +69,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "stop": stop if status is not RunStatus.SUCCEEDED else None,
         "best_checkpoint": snap.get("best_checkpoint"),
         "anomalies": snap.get("anomalies", 0),
+        "rule_errors": snap.get("rule_errors", []),
         "resumed_from": history.resume,
         "attempts": history.attempts,
         "aggregator_lost": history.aggregator_lost,
@@ -78,6 +79,8 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "best_loss": snap.get("best_loss"),
         "best_loss_step": snap.get("best_loss_step"),
         "fingerprints_equal": snap.get("fingerprints_equal"),
+        "monitor_wait_s": snap.get("monitor_wait_s", 0.0),
+        "monitor_errors": snap.get("monitor_errors", 0),
         "packets": dict(snap.get("packets", {}), dropped=history.dropped_packets,
                         aggregator_restarts=snap.get("aggregator_restarts", 0)),
         "pids": pids,
@@ -108,4 +111,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
             say(f"mindpulse: report {rep['html']}")
         except Exception as exc:  # the run's outcome stands; say why there is no report
             say(f"mindpulse: could not write the report: {type(exc).__name__}: {exc}")
+    from .rundir import apply_run_mode
+
+    apply_run_mode(run_dir, cfg)  # the report's files follow output.mode too
     return status, summary

@@ -54,6 +54,7 @@ class AttemptWatch:
         self.interrupted_at: float | None = None
         self._last_poll = 0.0
         self._last_hang_check = 0.0
+        self._hang_info: dict[str, Any] | None = None
 
     def tick(self) -> RunStatus:
         import ray
@@ -69,8 +70,8 @@ class AttemptWatch:
             return self._end(RunStatus.FAILED, lambda r: VICTIM)
         if self.interrupts.count and self.interrupted_at is None:
             self.interrupted_at = time.time()
-            self.console.say("mindpulse: interrupt: every rank stops after the next decision step "
-                             "(interrupt again to kill)")
+            self.console.say("mindpulse: interrupt: every rank stops after the same step, in at most "
+                             f"{self.cfg.monitor.max_lag_steps + 1} step(s) (interrupt again to kill)")
             self.attempt.request_stop("interrupted by the user (signal)")
         if self.interrupts.count >= 2 and self.pending:
             self.console.say("mindpulse: second interrupt: killing every rank")
@@ -83,7 +84,12 @@ class AttemptWatch:
             stuck = self._check_hang()
             if stuck and self.pending:
                 self.hang = stuck
-                self.message = f"hang: ranks {stuck} made no progress for {self.cfg.monitor.hang_timeout_s:g}s"
+                info = self._hang_info or {}
+                if info.get("phase") == "startup":
+                    self.message = f"hang: ranks {stuck} reported no first step within {info.get('limit_s', 0):g}s " \
+                                   "(monitor.startup_timeout_s)"
+                else:
+                    self.message = f"hang: ranks {stuck} made no progress for {self.cfg.monitor.hang_timeout_s:g}s"
                 return self._end(RunStatus.FAILED, lambda r: "stuck" if r in stuck else VICTIM)
         if not self.pending:
             if failed:
@@ -128,6 +134,7 @@ class AttemptWatch:
         if not info:
             return []
         stuck = info["stuck"]
+        self._hang_info = info
         self.console.say(f"mindpulse: HANG: no rank made progress for {info['no_progress_s']:.0f}s; stuck ranks "
                          f"{stuck} at steps {[info['steps'][r] for r in stuck]}"
                          + (f" (heartbeats silent: {info['silent']})" if info["silent"] else "")

@@ -82,8 +82,7 @@ class WorkerGroup(abc.ABC):
         try:
             res = ray.get(ref)
         except Exception as exc:  # the actor died: killed, OOM, segfault
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return [RankOutcome(rank=r, exit_code=None, error=f"rank process died: {text}",
+            return [RankOutcome(rank=r, exit_code=None, error=died_error(exc), pid=self.rank_pids.get(r),
                                 host=self.rank_hosts.get(r)) for r in ranks]
         return [RankOutcome(rank=r, exit_code=res["exit_code"], error=self._error(owner, res),
                             traceback=res.get("traceback", ""), pid=res.get("pid"), host=self.rank_hosts.get(r))
@@ -110,20 +109,14 @@ class RayWorkerGroup(WorkerGroup):
         from mindpulse.workers.rank_actor import RankActor
 
         cfg = self.cfg
-        cpu = self.nodes.resource == "CPU"
         env = scheduler_env(cfg, settings_path=settings_path, sched_host=sched_host, sched_port=sched_port)
+        env = {**loopback_env(sched_host), **env}
         self.pids["scheduler"] = ray.get(self.nodes.agents[0].start_scheduler.remote(
             env, str(self.logs_dir / "scheduler.log")), timeout=60)
         for spec in specs:
-            opts: dict[str, Any] = dict(
-                num_cpus=1 if cpu else 0,
-                resources={} if cpu else {self.nodes.resource: 1},
-                scheduling_strategy=self.nodes.bundle(spec.node),
-                runtime_env={"env_vars": dict(WORKER_ENV, **spec.env)},
-                max_restarts=0,
-                name=f"{self.actor_prefix}-rank-{spec.rank}",
-                namespace=cfg.ray.namespace,
-            )
+            opts = rank_actor_options(cfg, spec, {**WORKER_ENV, **loopback_env(sched_host), **spec.env},
+                                      scheduling_strategy=self.nodes.bundle(spec.node),
+                                      name=f"{self.actor_prefix}-rank-{spec.rank}")
             self.actors.append(ray.remote(RankActor).options(**opts).remote(
                 spec.rank, str(self.logs_dir / f"rank_{spec.rank}.log")))
         self.say(f"mindpulse: started {len(specs)} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
@@ -191,6 +184,21 @@ class MsrunWorkerGroup(WorkerGroup):
     def _error(self, owner: RefOwner, res: dict[str, Any]) -> str:
         return "" if res["exit_code"] == 0 else f"msrun on node {owner.index} exited {res['exit_code']}"
 
+    def outcomes(self, ref: Any, owner: RefOwner) -> list[RankOutcome]:
+        """Each rank's own exit status and first error, from msrun's output and the rank logs
+        (msrun's exit status alone would fail every rank of the node, in rank order): the
+        ranks that failed by themselves first, the first to fail first."""
+        import ray
+
+        from .msrun_logs import read_node_outcomes
+
+        try:
+            res = ray.get(ref)
+        except Exception:  # the node's agent died: nothing of msrun's to read
+            return super().outcomes(ref, owner)
+        return read_node_outcomes(self.logs_dir, self.ranks_of(owner), res["exit_code"], owner.index,
+                                  hosts=self.rank_hosts)
+
     def kill(self) -> None:
         self.nodes.kill_ranks()
 
@@ -200,12 +208,66 @@ class MsrunWorkerGroup(WorkerGroup):
         return
 
 
+def died_error(exc: BaseException) -> str:
+    """The error of a rank whose process died under Ray: Ray's first line, and the signal or
+    exit status where Ray's text states one (Ray 2.60 reports a dead actor's worker as
+    "unexpectedly exits with a connection error code 2. End of file", without its exit status:
+    the failure block then says signal "unknown"; its boilerplate's list of possible causes
+    names SIGSEGV and must not be taken for the cause)."""
+    import re
+
+    full = str(exc)
+    first = full.splitlines()[0] if full else type(exc).__name__
+    error = f"rank process died: {first}"
+    m = re.search(r"\b(?:killed|terminated) by signal:? ?(SIG[A-Z0-9]+|\d+)\b", full)
+    if m:
+        error += f" (killed by signal {m.group(1)})"
+    return error
+
+
+def rank_actor_options(cfg: RunConfig, spec: RankSpec, env_vars: dict[str, str], *,
+                       scheduling_strategy: Any = None, name: str | None = None) -> dict[str, Any]:
+    """The `.options()` of one rank actor: its card (Ray's `num_cpus`/`num_gpus` keywords for
+    CPUs and GPUs, which Ray refuses as custom `resources`; `{"NPU": 1}` for an Ascend card),
+    its bundle, its environment and its name."""
+    from .node_agents import DEVICE_RESOURCE
+
+    resource = DEVICE_RESOURCE[cfg.world.device.value]
+    opts: dict[str, Any] = dict(
+        num_cpus=1 if resource == "CPU" else 0,
+        runtime_env={"env_vars": dict(env_vars)},
+        max_restarts=0,
+        namespace=cfg.ray.namespace,
+    )
+    if resource == "GPU":
+        opts["num_gpus"] = 1
+    elif resource != "CPU":
+        opts["resources"] = {resource: 1}
+    if scheduling_strategy is not None:
+        opts["scheduling_strategy"] = scheduling_strategy
+    if name is not None:
+        opts["name"] = name
+    return opts
+
+
+def loopback_env(sched_host: str) -> dict[str, str]:
+    """With every rank on the driver's machine (the scheduler on 127.0.0.1), MindSpore's
+    ranks listen on loopback too: without MS_WORKER_IP a worker takes the first network
+    interface it finds ("'MS_WORKER_IP' env is not set, so get first available network
+    interface"). A user's own MS_WORKER_IP (`env:`) wins."""
+    from .node_agents import LOOPBACK
+
+    return {"MS_WORKER_IP": LOOPBACK} if sched_host == LOOPBACK else {}
+
+
 def msrun_env(cfg: RunConfig, spec: RankSpec) -> dict[str, str]:
     """What a node's msrun is given of its ranks' environment: msrun sets MS_*, RANK_* and
-    DEVICE_ID per rank itself; the rest (mindpulse's, visibility, the user's) passes through."""
-    return {k: v for k, v in spec.env.items()
-            if k.startswith("MINDPULSE_") or k in cfg.env or k in (
-                "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GLOG_v")}
+    DEVICE_ID per rank itself; the rest (mindpulse's, visibility, the user's) passes through,
+    and MS_WORKER_IP=127.0.0.1 when the node's ranks meet on loopback (`loopback_env`)."""
+    passed = {k: v for k, v in spec.env.items()
+              if k.startswith("MINDPULSE_") or k in cfg.env or k in (
+                  "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GLOG_v")}
+    return {**loopback_env(spec.env.get("MS_SCHED_HOST", "")), **passed}
 
 
 def worker_group(cfg: RunConfig, nodes: NodeAgents, logs_dir: Path, pids: PidFile, say: Callable[[str], None],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ class RayConfig:
     `auto` or `HOST:PORT` joins an existing cluster."""
     namespace: str = "mindpulse"
     """Ray namespace for the run's named actors."""
+    allow_no_auth: bool = False
+    """Let an embedded cluster start without Ray's token authentication (when the
+    environment turns it off, e.g. RAY_AUTH_MODE=disabled); without this it refuses to."""
 
 
 @dataclass
@@ -147,10 +151,7 @@ class MonitorConfig:
     """Every N steps each rank also sends a parameter fingerprint (and step 0)."""
     per_print_step: int = 10
     """Every N steps the driver prints the cluster table."""
-    decision_every: int = 1
-    """Every N steps each rank waits for the aggregator's directive (stop/continue);
-    all ranks stop after the same decision step."""
-    max_lag_steps: int = 0
+    max_lag_steps: int = 1
     """How far a rank may run ahead of the aggregator: it starts step k once step
     k-1-max_lag_steps is reduced, so no rank waits while the aggregator keeps up, and a
     stop decided at step S ends every rank after step S+max_lag_steps (0: lockstep)."""
@@ -158,6 +159,10 @@ class MonitorConfig:
     """How long a rank waits for a directive before it goes on without one."""
     hang_timeout_s: float = 300.0
     """Seconds without any step from a rank before the job is declared hung."""
+    startup_timeout_s: float = 0.0
+    """Seconds a rank may take from the start to its first finished step (start-up, the
+    first graph compile, the first collective's connection) before the job is declared
+    hung; the hang clock starts after that step (0: msrun.cluster_time_out)."""
     straggler_threshold: float = 0.7
     """Ranks scoring below this (fastest rank's effective step time / theirs) are stragglers."""
     straggler_window: int = 10
@@ -201,8 +206,8 @@ class AnomalyRuleConfig:
     """Label used in messages and anomalies.json (default: the rule kind)."""
     metric: str = ""
     """threshold: reduced metric (loss, loss_max, grad_norm, grad_norm_local_max, step_time_max,
-    samples_per_s, eval_loss, eval_ppl, or any extra metric); card_overload: temp_c, memory_pct
-    or power_w."""
+    samples_per_s, the recipe's eval_loss and eval_ppl when evaluation is on, or a metric declared
+    in eval.metrics; any other name is refused); card_overload: temp_c, memory_pct or power_w."""
     op: str = ">"
     """threshold: comparison, one of >, >=, <, <=."""
     threshold: float | None = None
@@ -271,6 +276,11 @@ class EvalConfig:
     """Also evaluate at the end of every epoch."""
     max_batches: int = 16
     """Validation batches per rank per evaluation (0: the whole shard)."""
+    metrics: list[str] = field(default_factory=list)
+    """Metric names the job's evaluation or extra scalars report, e.g. eval_acc (a job.script's
+    own, which it also passes to `Monitor(metrics=[...])`; the recipe's eval_loss and eval_ppl
+    need no entry). `anomalies[].metric` and `checkpoint.best_metric` may name only these and
+    mindpulse's reduced metrics."""
 
 
 class CkptFormat(str, enum.Enum):
@@ -292,12 +302,14 @@ class CheckpointConfig:
     save_best_ckpt: bool = True
     """Keep the checkpoint of the step whose reduced `best_metric` was best."""
     best_metric: str = "loss"
-    """Reduced metric that judges "best": loss (mean over ranks), eval_loss, eval_ppl, ..."""
+    """Reduced metric that judges "best": loss (mean over ranks), eval_loss, eval_ppl (recipe, with
+    evaluation on), a metric declared in eval.metrics, ... (any other name is refused)."""
     best_mode: BestMode = BestMode.MIN
     """min or max."""
-    best_every_steps: int = 1
-    """Consider a new best only every N steps (saving is I/O; eval metrics are only
-    considered at evaluation steps)."""
+    best_every_steps: int = 10
+    """Consider a new best only every N steps: rank 0 waits for the aggregator's verdict
+    after each such step, so the best checkpoint holds exactly the judged weights (1:
+    every step, paying that wait every step; eval metrics are judged at evaluation steps)."""
     keep_best_max: int = 1
     """Best checkpoints kept."""
     format: CkptFormat = CkptFormat.CKPT
@@ -317,14 +329,27 @@ class ProfileConfig:
     """Ranks that profile; output under RUN_DIR/profile/rank_<r>/ (linked from the report)."""
 
 
+class FileMode(str, enum.Enum):
+    PRIVATE = "private"
+    SHARED = "shared"
+
+
 @dataclass
 class OutputConfig:
     root: str = "runs"
-    """Folder holding the run directories (`<root>/<name>-<YYYYmmdd-HHMMSS>/`)."""
+    """Folder holding the run directories (`<root>/<name>-<YYYYmmdd-HHMMSS>/`); with the msrun
+    backend its resolved path may hold no shell metacharacter (msrun puts it in a shell command)."""
     tensorboard: bool = True
     """Write TensorBoard event files under `RUN_DIR/tb/` (the aggregator is the one writer)."""
     report: bool = True
     """Write `RUN_DIR/report/` (PNG plots and report.html) at the end of the run."""
+    mode: FileMode = FileMode.PRIVATE
+    """Permissions of what the run directory holds: `private` (files 0600, folders 0700:
+    config.yaml, job.json and plan.json carry `env:` values) or `shared` (0644 / 0755)."""
+    max_file_size: int = 256 * 1024 * 1024
+    """Bytes a metrics segment may reach (SummaryCollector's name): `metrics.msgpack` is then
+    closed as `metrics.000001.msgpack`, ... and a new one begun; the per-rank detail of all but
+    the newest segments is thinned (docs/run_directory.md). 0: one file, never thinned."""
 
 
 @dataclass
@@ -347,8 +372,9 @@ class RunConfig:
     max_restarts: int = 0
     """After a failure, relaunch every rank from the newest valid checkpoint, up to N times."""
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for every rank (e.g. HCCL_CONNECT_TIMEOUT); MS_*/RANK_*/DEVICE_ID
-    are mindpulse's and cannot be set here."""
+    """Extra environment for every rank (e.g. HCCL_CONNECT_TIMEOUT, LD_PRELOAD); variables
+    mindpulse sets or relies on (MS_ROLE, MS_SCHED_*, RANK_*, DEVICE_ID, *_VISIBLE_DEVICES,
+    GLOG_v, ...: the README lists them) are refused, naming the config key to use instead."""
     faults: list[str] = field(default_factory=list)
     """Faults to inject, `KIND@RANK:STEP` (see docs/faults.md); --inject adds more."""
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -438,7 +464,15 @@ def _coerce(path: str, tp: Any, raw: Any) -> Any:
                 pass
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise ConfigError(f"{path}: {raw!r} is not allowed; use a number")
-        return float(raw)
+        try:
+            value = float(raw)
+        except OverflowError:  # an integer too large for a float
+            value = math.inf
+        # every float field, nested ones included (anomalies[i].threshold): .nan makes a
+        # timeout fire at once, .inf makes it never fire, and neither compares as a limit
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: {raw!r} is not allowed; use a finite number (not NaN or infinity)")
+        return value
     if tp is str:
         if raw is None:
             return ""
@@ -486,11 +520,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     if not 0 <= cfg.msrun.master_port <= 65535 or 0 < cfg.msrun.master_port < 1024:
         raise ConfigError(f"msrun.master_port: {cfg.msrun.master_port} is not allowed; use 0 or 1024-65535")
     for key in cfg.env:
-        if key.startswith(("MS_ROLE", "MS_SCHED", "MS_WORKER_NUM", "MS_NODE_ID", "RANK_", "DEVICE_ID",
-                           "MINDPULSE_")) or key in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
-            raise ConfigError(f"env.{key}: set by mindpulse for every rank; use world.devices for visibility")
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
-            raise ConfigError(f"env.{key}: not a valid environment variable name")
+            raise ConfigError(f"env.{key}: not a valid environment variable name; use letters, digits and '_'"
+                              " (not starting with a digit)")
+        reason = env_reserved(key)
+        if reason is not None:
+            raise ConfigError(f"env.{key}: not allowed: {reason}. Variables mindpulse sets or relies on cannot "
+                              "be set here (see the `env` row of the README's config reference)")
     _positive("max_restarts", cfg.max_restarts, allow_zero=True)
     _positive("world.nodes", cfg.world.nodes)
     _positive("world.ranks_per_node", cfg.world.ranks_per_node)
@@ -506,10 +542,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("train.warmup_steps", cfg.train.warmup_steps, allow_zero=True)
     _positive("monitor.collect_freq", cfg.monitor.collect_freq)
     _positive("monitor.per_print_step", cfg.monitor.per_print_step)
-    _positive("monitor.decision_every", cfg.monitor.decision_every)
     _positive("monitor.max_lag_steps", cfg.monitor.max_lag_steps, allow_zero=True)
     _positive("monitor.decision_timeout_s", cfg.monitor.decision_timeout_s)
     _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
+    _positive("monitor.startup_timeout_s", cfg.monitor.startup_timeout_s, allow_zero=True)
     _positive("monitor.telemetry_interval_s", cfg.monitor.telemetry_interval_s, allow_zero=True)
     _positive("monitor.straggler_window", cfg.monitor.straggler_window)
     if not 0 < cfg.monitor.straggler_threshold <= 1:
@@ -519,6 +555,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"train.sink_size: {cfg.train.sink_size!r} is not allowed; use -1 or more than 0")
     if not cfg.output.root:
         raise ConfigError("output.root: must not be empty")
+    if cfg.backend is Backend.MSRUN:
+        # the launch checks the resolved path again (a relative root sits under the cwd)
+        check_shell_safe_root(cfg.output.root)
     job = cfg.job
     if job.script and job.recipe is not None:
         raise ConfigError("job: give either job.recipe or job.script, not both")
@@ -537,8 +576,10 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(
                 f"job.recipe.hidden_size: {r.hidden_size} is not divisible by job.recipe.num_heads ({r.num_heads})"
             )
+    _validate_eval_metrics(cfg)
+    known = known_metrics(cfg)
     for i, rc in enumerate(cfg.anomalies):
-        _validate_rule(f"anomalies[{i}]", rc)
+        _validate_rule(f"anomalies[{i}]", rc, known, cfg)
     for i, spec in enumerate(cfg.faults):
         try:
             parse_fault(spec, world_size=cfg.world.world_size)
@@ -555,8 +596,13 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("checkpoint.best_metric: must not be empty; e.g. loss or eval_loss")
     if ck.best_metric.startswith("eval_") and not (cfg.eval.every_steps or cfg.eval.per_epoch):
         raise ConfigError(f"checkpoint.best_metric: {ck.best_metric!r} needs evaluation; set eval.every_steps")
+    _check_metric("checkpoint.best_metric", ck.best_metric, known, cfg)
     _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)
     _positive("eval.max_batches", cfg.eval.max_batches, allow_zero=True)
+    _positive("output.max_file_size", cfg.output.max_file_size, allow_zero=True)
+    if 0 < cfg.output.max_file_size < 1 << 20:
+        raise ConfigError(f"output.max_file_size: {cfg.output.max_file_size} is too small; use 0 (one file) or at "
+                          "least 1048576 (1 MiB: a segment must hold more than a few steps)")
     if job.args and not job.script:
         raise ConfigError("job.args: only allowed together with job.script")
     return cfg
@@ -566,8 +612,121 @@ RECIPES = ("llama_finetune",)
 _OPS = (">", ">=", "<", "<=")
 _CARD_METRICS = ("temp_c", "memory_pct", "power_w")
 
+REDUCED_METRICS = (
+    "step", "epoch", "world_size", "loss_mean", "loss_min", "loss_min_rank", "loss_max", "loss_max_rank",
+    "loss_std", "grad_norm", "grad_norm_local_max", "grad_norm_local_max_rank", "step_time_min",
+    "step_time_min_rank", "step_time_max", "step_time_max_rank", "samples_per_s", "lr", "nan_count", "inf_count",
+    "ts", "monitor_wait_max", "monitor_wait_sum", "ranks_reported",
+    "monitor_errors",
+)
+"""The numeric fields of the aggregator's `ReducedStep`, which rules and the best checkpoint can
+name. Listed here because config sits below the aggregator (it must not import it);
+tests/unit/test_config.py fails when this drifts from `ReducedStep`."""
+METRIC_ALIASES = ("loss", "grad_norm_global", "throughput")
+"""`ReducedStep.metric`'s other names: loss_mean, grad_norm and samples_per_s."""
+RECIPE_METRICS: dict[str, tuple[str, ...]] = {"llama_finetune": ("eval_loss", "eval_ppl")}
+"""What each built-in recipe reports (as extra metrics) when evaluation is on."""
 
-def _validate_rule(path: str, rc: AnomalyRuleConfig) -> None:
+
+def known_metrics(cfg: RunConfig) -> tuple[str, ...]:
+    """Every metric name this job's reduced steps can carry: mindpulse's reduced metrics, their
+    aliases, the recipe's evaluation metrics (when evaluation is on) and `eval.metrics`."""
+    names = list(METRIC_ALIASES) + list(REDUCED_METRICS)
+    if cfg.job.recipe is not None and (cfg.eval.every_steps or cfg.eval.per_epoch):
+        names += RECIPE_METRICS.get(cfg.job.recipe.name, ())
+    names += cfg.eval.metrics
+    return tuple(dict.fromkeys(names))
+
+
+def _check_metric(path: str, name: str, known: tuple[str, ...], cfg: RunConfig) -> None:
+    """A typo here would pass silently: the rule never fires, no best checkpoint is saved."""
+    if name in known:
+        return
+    recipe = cfg.job.recipe
+    if recipe is not None and name in RECIPE_METRICS.get(recipe.name, ()):
+        raise ConfigError(f"{path}: {name!r} is reported by the {recipe.name} recipe only when evaluation "
+                          "is on; set eval.every_steps or eval.per_epoch")
+    raise ConfigError(f"{path}: {name!r} is not a metric this job reports; use one of " + ", ".join(known)
+                      + " (a job.script declares its own evaluation or extra metrics in eval.metrics)")
+
+
+def _validate_eval_metrics(cfg: RunConfig) -> None:
+    seen: set[str] = set()
+    recipe = cfg.job.recipe
+    for i, name in enumerate(cfg.eval.metrics):
+        path = f"eval.metrics[{i}]"
+        if not name or len(name) > 64 or name != name.strip():
+            raise ConfigError(f"{path}: {name!r} is not allowed; use a metric name of 1-64 characters without "
+                              "surrounding spaces, as the job reports it")
+        if name in seen:
+            raise ConfigError(f"{path}: {name!r} is listed twice; list each metric once")
+        seen.add(name)
+        if recipe is not None and name not in RECIPE_METRICS.get(recipe.name, ()):
+            reports = ", ".join(RECIPE_METRICS.get(recipe.name, ())) or "no extra metrics"
+            raise ConfigError(f"{path}: {name!r} is not reported by the {recipe.name} recipe (it reports "
+                              f"{reports} when evaluation is on); eval.metrics declares a job.script's metrics")
+
+
+ENV_RESERVED: dict[str, str] = {
+    "MS_ROLE": "mindpulse starts every rank as MindSpore's MS_WORKER and the scheduler as MS_SCHED",
+    "MS_SCHED_HOST": "mindpulse points every rank at the MindSpore scheduler; use msrun.master_addr",
+    "MS_SCHED_PORT": "mindpulse points every rank at the MindSpore scheduler; use msrun.master_port",
+    "MS_WORKER_NUM": "mindpulse sets the number of ranks; use world.nodes and world.ranks_per_node",
+    "MS_NODE_ID": "mindpulse (or msrun) sets each rank's id in MindSpore's cluster; use world.nodes and "
+                  "world.ranks_per_node",
+    "MS_TOPO_TIMEOUT": "mindpulse sets it from msrun.cluster_time_out (msrun from its --cluster_time_out); "
+                       "use msrun.cluster_time_out",
+    "DEVICE_ID": "mindpulse sets it to each rank's local rank (its index among the visible cards); use "
+                 "world.devices to choose the cards",
+    "ASCEND_RT_VISIBLE_DEVICES": "mindpulse sets the node's visible cards from world.devices; use world.devices",
+    "CUDA_VISIBLE_DEVICES": "mindpulse sets the node's visible cards from world.devices; use world.devices",
+    "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "mindpulse sets it to `python`, without which ranks started "
+                                              "by Ray cannot import MindSpore; it has no config key",
+    "GLOG_v": "mindpulse gives every rank the GLOG_v of the shell that runs it (default 2), which would "
+              "silently replace this value; set GLOG_v in that shell",
+}
+"""Variables mindpulse sets for ranks (or relies on), refused in `env:` with the key to use instead."""
+ENV_RESERVED_PREFIXES: dict[str, str] = {
+    "RANK_": "mindpulse (or msrun) sets RANK_ID and RANK_SIZE for every rank and starts them through "
+             "MindSpore's scheduler, not a RANK_TABLE_FILE; use world.nodes and world.ranks_per_node",
+    "MINDPULSE_": "mindpulse's own variables (MINDPULSE_SETTINGS, MINDPULSE_NODE_RANK) tell each rank its "
+                  "run settings; they have no config key",
+    "RAY_EXPERIMENTAL_NOSET_": "mindpulse tells Ray not to set device visibility itself so that one device "
+                               "policy holds for both backends; use world.devices",
+}
+"""Prefixes of variables mindpulse sets for ranks (or relies on), refused in `env:`."""
+
+
+def env_reserved(key: str) -> str | None:
+    """Why `key` cannot be set in `env:` (mindpulse sets or relies on it), or None."""
+    if key in ENV_RESERVED:
+        return ENV_RESERVED[key]
+    for prefix, reason in ENV_RESERVED_PREFIXES.items():
+        if key.startswith(prefix):
+            return reason
+    return None
+
+
+_SHELL_SAFE = re.compile(r"[\w./+,:@%=~-]")
+"""Characters a POSIX shell takes literally inside a word of an absolute path (`~` only
+expands at a word's start, and an absolute path starts with `/`)."""
+
+
+def check_shell_safe_root(path: str, resolved: str | None = None) -> None:
+    """msrun interpolates its log folder, under the run directory, unquoted into a shell
+    command (`os.system(f"cat {log_dir}/scheduler.log | grep ...")` when a rank fails): with the
+    msrun backend the output root may hold no character a shell would interpret."""
+    text = path if resolved is None else resolved
+    bad = sorted({c for c in text if not _SHELL_SAFE.fullmatch(c)})
+    if bad:
+        where = repr(path) if resolved is None else f"{path!r} (resolved: {resolved!r})"
+        raise ConfigError(f"output.root: {where} holds {''.join(bad)!r}, which the shell command msrun runs on "
+                          "the run's log folder would interpret; with the msrun backend use a folder whose "
+                          "path has only letters, digits and . _ - / + , : @ % = ~")
+
+
+def _validate_rule(path: str, rc: AnomalyRuleConfig, known: tuple[str, ...] | None = None,
+                   cfg: RunConfig | None = None) -> None:
     if rc.action is not None and rc.action not in RULE_ACTIONS:
         raise ConfigError(f"{path}.action: {rc.action.value!r} is not allowed; use one of "
                           + ", ".join(a.value for a in RULE_ACTIONS))
@@ -585,6 +744,8 @@ def _validate_rule(path: str, rc: AnomalyRuleConfig) -> None:
             raise ConfigError(f"{path}.metric: a threshold rule needs a reduced metric, e.g. loss or grad_norm")
         if rc.threshold is None:
             raise ConfigError(f"{path}.threshold: a threshold rule needs a number")
+    if rc.rule is RuleKind.THRESHOLD and rc.metric and known is not None and cfg is not None:
+        _check_metric(f"{path}.metric", rc.metric, known, cfg)
     if rc.rule is RuleKind.CARD_OVERLOAD and rc.metric and rc.metric not in _CARD_METRICS:
         raise ConfigError(f"{path}.metric: {rc.metric!r} is not allowed for card_overload; use one of "
                           + ", ".join(_CARD_METRICS))
@@ -598,11 +759,23 @@ def sections_of(raw: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, {k: v for k, v in raw.items() if k in keep}, "")
 
 
+REMOVED_KEYS = {
+    ("monitor", "decision_every"): (
+        "monitor.decision_every: removed; ranks no longer wait for the aggregator every N steps. "
+        "They run up to monitor.max_lag_steps steps ahead of it (default 1) and every rank still stops "
+        "after the same step. Delete the key, or set monitor.max_lag_steps (0: wait for every step)."),
+}
+"""Keys of earlier versions, with what replaces them (an unknown-key error would not say)."""
+
+
 def from_dict(raw: Any, source: str = "<config>") -> RunConfig:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for (section, key), message in REMOVED_KEYS.items():
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raise ConfigError(message)
     return validate(_build(RunConfig, raw, ""))
 
 
@@ -719,7 +892,8 @@ def schedule_of(cfg: RunConfig) -> Schedule:
     return Schedule(
         total_steps=cfg.train.steps,
         collect_freq=cfg.monitor.collect_freq,
-        decision_every=cfg.monitor.decision_every,
+        max_lag_steps=cfg.monitor.max_lag_steps,
+        save_best=cfg.checkpoint.save_best_ckpt,
         save_every=cfg.checkpoint.save_checkpoint_steps,
         best_every=cfg.checkpoint.best_every_steps,
         eval_every=cfg.eval.every_steps,

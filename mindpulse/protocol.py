@@ -57,6 +57,8 @@ class EventKind(str, enum.Enum):
     """From a thread of its own: the rank is alive, at `step`."""
     STRUCTURE = "structure"
     """The model's structure as text (rank 0, once)."""
+    MONITOR_ERROR = "monitor_error"
+    """An error inside the rank's monitor (training went on); the first few per rank."""
 
 
 class CheckpointKind(str, enum.Enum):
@@ -142,6 +144,8 @@ class StepPacket(Packet):
     candidate: the best checkpoint must hold exactly the judged weights)."""
     monitor_wait_s: float = 0.0
     """Seconds this rank blocked on the aggregator before this step (0.0 when it did not)."""
+    monitor_errors: int = 0
+    """Errors inside this rank's monitor so far (logged and counted; training went on)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Additional named scalars (user metrics); reduced like the loss."""
     weights: dict[str, Any] = field(default_factory=dict)
@@ -167,6 +171,7 @@ class StepPacket(Packet):
         "param_norm": _OPT_NUM,
         "decision": (bool,),
         "monitor_wait_s": _NUM,
+        "monitor_errors": (int,),
         "extra": (dict,),
         "weights": (dict,),
     }
@@ -229,6 +234,47 @@ _MAX_RANK = 1 << 20
 _MAX_STEP = 1 << 40
 
 
+_CARD_NUMBERS = frozenset({"util_pct", "memory_used_mb", "memory_total_mb", "power_w", "temp_c"})
+_CARD_TEXTS = frozenset({"node", "name", "health", "source"})
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_card(card: Any) -> None:
+    """A telemetry card record: the numbers are numbers, ids are ids, the rest is plain."""
+    if not isinstance(card, dict):
+        raise PacketError("malformed", "a telemetry card is not a map")
+    for k, v in card.items():
+        if not isinstance(k, str):
+            raise PacketError("malformed", "a telemetry card key is not a string")
+        if k in _CARD_NUMBERS:
+            ok = v is None or _is_num(v)
+        elif k in ("card", "chip"):
+            ok = v is None or (isinstance(v, (int, str)) and not isinstance(v, bool))
+        elif k == "ranks":
+            ok = isinstance(v, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in v)
+        elif k in _CARD_TEXTS:
+            ok = v is None or isinstance(v, str)
+        else:
+            ok = isinstance(v, _SCALARS)
+        if not ok:
+            raise PacketError("malformed", f"telemetry card field {k!r} has bad type {type(v).__name__}")
+
+
+def _check_host(host: Any) -> None:
+    for k, v in host.items():
+        if k == "processes":
+            if not (isinstance(v, list) and all(isinstance(p, dict) and all(isinstance(x, _SCALARS)
+                                                                             for x in p.values()) for p in v)):
+                raise PacketError("malformed", "telemetry host processes are not a list of plain maps")
+        elif not isinstance(k, str) or not (isinstance(v, _SCALARS) or (
+                isinstance(v, list) and all(isinstance(x, _SCALARS) for x in v))):
+            raise PacketError("malformed", f"telemetry host field {k!r} is not a plain value or list")
+
+
 def from_wire(obj: Any) -> Packet:
     """Validate a decoded msgpack object and build its packet; raises PacketError."""
     if not isinstance(obj, dict):
@@ -259,6 +305,10 @@ def from_wire(obj: Any) -> Packet:
         raise PacketError("malformed", f"rank {kwargs['rank']} out of range")
     if "step" in kwargs and not (0 <= kwargs["step"] < _MAX_STEP):
         raise PacketError("malformed", f"step {kwargs['step']} out of range")
+    if cls is TelemetryPacket:
+        for card in kwargs.get("cards", []):
+            _check_card(card)
+        _check_host(kwargs.get("host", {}))
     if cls is StepPacket:
         extra = kwargs.get("extra", {})
         if len(extra) > 64 or not all(
@@ -266,7 +316,7 @@ def from_wire(obj: Any) -> Packet:
             for k, x in extra.items()
         ):
             raise PacketError("malformed", "field 'extra' must map up to 64 short names to numbers")
-        for key in ("nan_count", "inf_count", "samples"):
+        for key in ("nan_count", "inf_count", "samples", "monitor_errors"):
             if key in kwargs and kwargs[key] < 0:
                 raise PacketError("malformed", f"field {key!r} is negative")
     return cls(**kwargs)
@@ -274,6 +324,11 @@ def from_wire(obj: Any) -> Packet:
 
 def decode(data: bytes) -> Packet:
     """bytes → Packet; raises PacketError for anything that is not a valid packet."""
+    return decode_wire(data)[0]
+
+
+def decode_wire(data: bytes) -> tuple[Packet, dict[str, Any]]:
+    """bytes → (Packet, its validated wire map): a node agent keeps the map to pass on."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PacketError("malformed", f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_PACKET_BYTES:
@@ -282,33 +337,188 @@ def decode(data: bytes) -> Packet:
         obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, UnicodeDecodeError...)
         raise PacketError("malformed", f"not msgpack ({type(exc).__name__}: {exc})") from None
-    return from_wire(obj)
+    return from_wire(obj), obj
 
 
-def iter_stream(data_or_file: Any):
-    """Yield decoded wire objects of an append-only stream (e.g. metrics.msgpack).
+def iter_stream(data_or_file: Any, stats: dict[str, int] | None = None, final: bool = True):
+    """Yield decoded wire objects of an append-only stream (e.g. metrics.msgpack), resynchronising
+    past damaged bytes instead of stopping at them.
 
-    A torn record at the end (a crash mid-write) ends the iteration quietly.
+    msgpack has no framing, so damage (a flipped byte, a record torn by a crash that a restarted
+    writer appended after, a stretch of zeros) is recognised by what follows it: every record
+    mindpulse writes is a map whose first keys are `v` (the schema version) and `t` (its type).
+    After bytes that do not decode, or decode to something that is not a whole record, or hide a
+    record start inside them (a torn record swallowing the next one), decoding goes on at the
+    next position where such a map decodes; the bytes in between are skipped and counted. A map
+    that is not a valid record but hides no record start (an unknown field, another schema
+    version) is yielded as it is, for the caller to reject and count.
+
+    `stats`, updated in place when given: `skipped_bytes` and `skipped_stretches` (damaged bytes
+    passed over), `torn_bytes` (an incomplete record at the very end: a crash mid-write; counted
+    only with `final`), `consumed` (bytes of this input accounted for, once iterated to the end).
+    With `final=False` the input is a file still being written: an incomplete record at its end
+    is left unconsumed (`consumed` stops before it) for the caller to feed again with the bytes
+    that follow.
     """
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_PACKET_BYTES * 4,
-                                **_UNPACK_LIMITS)
+    st = stats if stats is not None else {}
+    for key in ("skipped_bytes", "skipped_stretches", "torn_bytes"):
+        st.setdefault(key, 0)
+    st["consumed"] = 0
+    sync = b"\xa1v" + msgpack.packb(SCHEMA_VERSION) + b"\xa1t"  # the first two keys of every record
+    too_big = 2 * MAX_PACKET_BYTES  # no record is longer: an object still open past this is damage
+    chunk_size = 1 << 16
     read = getattr(data_or_file, "read", None)
     if read is None:
-        unpacker.feed(data_or_file)
-        chunks = [b""]
+        whole_input = memoryview(data_or_file)
+        chunks = (whole_input[i:i + chunk_size] for i in range(0, len(whole_input), chunk_size))
     else:
-        chunks = iter(lambda: read(1 << 16), b"")
-    for chunk in chunks:
-        if chunk:
-            unpacker.feed(chunk)
+        chunks = iter(lambda: read(chunk_size), b"")
+
+    def unpacker() -> msgpack.Unpacker:
+        return msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=4 * too_big, **_UNPACK_LIMITS)
+
+    def is_record(obj: Any) -> bool:
+        """A record as mindpulse writes it: this schema version, a type, a packet's known fields."""
+        if not isinstance(obj, dict) or obj.get("v") != SCHEMA_VERSION or not isinstance(obj.get("t"), str):
+            return False
+        cls = PACKET_CLASSES.get(obj["t"])
+        if cls is None:
+            return True  # mindpulse's other records (attempt markers, reduced steps, ...)
+        return all(k in cls.SCHEMA or k in ("v", "t") for k in obj) and all(k in obj for k in cls.REQUIRED)
+
+    buf = bytearray()  # the bytes from `base` on (everything at and after `pos` that was read)
+    base = 0
+    pos = 0  # stream offset of the next record
+    eof = False
+    u = unpacker()
+    ustart = 0  # stream offset where `u`'s input starts
+    last_skip_end = -1
+
+    def skip(a: int, b: int) -> None:
+        nonlocal last_skip_end
+        if b > a:
+            st["skipped_bytes"] += b - a
+            if a != last_skip_end:
+                st["skipped_stretches"] += 1
+            last_skip_end = b
+
+    def probe(h: int) -> str | None:
+        """'ok': a whole record starts at buf[h]; 'wait': one may, its end not read yet."""
+        piece = buf[h:h + too_big]
+        pu = unpacker()
+        pu.feed(piece)
+        try:
+            obj = next(pu)
+        except StopIteration:
+            return "wait" if len(piece) < too_big else None
+        except Exception:
+            return None
+        return "ok" if is_record(obj) else None
+
+    def find(frm: int, to: int | None = None) -> tuple[int, str] | None:
+        """The first record start at a stream offset in [frm, to)."""
+        lo = frm - base
+        hi = len(buf) if to is None else min(len(buf), to - base)
+        i = lo
         while True:
-            try:
-                obj = next(unpacker)
-            except StopIteration:
-                break
-            except Exception:
-                return
-            yield obj
+            j = buf.find(sync, i, min(len(buf), hi + 5 + len(sync)))
+            if j < 0:
+                return None
+            for h, width in ((j - 1, 1), (j - 3, 3), (j - 5, 5)):  # fixmap, map16, map32 header
+                if lo <= h < hi:
+                    b = buf[h]
+                    if (width == 1 and 0x80 <= b <= 0x8F) or (width == 3 and b == 0xDE) or (width == 5 and b == 0xDF):
+                        state = probe(h)
+                        if state is not None:
+                            return base + h, state
+            i = j + 1
+
+    def restart_at(off: int) -> None:
+        nonlocal u, ustart, pos
+        pos = ustart = off
+        u = unpacker()
+        if off - base < len(buf):
+            u.feed(buf[off - base:])
+
+    while True:
+        try:
+            obj = next(u)
+        except StopIteration:
+            end = base + len(buf)
+            if not eof and end - pos <= too_big:
+                chunk = next(chunks, None)
+                if not chunk:
+                    eof = True
+                    continue
+                if pos - base > (1 << 20):  # forget what is behind
+                    del buf[:pos - base]
+                    base = pos
+                buf += chunk
+                u.feed(chunk)
+                continue
+            if pos >= end:
+                break  # everything read
+            # an object starts at pos and does not end within the bytes there are
+            found = find(pos + 1)
+            if found is not None:  # a record starts after it: it was torn
+                skip(pos, found[0])
+                restart_at(found[0])
+                continue
+            if end - pos > too_big:  # longer than any record: damage
+                cut = end if eof else end - 10
+                skip(pos, cut)
+                restart_at(cut)
+                continue
+            if final:
+                st["torn_bytes"] += end - pos
+                pos = end
+            break
+        except Exception:  # bytes that are no msgpack (msgpack raises several types)
+            frm = pos + 1
+            while True:
+                found = find(frm)
+                if found is not None or eof:
+                    break
+                chunk = next(chunks, None)
+                if not chunk:
+                    eof = True
+                    continue
+                # what was searched holds no record start: drop it but a start's first bytes
+                keep = max(frm, base + len(buf) - 10)
+                del buf[:keep - base]
+                base = frm = keep
+                buf += chunk
+            if found is not None:
+                skip(pos, found[0])
+                restart_at(found[0])
+                continue
+            end = base + len(buf)
+            cut = end if final else max(pos + 1, end - 10)
+            skip(pos, cut)
+            if cut < end:
+                restart_at(cut)
+                continue
+            pos = end
+            break
+        else:
+            start, end = pos, ustart + u.tell()
+            at = start - base
+            head = buf[at]  # past this record's own first keys, does another record start inside it?
+            own = 2 if 0x80 <= head <= 0x8F else 4 if head == 0xDE else 6 if head == 0xDF else 1
+            if buf.find(sync, at + own, end - base + 10) >= 0:
+                found = find(start + 1, end)
+                if found is not None:  # it is the remains of a torn record that swallowed the next
+                    skip(start, found[0])
+                    restart_at(found[0])
+                    continue
+            pos = end
+            # a map right after damage is a piece of it (a record's nested map); elsewhere it is
+            # a record of its own, valid or for the caller to reject
+            if type(obj) is dict and (last_skip_end != start or is_record(obj)):
+                yield obj
+            else:
+                skip(start, end)
+    st["consumed"] = pos
 
 
 @dataclass
@@ -369,6 +579,7 @@ __all__ = [
     "EventPacket",
     "TelemetryPacket",
     "decode",
+    "decode_wire",
     "Action",
     "RULE_ACTIONS",
     "Directive",
@@ -468,12 +679,14 @@ class Schedule:
     """train.steps (0: the recipe's epochs decide)."""
     collect_freq: int
     """Fingerprint and weight statistics every N steps (and step 0)."""
-    decision_every: int
-    """Every N steps each rank waits for the directive of its step."""
+    max_lag_steps: int
+    """A rank starts step k once step k-1-max_lag_steps is reduced (the lease)."""
     save_every: int
     """Periodic checkpoint every N steps (0: none)."""
     best_every: int
     """A new best is considered every N steps."""
+    save_best: bool
+    """Whether a best checkpoint is kept at all (checkpoint.save_best_ckpt)."""
     eval_every: int
     """Evaluation every N steps (0: off)."""
     eval_per_epoch: bool
@@ -487,20 +700,24 @@ class Schedule:
             return True
         return bool(self.eval_per_epoch and epoch_steps and step % epoch_steps == 0)
 
-    def is_decision(self, step: int, evaluates: bool = False, epoch_steps: int | None = None) -> bool:
-        """Whether every rank waits for the directive of `step` (so all stop after the same one)."""
-        return bool(
-            step % self.decision_every == 0
-            or (self.total_steps and step >= self.total_steps)
-            or (self.save_every and step % self.save_every == 0)
+    def is_candidate(self, step: int, evaluates: bool = False, epoch_steps: int | None = None) -> bool:
+        """Whether rank 0 waits for the directive of `step` before the next one: a checkpoint
+        may be asked for (periodic, best candidate, evaluation, the last step), and it must
+        hold exactly that step's weights. No other rank ever waits for a directive."""
+        return bool(step > 0 and (
+            self.is_save_step(step)
+            or (self.save_best and step % self.best_every == 0)
             or (evaluates and self.eval_due(step, epoch_steps))
-        )
+            or (self.total_steps and step >= self.total_steps)
+        ))
+
+    def lease_need(self, step: int) -> int:
+        """The step that must be reduced before a rank starts `step` + 1."""
+        return step - self.max_lag_steps
 
     def is_save_step(self, step: int) -> bool:
         return bool(self.save_every and step > 0 and step % self.save_every == 0)
 
-    def is_best_candidate(self, step: int, eval_metric: bool) -> bool:
-        return step > 0 and (eval_metric or step % self.best_every == 0)
 
 
 @dataclass(frozen=True)
@@ -565,6 +782,9 @@ class RankSettings:
     resume: ResumePoint | None
     config: dict[str, Any]
     """The resolved run config (plain data: the recipe reads it with `mindpulse.config`)."""
+    relay_token: str = ""
+    """This attempt's secret: a rank's first frame to its relay carries it, and the relay
+    drops connections without it (job.json is private to the run's user)."""
 
     def node_of(self, rank: int) -> int:
         return rank // max(1, self.ranks_per_node)

@@ -6,6 +6,11 @@ It owns what is per node, never per rank:
 - the telemetry sampler (npu-smi/DCMI, NVML or psutil), on an interval;
 - on node 0 (ray backend) the MindSpore scheduler subprocess;
 - with the msrun backend, the `msrun` process that starts the node's ranks.
+
+Nothing it starts outlives it: the scheduler and msrun get a parent-death signal
+(PR_SET_PDEATHSIG; msrun's is SIGINT, on which msrun kills its workers), and a watchdog
+thread ends the run's processes on this node (msrun and every process under it, the
+scheduler, the Ray rank actors) once the driver that launched the run is gone.
 """
 
 from __future__ import annotations
@@ -14,11 +19,17 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from mindpulse.node.prereduce import NodeBatch, batch_size
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +37,99 @@ log = logging.getLogger(__name__)
 # the start (Ray imports protobuf first; mindspore's generated code then fails to load). The one
 # definition: the launcher gives it to every actor it starts, this agent to what it spawns.
 WORKER_ENV = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+
+
+PR_SET_PDEATHSIG = 1
+DRIVER_CHECK_S = 1.0
+"""How often the watchdog looks for the driver (and for new processes under msrun)."""
+REMOTE_DRIVER_CHECK_S = 5.0
+"""How often it asks Ray whether a driver on another machine is gone (a GCS call)."""
+
+
+def die_with_parent_preexec(sig: int) -> Callable[[], None] | None:
+    """A `preexec_fn` that gives the child the parent-death signal `sig` (Linux prctl), or
+    None where prctl is not available. libc is resolved here, before the fork: the child
+    only calls it. The signal comes when the *thread* that started the child ends, so the
+    agent starts its children from one thread that lives as long as it does."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died during the fork: nobody will signal
+            os._exit(1)
+
+    return preexec
+
+
+def host_identity() -> dict[str, Any]:
+    """What tells whether two processes share a process table: host name, kernel boot id and
+    pid namespace (host names alone repeat across containers)."""
+    ident: dict[str, Any] = {"host": socket.gethostname()}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            ident["boot_id"] = fh.read().strip()
+    except OSError:
+        pass
+    try:
+        ident["pidns"] = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pass
+    return ident
+
+
+def driver_identity() -> dict[str, Any]:
+    """The launcher's process, as the node agents' watchdogs look for it."""
+    import psutil
+
+    me = psutil.Process()
+    return dict(host_identity(), pid=me.pid, create_time=me.create_time())
+
+
+def same_process_table(driver: dict[str, Any]) -> bool:
+    here = host_identity()
+    return all(driver.get(k) == here.get(k) for k in ("host", "boot_id", "pidns"))
+
+
+def process_alive(pid: int | None, create_time: float | None = None) -> bool:
+    """`pid` runs (not a zombie), and is the process that had `create_time` (not a reuse)."""
+    if not pid:
+        return False
+    try:
+        import psutil
+
+        p = psutil.Process(int(pid))
+        if create_time is not None and abs(p.create_time() - float(create_time)) > 1.0:
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+def log_file_mode(folder: str | os.PathLike) -> int:
+    """A new log's mode in a run-directory folder: owner read/write, group/other read only
+    where the folder grants it (output.mode `private`: 0700 folders, 0600 files)."""
+    try:
+        return 0o600 | (os.stat(folder).st_mode & (stat.S_IRGRP | stat.S_IROTH))
+    except OSError:
+        return 0o600
+
+
+def open_log(path: str) -> Any:
+    """Open a run log for appending with the run directory's mode."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    mode = log_file_mode(Path(path).parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+    try:
+        os.fchmod(fd, mode)
+    except OSError:
+        pass
+    return os.fdopen(fd, "ab")
 
 
 def node_ip() -> str:
@@ -39,7 +143,12 @@ def node_ip() -> str:
 
 class NodeAgent:
     def __init__(self, node: int, aggregator: Any, device: str, rank_devices: dict[int, int],
-                 interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0):
+                 interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0,
+                 driver: dict[str, Any] | None = None, straggler_window: int = 10, collect_freq: int = 10,
+                 relay_token: str = ""):
+        """`driver`: the launcher's `driver_identity()`; while it is given, a watchdog ends this
+        node's processes of the run once that process is gone."""
+        from mindpulse.node.prereduce import NodePreReducer
         from mindpulse.node.relay import RelayServer
 
         self.node = node
@@ -53,30 +162,56 @@ class NodeAgent:
         self.errors: list[str] = []
         self.sched: subprocess.Popen | None = None
         self.msrun: subprocess.Popen | None = None
+        self.rank_pids: dict[int, int] = {}
+        """This node's rank processes (Ray backend), for the watchdog."""
+        self._tracked: dict[int, float] = {}
+        """pid → create time of every process seen under msrun and the scheduler."""
+        # children are started from this one thread: their parent-death signal is tied to the
+        # thread that forked them, and Ray's actor threads are not ours to keep alive
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mindpulse-spawn")
+        self.driver = dict(driver or {})
+        self._ending = threading.Event()
+        """Set to stop the watchdog (tests; the agent itself ends with its process)."""
+        self._watchdog: threading.Thread | None = None
         self._inflight: list[Any] = []
         self.dropped = 0
-        self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks)
+        # the node's ranks are validated and each step reduced here: the aggregator merges
+        # one partial per node and step
+        ranks = sorted(self.rank_devices)
+        self.prereduce = NodePreReducer(node, range(ranks[0], ranks[-1] + 1) if ranks else range(0),
+                                        straggler_window=straggler_window, collect_freq=collect_freq)
+        self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks,
+                                 forward_lease=self._forward_lease, prereduce=self.prereduce, token=relay_token)
         self.relay_port = self.relay.start()
+        if self.driver:
+            self._watchdog = threading.Thread(target=self._watch_driver, name="mindpulse-driver-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
 
     # ---- relay -------------------------------------------------------------------------------
     MAX_INFLIGHT_CALLS = 2000
     """Batches on their way to the aggregator; while it restarts they wait (Ray retries
     them on the new instance); beyond this bound new batches are dropped and counted."""
 
-    def _forward_send(self, batch: list[bytes]) -> None:
+    def _forward_send(self, batch: NodeBatch) -> None:
         import ray
 
         if self._inflight:
             done, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
         if len(self._inflight) >= self.MAX_INFLIGHT_CALLS:
-            self.dropped += len(batch)
+            self.dropped += batch_size(batch)
             return
-        self._inflight.append(self.aggregator.ingest.remote(batch))
+        self._inflight.append(self.aggregator.ingest_node.remote(self.node, batch))
 
-    def _forward_decide(self, batch: list[bytes], step: int, timeout: float) -> bytes:
+    def _forward_decide(self, batch: NodeBatch, step: int, timeout: float) -> bytes:
         import ray
 
-        return ray.get(self.aggregator.decide.remote(batch, step, timeout), timeout=timeout + 10)
+        return ray.get(self.aggregator.decide_node.remote(self.node, batch, step, timeout), timeout=timeout + 10)
+
+    def _forward_lease(self, after: int, timeout: float) -> bytes:
+        import ray
+
+        return ray.get(self.aggregator.lease.remote(after, timeout), timeout=timeout + 10)
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -93,12 +228,20 @@ class NodeAgent:
         env = dict(os.environ)
         env.update(WORKER_ENV)
         env.update(sched_env)
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as logf:
-            self.sched = subprocess.Popen([sys.executable, "-m", "mindpulse.workers.scheduler"], env=env,
-                                          stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True)
+        with open_log(log_path) as logf:
+            self.sched = self._spawn([sys.executable, "-m", "mindpulse.workers.scheduler"], env=env, stdout=logf,
+                                     death_signal=signal.SIGKILL)
+        self._track()
         return self.sched.pid
+
+    def _spawn(self, cmd: list[str], *, env: dict[str, str], stdout: Any, death_signal: int) -> subprocess.Popen:
+        """Start `cmd` in a session of its own (its process group is killed as one) that gets
+        `death_signal` when this agent dies."""
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=die_with_parent_preexec(death_signal))
+
+        return self._spawner.submit(start).result()
 
     def wait_scheduler(self, timeout_s: float) -> int | None:
         return _wait(self.sched, timeout_s)
@@ -112,13 +255,13 @@ class NodeAgent:
         # msrun starts workers with the `python` on PATH: make it this interpreter's
         full["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full.get("PATH", "")
         cmd = [os.path.join(os.path.dirname(sys.executable), "msrun")] + command[1:]
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        with open(log_path, "ab") as logf:
+        with open_log(log_path) as logf:
             logf.write(("$ " + " ".join(cmd) + "\n").encode())
             logf.flush()
-            self.msrun = subprocess.Popen(cmd, env=full, stdout=logf, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            # SIGINT: msrun's own handler kills its workers (in sessions of their own) and its scheduler
+            self.msrun = self._spawn(cmd, env=full, stdout=logf, death_signal=signal.SIGINT)
+            self._track()
             code = self.msrun.wait()
         return {"node": self.node, "exit_code": code, "seconds": time.time() - t0, "pid": self.msrun.pid}
 
@@ -129,6 +272,9 @@ class NodeAgent:
     def start_telemetry(self, rank_pids: dict[int, int]) -> dict[str, Any]:
         from mindpulse.node.telemetry import NodeSampler, TelemetryUnavailable, pick_sampler
 
+        self.rank_pids = {int(k): int(v) for k, v in rank_pids.items()}
+        for pid in self.rank_pids.values():
+            self._remember(pid)
         if self.interval_s <= 0:
             return {"node": self.name, "source": None, "reason": "telemetry off"}
         try:
@@ -187,10 +333,16 @@ class NodeAgent:
         out: dict[int, str] = {}
         self.stack_ready = set(ready or [])
         Path(out_dir).mkdir(parents=True, exist_ok=True)
+        ours = set(self.rank_pids.values()) | set(self._tracked)
         for rank, pid in pids.items():
             if not pid:
                 continue
             path = Path(out_dir) / f"stacks_rank_{rank}.txt"
+            if pid not in ours:  # a pid from a packet: never signal a process this agent did not start
+                path.write_text(f"rank {rank} pid {pid}\nnot a process this node agent started or watches: "
+                                "not inspected, not signalled\n")
+                out[rank] = str(path)
+                continue
             text = ""
             if os.path.exists(spy):
                 try:
@@ -218,6 +370,97 @@ class NodeAgent:
 
     def ping(self) -> float:
         return time.time()
+
+    # ---- the driver's death -------------------------------------------------------------------
+    def _remember(self, pid: int) -> None:
+        try:
+            import psutil
+
+            self._tracked.setdefault(pid, psutil.Process(pid).create_time())
+        except Exception:
+            pass
+
+    def _track(self) -> None:
+        """Remember msrun's and the scheduler's processes and everything under them: msrun's
+        workers run in sessions of their own and outlive a killed msrun as orphans."""
+        import psutil
+
+        for proc in (self.msrun, self.sched):
+            if proc is None or proc.poll() is not None:
+                continue
+            self._remember(proc.pid)
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    self._tracked.setdefault(child.pid, child.create_time())
+            except psutil.Error:
+                pass
+        for pid, ct in list(self._tracked.items()):
+            if not process_alive(pid, ct):
+                self._tracked.pop(pid, None)
+
+    def driver_alive(self) -> bool | None:
+        """Is the launcher still there? None: cannot tell now (a driver on another machine and
+        Ray does not answer)."""
+        d = self.driver
+        if same_process_table(d):
+            return process_alive(d.get("pid"), d.get("create_time"))
+        try:
+            import ray
+
+            if not ray.is_initialized():  # not in a Ray worker: nobody to ask
+                return None
+            from ray._private.state import jobs
+
+            me = ray.get_runtime_context().get_job_id()
+            for job in jobs():
+                if job.get("JobID") == me:
+                    return not job.get("IsDead")
+        except Exception:
+            return None
+        return None
+
+    def _watch_driver(self) -> None:
+        last_remote = 0.0
+        remote = not same_process_table(self.driver)
+        while not self._ending.wait(DRIVER_CHECK_S):
+            try:
+                self._track()
+                if remote and time.time() - last_remote < REMOTE_DRIVER_CHECK_S:
+                    continue
+                last_remote = time.time()
+                if self.driver_alive() is False:
+                    log.warning("the launcher (pid %s on %s) is gone: ending this node's processes of the run",
+                                self.driver.get("pid"), self.driver.get("host"))
+                    self.end_run_processes()
+                    self._exit()
+                    return
+            except Exception:  # the watchdog never dies of a passing error
+                log.exception("driver watchdog")
+
+    def _exit(self) -> None:
+        """The agent's own end once the driver is gone (nobody will ask it anything again)."""
+        os._exit(0)
+
+    def end_run_processes(self) -> list[int]:
+        """SIGKILL every process of the run this agent knows on its node: msrun and all under it,
+        the scheduler, the rank actors. Returns the pids signalled."""
+        self._track()
+        targets = dict(self._tracked)
+        for pid in self.rank_pids.values():
+            targets.setdefault(pid, None)
+        for proc in (self.msrun, self.sched):
+            if proc is not None and proc.poll() is None:
+                targets.setdefault(proc.pid, None)
+        killed = []
+        for pid, ct in targets.items():
+            if pid == os.getpid() or not process_alive(pid, ct):
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+        return killed
 
 
 def _wait(proc: subprocess.Popen | None, timeout_s: float) -> int | None:

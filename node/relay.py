@@ -3,10 +3,17 @@ agent talks to the aggregator in batches, so the aggregator's load grows with no
 not ranks (one actor drains ~2,000 calls/s; batched records reach ~50,000/s).
 
 Wire: the protocol's relay frames, a 4-byte big-endian length and a msgpack map (no pickle):
-  {"op": "send", "packets": [bytes, ...]}                       no answer
-  {"op": "decide", "packets": [...], "step": s, "timeout": t}   answer {"directive": bytes}
-At a decision step the relay waits (a few ms) for the node's other ranks' decide calls
-for the same step and forwards them as one aggregator call; the directive fans out.
+  {"op": "send", "packets": [bytes, ...], "step": s?}            no answer
+  {"op": "decide", "packets": [...], "step": s, "timeout": t, "expect": n?}
+                                                                 answer {"directive": bytes}
+  {"op": "lease", "need": k, "timeout": t}                       answer {"lease": bytes | None,
+                                                                         "waited_s": float}
+A `send` that carries a rank's packet of step s says so; once every rank of the node has
+sent step s, the batch goes out at once (the aggregator reduces a step as soon as every
+node's part is in). Leases come from one long poll per node (`forward_lease`), cached
+here: a rank asking for a lease the cache already grants gets it without waiting. At a
+decision step the relay groups the decide calls of the `expect` ranks that make one
+(rank 0 alone at a checkpoint candidate) into one aggregator call.
 The server listens on 127.0.0.1 only: ranks are on the agent's own machine. The rank's
 side is `mindpulse.workers.channel.RelayChannel`.
 """
@@ -16,13 +23,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from mindpulse.node.prereduce import NodePreReducer, batch_size
 from mindpulse.protocol import (
     FRAME_HEADER_BYTES,
     MAX_FRAME,
     Directive,
+    Lease,
     decode_frame_body,
     encode_frame,
     frame_length,
@@ -33,18 +43,34 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.05
 FLUSH_PACKETS = 256
 GROUP_WAIT_S = 0.02
+LEASE_POLL_S = 2.0
+"""One long poll for the lease lasts at most this long (then it is asked again)."""
+_KEEP_STEP_COUNTS = 64
 
 
 class RelayServer:
     """Runs an asyncio loop in a daemon thread. `forward_send(batch)` is called with
     batches of packets (fire-and-forget); `forward_decide(batch, step, timeout)` must
-    return the directive bytes (it may block: it runs in a worker thread)."""
+    return the directive bytes and `forward_lease(after, timeout)` the lease bytes once a
+    step beyond `after` is reduced (both may block: they run in worker threads). Without
+    `forward_lease` no lease gates the ranks."""
 
-    def __init__(self, forward_send: Callable[[list[bytes]], None],
-                 forward_decide: Callable[[list[bytes], int, float], bytes], local_ranks: int,
-                 host: str = "127.0.0.1"):
+    def __init__(self, forward_send: Callable[[Any], None],
+                 forward_decide: Callable[[Any, int, float], bytes], local_ranks: int,
+                 host: str = "127.0.0.1", forward_lease: Callable[[int, float], bytes] | None = None,
+                 prereduce: NodePreReducer | None = None, token: str = ""):
+        self.token = token
+        """Set: a connection's first frame must be {"op": "hello", "token": token}."""
+        self.prereduce = prereduce
+        """Set: packets are validated and steps reduced here, and what goes up is a
+        `NodeBatch` (see prereduce.py); unset: batches of raw packets."""
         self.forward_send = forward_send
         self.forward_decide = forward_decide
+        self.forward_lease = forward_lease
+        self._lease = Lease()
+        self._lease_changed: asyncio.Condition | None = None
+        self._lease_poller: asyncio.Future | None = None
+        self._step_counts: dict[int, int] = {}
         self.local_ranks = max(1, local_ranks)
         self.host = host
         self.port = 0
@@ -54,7 +80,8 @@ class RelayServer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mindpulse-relay", daemon=True)
         self.stats = {"frames": 0, "packets": 0, "forward_calls": 0, "decide_calls": 0, "bad_frames": 0,
-                      "forward_errors": 0}
+                      "forward_errors": 0, "lease_polls": 0, "lease_waits": 0,
+                      "refused_connections": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> int:
@@ -83,9 +110,14 @@ class RelayServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self._stop = asyncio.Event()
         flusher = asyncio.ensure_future(self._flusher())
+        if self.forward_lease is not None:  # warm from the start: a rank's first ask finds it at hand
+            self._lease_changed = asyncio.Condition()
+            self._lease_poller = asyncio.ensure_future(self._poll_leases())
         self._ready.set()
         await self._stop.wait()
         flusher.cancel()
+        if self._lease_poller is not None:
+            self._lease_poller.cancel()
         await self._flush()
         self._server.close()
         clients = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -100,6 +132,10 @@ class RelayServer:
     # ---- traffic ---------------------------------------------------------------------------
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            if self.token and not await self._authenticated(reader):
+                self.stats["refused_connections"] += 1
+                log.warning("relay: refused a connection without this run's token")
+                return
             while True:
                 n = frame_length(await reader.readexactly(FRAME_HEADER_BYTES))
                 if n > MAX_FRAME:
@@ -114,14 +150,20 @@ class RelayServer:
                     continue
                 self.stats["frames"] += 1
                 self.stats["packets"] += len(packets)
-                if msg.get("op") == "decide":
-                    step, timeout = int(msg.get("step", 0)), float(msg.get("timeout", 60.0))
-                    directive = await self._decide(packets, step, timeout)
+                op = msg.get("op")
+                if op == "decide":
+                    step, timeout = _int(msg.get("step"), 0), _timeout(msg.get("timeout"))
+                    expect = min(self.local_ranks, max(1, _int(msg.get("expect"), self.local_ranks)))
+                    directive = await self._decide(packets, step, timeout, expect)
                     writer.write(encode_frame({"directive": directive}))
                     await writer.drain()
+                elif op == "lease":
+                    lease, waited = await self._lease_for(_int(msg.get("need"), -1), _timeout(msg.get("timeout")))
+                    writer.write(encode_frame({"lease": lease, "waited_s": waited}))
+                    await writer.drain()
                 else:
-                    self._buffer.extend(packets)
-                    if len(self._buffer) >= FLUSH_PACKETS:
+                    complete = self._file(packets)
+                    if complete or self._queued() >= FLUSH_PACKETS or self._step_complete(msg.get("step")):
                         await self._flush()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -133,27 +175,117 @@ class RelayServer:
             await asyncio.sleep(FLUSH_S)
             await self._flush()
 
+    async def _authenticated(self, reader: asyncio.StreamReader) -> bool:
+        """The first frame is the hello with this attempt's token (read from job.json, which
+        only the run's user can read); anything else closes the connection."""
+        import hmac
+
+        try:
+            n = frame_length(await asyncio.wait_for(reader.readexactly(FRAME_HEADER_BYTES), 10))
+            if n > 4096:
+                return False
+            msg = decode_frame_body(await asyncio.wait_for(reader.readexactly(n), 10))
+        except Exception:
+            return False
+        token = msg.get("token")
+        return msg.get("op") == "hello" and isinstance(token, str) and hmac.compare_digest(token, self.token)
+
+    def _file(self, packets: list[bytes]) -> bool:
+        """Queue packets for the next call up; True when one completed the node's part of a step."""
+        if self.prereduce is None:
+            self._buffer.extend(packets)
+            return False
+        complete = False
+        for raw in packets:
+            complete = self.prereduce.add(raw) or complete
+        return complete
+
+    def _queued(self) -> int:
+        return len(self._buffer) if self.prereduce is None else batch_size(self.prereduce.batch)
+
+    def _take(self) -> Any:
+        if self.prereduce is None:
+            batch, self._buffer = self._buffer, []
+            return batch
+        return self.prereduce.take()
+
     async def _flush(self) -> None:
-        if not self._buffer:
+        if not (self._buffer if self.prereduce is None else self.prereduce.has_data()):
             return
-        batch, self._buffer = self._buffer, []
+        batch = self._take()
         self.stats["forward_calls"] += 1
         try:
             self.forward_send(batch)
         except Exception as exc:
             self.stats["forward_errors"] += 1
-            log.warning("relay could not forward %d packets: %s", len(batch), exc)
+            log.warning("relay could not forward a batch: %s", exc)
 
-    async def _decide(self, packets: list[bytes], step: int, timeout: float) -> bytes:
-        """Group this node's decide calls for `step` into one aggregator call."""
+    def _step_complete(self, step: Any) -> bool:
+        """Count a rank's packet of `step`; True once every rank of the node sent it."""
+        if not isinstance(step, int) or isinstance(step, bool):
+            return False
+        n = self._step_counts[step] = self._step_counts.get(step, 0) + 1
+        if n < self.local_ranks:
+            while len(self._step_counts) > _KEEP_STEP_COUNTS:  # a rank that never sends its part
+                del self._step_counts[min(self._step_counts)]
+            return False
+        del self._step_counts[step]
+        return True
+
+    # ---- leases ------------------------------------------------------------------------------
+    async def _lease_for(self, need: int, timeout: float) -> tuple[bytes | None, float]:
+        """The cached lease once it lets a rank start the step after `need` (reduced through
+        `need`, or a stop decided), waiting at most `timeout`; (lease, seconds waited)."""
+        if self.forward_lease is None or self._lease_changed is None:
+            return None, 0.0
+
+        def granted() -> bool:
+            return self._lease.reduced_through >= need or self._lease.stopping
+
+        if granted():
+            return self._lease.encode(), 0.0
+        self.stats["lease_waits"] += 1
+        t0 = time.monotonic()
+        try:
+            async with self._lease_changed:
+                await asyncio.wait_for(self._lease_changed.wait_for(granted), timeout)
+        except TimeoutError:
+            pass
+        return self._lease.encode(), time.monotonic() - t0
+
+    async def _poll_leases(self) -> None:
+        """One long poll at a time per node: the aggregator answers when a step is reduced."""
+        assert self.forward_lease is not None and self._lease_changed is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            self.stats["lease_polls"] += 1
+            try:
+                raw = await loop.run_in_executor(None, self.forward_lease, self._lease.reduced_through,
+                                                 LEASE_POLL_S)
+                lease = Lease.decode(raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the aggregator restarts or is gone: ranks time out and go on
+                self.stats["forward_errors"] += 1
+                log.warning("relay could not get the lease: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if lease != self._lease:
+                self._lease = lease
+                async with self._lease_changed:
+                    self._lease_changed.notify_all()
+
+    # ---- decisions ---------------------------------------------------------------------------
+    async def _decide(self, packets: list[bytes], step: int, timeout: float, expect: int) -> bytes:
+        """Group this node's decide calls for `step` (from `expect` ranks) into one aggregator call."""
         group = self._groups.get(step)
         if group is None:
-            group = self._groups[step] = {"packets": [], "count": 0, "done": asyncio.get_running_loop().create_future(),
+            group = self._groups[step] = {"count": 0, "done": asyncio.get_running_loop().create_future(),
                                           "full": asyncio.Event()}
             asyncio.ensure_future(self._send_group(step, group, timeout))
-        group["packets"].extend(packets)
+        self._file(packets)
         group["count"] += 1
-        if group["count"] >= self.local_ranks:
+        if group["count"] >= expect:
             group["full"].set()
         return await group["done"]
 
@@ -163,9 +295,8 @@ class RelayServer:
         except TimeoutError:
             pass
         self._groups.pop(step, None)
-        # everything buffered goes first, in the same call, so the aggregator sees it before deciding
-        batch = self._buffer + group["packets"]
-        self._buffer = []
+        # everything queued goes in the same call, so the aggregator sees it before deciding
+        batch = self._take()
         self.stats["decide_calls"] += 1
         try:
             directive = await asyncio.get_running_loop().run_in_executor(
@@ -175,3 +306,12 @@ class RelayServer:
             directive = Directive.no_directive(step, str(exc)).encode()
         if not group["done"].done():
             group["done"].set_result(directive)
+
+
+def _int(x: Any, default: int) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) else default
+
+
+def _timeout(x: Any) -> float:
+    """A rank's wait, bounded: a frame cannot hold the relay's tasks forever."""
+    return min(max(float(x), 0.0), 3600.0) if isinstance(x, (int, float)) and x == x else 60.0

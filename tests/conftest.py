@@ -12,23 +12,70 @@ from pathlib import Path
 import psutil
 import pytest
 
+# mindspore's generated protobuf code loads only with the pure-Python implementation once
+# something else (tensorboard, Ray) imported protobuf first: tests import them in any order
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # processes a run may start: none may outlive the launcher
-_RUN_PROCESS_NAMES = ("raylet", "gcs_server", "ray::", "mindpulse.workers.scheduler", "default_worker.py")
+_RUN_PROCESS_NAMES = ("raylet", "gcs_server", "ray::", "mindpulse.workers.scheduler", "default_worker.py",
+                      "mindpulse.workers.rank_main", "msrun", "mindpulse.launcher.ray_session")
+# what marks a process as a run's in its environment: the embedded cluster's tag (its Ray temp
+# dir, inherited by every process of the run) and a rank's settings path (in the run dir).
+# msrun starts its workers in sessions of their own with command lines that name neither
+# the Ray temp dir nor a Ray process: only their environment (and the job.json path) says whose
+_RUN_ENV_MARKS = ("MINDPULSE_RUN_TAG", "MINDPULSE_SETTINGS")
 
 
 def _run_processes() -> dict[int, str]:
+    """pid → what identifies it as a process of some run: its environment marks first (so
+    that `tdir in text` / `run_dir in text` finds msrun's ranks too), then its command line."""
     found = {}
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
+            try:
+                env = p.environ()
+            except (psutil.AccessDenied, psutil.ZombieProcess, OSError):
+                env = {}
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if any(k in cmd for k in _RUN_PROCESS_NAMES):
-            found[p.info["pid"]] = cmd[:200]
+        marks = " ".join(f"[{k}={env[k]}]" for k in _RUN_ENV_MARKS if env.get(k))
+        if marks or any(k in cmd for k in _RUN_PROCESS_NAMES):
+            found[p.info["pid"]] = (marks + " " + cmd[:300]).strip()
     return found
+
+
+def run_leftovers(before: set[int], run_dir: Path | None, pids: dict) -> dict[int, str]:
+    """The processes of one run still alive: every pid it reported, and every process that
+    names its Ray temp dir or its run directory (command line or environment)."""
+    left: dict[int, str] = {}
+    keys = [k for k in (pids.get("ray_temp_dir"), pids.get("run_tag"), str(run_dir) if run_dir else None) if k]
+    if keys:
+        left.update({p: c for p, c in _run_processes().items() if p not in before and any(k in c for k in keys)})
+    ranks = list((pids.get("ranks") or {}).values()) + list((pids.get("agents") or {}).values())
+    for pid in ranks + [pids.get("scheduler")]:
+        try:
+            if pid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left[pid] = "reported by the run"
+        except psutil.Error:
+            pass
+    return left
+
+
+def run_pids(run_dir: Path | None) -> dict:
+    """The run's pids: summary.json's, else pids.json's (a launcher that died wrote no summary)."""
+    if run_dir is None:
+        return {}
+    for name, key in (("summary.json", "pids"), ("pids.json", None)):
+        try:
+            data = json.loads((run_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        return (data.get(key) if key else data) or {}
+    return {}
 
 
 class CliRun:
@@ -73,22 +120,16 @@ def run_cli(tmp_path):
         return r
 
     yield _run
-    # every pid the run reported, and every process of the run's own Ray session (its temp
-    # dir is in their command lines), must be gone; other Ray users on the machine are not ours
+    # every pid the run reported, and every process of the run's own Ray session or run
+    # directory (its temp dir or run dir in their command lines or environment: msrun's
+    # ranks too), must be gone; other Ray users on the machine are not ours
     deadline = time.time() + 20
     leftovers: dict[int, str] = {}
     while time.time() < deadline:
         leftovers = {}
         for r in runs:
-            if r.run_dir and (r.run_dir / "summary.json").exists():
-                pids = json.loads((r.run_dir / "summary.json").read_text()).get("pids", {})
-                tdir = pids.get("ray_temp_dir")
-                if tdir:
-                    leftovers.update({p: c for p, c in _run_processes().items() if p not in before and tdir in c})
-                ranks = list((pids.get("ranks") or {}).values()) + list((pids.get("agents") or {}).values())
-                for pid in ranks + [pids.get("scheduler")]:
-                    if pid and psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                        leftovers[pid] = "reported by the run"
+            if r.run_dir:
+                leftovers.update(run_leftovers(before, r.run_dir, run_pids(r.run_dir)))
         if not leftovers:
             break
         time.sleep(0.5)

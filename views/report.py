@@ -3,9 +3,12 @@
 Reads what a run leaves behind, all but the metrics file optional, and copes with a
 crashed run (a torn last record in `metrics.msgpack`, no `summary.json`):
 
-* `metrics.msgpack`, `summary.json`, `config.yaml` — through `run_reader.RunReader`: every
-  accepted packet replayed with the aggregator's reducer and straggler tracker (built from
-  the run's config), the launcher's summary, and the resolved configuration (shown as is);
+* `metrics.msgpack` (and the segments closed before it), `summary.json`, `config.yaml` —
+  through `run_reader.RunReader`: every accepted packet replayed with the aggregator's reducer
+  and straggler tracker (built from the run's config), one timeline over the attempts (a
+  restarted attempt's steps replace the earlier attempts' from where it resumed), the
+  aggregator's reduced records for the steps whose per-rank packets were thinned, damaged
+  bytes skipped and counted; the launcher's summary; the resolved configuration (shown as is);
 * `anomalies.json` — a list of {rule, step, rank, value, threshold, action, message};
 * `checkpoints/manifest.json` — {"files": [{path, step, metric, kind, size, sha256}]};
 * `profile/rank_*/` — profiler output folders, linked relatively.
@@ -34,7 +37,7 @@ from mindpulse.aggregator.reducer import ReducedStep
 from mindpulse.aggregator.tables import totals_table
 from mindpulse.config import RunConfig
 from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
-from mindpulse.views.run_reader import METRICS, SUMMARY, RunReader, read_json
+from mindpulse.views.run_reader import METRICS, SUMMARY, AttemptInfo, RunReader, read_json
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ _MAX_MARKERS = 200
 _MAX_LEGEND = 16
 _ANOMALY_COLOR = "red"
 _CHECKPOINT_COLOR = "green"
+_ATTEMPT_COLOR = "purple"
 
 
 # ------------------------------------------------------------------------------------ data
@@ -74,6 +78,12 @@ class RunData:
     records: int = 0
     derived_totals: dict[str, Any] = field(default_factory=dict)
     """summary.json's totals as the reader derived them from the metrics."""
+    attempts: list[AttemptInfo] = field(default_factory=list)
+    """The launcher attempts the metrics name, in order (one for a run that never restarted)."""
+    step_attempt: dict[int, int] = field(default_factory=dict)
+    """The attempt behind each complete step shown."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """What reading the metrics met (segments, damaged bytes, thinning)."""
     notes: list[str] = field(default_factory=list)
     """Problems met while reading (missing or unreadable files), shown in the report."""
 
@@ -84,6 +94,15 @@ class RunData:
     @property
     def anomaly_steps(self) -> list[int]:
         return sorted({s for s in (_int(a.get("step")) for a in self.anomalies) if s is not None})
+
+    @property
+    def multi_attempt(self) -> bool:
+        return len(self.attempts) > 1 or any(a.attempt > 0 for a in self.attempts)
+
+    @property
+    def attempt_starts(self) -> list[tuple[int, int]]:
+        """(first step, attempt) of every attempt after the first: where each resumed."""
+        return [(a.first_step, a.attempt) for a in self.attempts if a.attempt > 0 and a.first_step is not None]
 
     @property
     def checkpoint_steps(self) -> list[int]:
@@ -129,6 +148,7 @@ class RunData:
             rows.append({
                 "rank": r,
                 "last_step": last.step if last else s.get("last_step", 0),
+                "attempt": self.step_attempt.get(last.step) if last else None,
                 "loss": last.loss if last else None,
                 "grad_norm_local": last.grad_norm_local if last else None,
                 "step_time_s": last.step_time_s if last else None,
@@ -176,8 +196,30 @@ def _read_run(run: RunReader, data: RunData) -> None:
         data.notes.append(f"{SUMMARY} is missing: the run did not finish (crashed, killed or still running)")
     if not (data.run_dir / METRICS).exists():
         data.notes.append(f"{METRICS} is missing")
-    if run.tail.errors:
-        data.notes.append(f"{METRICS}: {run.tail.errors} unreadable stretch(es) skipped")
+    tail = run.tail
+    if tail.skipped_bytes:
+        data.notes.append(f"{METRICS}: {tail.skipped_bytes} damaged byte(s) skipped in {tail.errors} stretch(es); "
+                          "the records after them were read")
+    if tail.torn_bytes:
+        data.notes.append(f"{METRICS}: an incomplete record ({tail.torn_bytes} bytes) at the end of a closed "
+                          "segment was ignored (a crash mid-write)")
+    if tail.pending_bytes:
+        data.notes.append(f"{METRICS}: its last {tail.pending_bytes} bytes are no whole record (being written, or "
+                          "torn by a crash)")
+    if run.thinned_segments:
+        data.notes.append(f"per-rank detail thinned in {run.thinned_segments} old metrics segment(s): their steps "
+                          f"show every rank at multiples of monitor.collect_freq and the non-finite ranks; every "
+                          "step's cluster values are the aggregator's reduced records")
+    data.attempts = [run.attempts[a] for a in sorted(run.attempts)]
+    for info in data.attempts:
+        if info.superseded:
+            later = min((a.attempt for a in data.attempts if a.attempt > info.attempt), default=info.attempt + 1)
+            start = run.attempts[later].first_step if later in run.attempts else None
+            data.notes.append(f"attempt {info.attempt}: {info.superseded} complete step(s)"
+                              + (f" from step {start} on" if start is not None else "")
+                              + f" were run again by attempt {later}; the report shows attempt {later}'s")
+    data.step_attempt = dict(run.step_attempt)
+    data.metrics = run.metrics_info()
     data.config = run.config
     data.config_text = run.config_file.text
     data.world_size = run.world_size
@@ -265,12 +307,15 @@ def _plot(ax, xs: list[float], ys: list[float], label: str | None, **kw) -> bool
     return True
 
 
-def _markers(ax, anomaly_x: list[float], checkpoint_x: list[float]) -> None:
+def _markers(ax, anomaly_x: list[float], checkpoint_x: list[float],
+             attempts: list[tuple[int, int]] | None = None) -> None:
     for xs, color, label in ((anomaly_x, _ANOMALY_COLOR, "anomaly"),
                              (checkpoint_x, _CHECKPOINT_COLOR, "checkpoint")):
         for i, x in enumerate(xs[:_MAX_MARKERS]):
             ax.axvline(x, color=color, linestyle="--", linewidth=0.9, alpha=0.7,
                        label=label if i == 0 else None)
+    for step, attempt in (attempts or [])[:_MAX_MARKERS]:  # where a restarted attempt resumed
+        ax.axvline(step, color=_ATTEMPT_COLOR, linestyle=":", linewidth=1.2, alpha=0.9, label=f"attempt {attempt}")
 
 
 def _finish(fig, axes, path: Path, title: str) -> Path:
@@ -316,7 +361,7 @@ def _plot_loss(data: RunData, path: Path) -> Path:
                 label="non-finite loss", clip_on=False)
     if not drawn and not bad_x:
         return _placeholder(path, "loss", "no loss values")
-    _markers(ax, data.anomaly_steps, data.checkpoint_steps)
+    _markers(ax, data.anomaly_steps, data.checkpoint_steps, data.attempt_starts)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     return _finish(fig, axes, path, "loss per rank and reduced mean")
@@ -337,7 +382,7 @@ def _plot_grad_norm(data: RunData, path: Path) -> Path:
                        f"rank {r} local", linewidth=0.9, alpha=0.8)
     if not drawn:
         return _placeholder(path, "grad norm", "no grad norm values")
-    _markers(ax, data.anomaly_steps, data.checkpoint_steps)
+    _markers(ax, data.anomaly_steps, data.checkpoint_steps, data.attempt_starts)
     ax.set_xlabel("step")
     ax.set_ylabel("grad norm")
     return _finish(fig, axes, path, "gradient norm: global and per-rank local")
@@ -355,7 +400,7 @@ def _plot_step_time(data: RunData, path: Path) -> Path:
                        linewidth=0.9, alpha=0.8)
     if not drawn:
         return _placeholder(path, "step time", "no step time values")
-    _markers(ax, data.anomaly_steps, data.checkpoint_steps)
+    _markers(ax, data.anomaly_steps, data.checkpoint_steps, data.attempt_starts)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (s)")
     return _finish(fig, axes, path, "step time per rank")
@@ -370,7 +415,7 @@ def _plot_throughput(data: RunData, path: Path) -> Path:
     if not _plot(ax, [x.step for x in red], _clean(x.samples_per_s for x in red), "cluster samples/s",
                  color="tab:blue", linewidth=1.5):
         return _placeholder(path, "throughput", "no throughput values")
-    _markers(ax, data.anomaly_steps, data.checkpoint_steps)
+    _markers(ax, data.anomaly_steps, data.checkpoint_steps, data.attempt_starts)
     ax.set_xlabel("step")
     ax.set_ylabel("samples / s")
     return _finish(fig, axes, path, "cluster throughput (all ranks' samples over the slowest step)")
@@ -394,7 +439,7 @@ def _plot_straggler(data: RunData, path: Path) -> Path:
         _plot(ax, xs, ys, f"rank {r}", linewidth=1.0)
     ax.axhline(monitor.straggler_threshold, color="tab:red", linestyle=":", linewidth=1.0,
                label=f"threshold {monitor.straggler_threshold:g} (monitor.straggler_threshold)")
-    _markers(ax, data.anomaly_steps, data.checkpoint_steps)
+    _markers(ax, data.anomaly_steps, data.checkpoint_steps, data.attempt_starts)
     ax.set_xlabel("step")
     ax.set_ylabel("score (fastest / rank's busy time)")
     ax.set_ylim(0, 1.05)
@@ -491,7 +536,26 @@ def _rank_table_rows(data: RunData) -> tuple[list[str], list[list[Any]]]:
         "-" if not _finite(r["step_time_s"]) else f"{r['step_time_s'] * 1000:.0f}",
         (r["fingerprint"] or "-")[:16], _fmt(r["exit_code"]), r["host"] or "-", r["pid"] or "-",
     ] for r in data.rank_rows()]
+    if data.multi_attempt:  # the attempt behind each rank's last step
+        headers.append("attempt")
+        for row, r in zip(rows, data.rank_rows()):
+            row.append(_fmt(r["attempt"]))
     return headers, rows
+
+
+_ATTEMPT_KEYS = ("attempt", "started", "first step", "last step shown", "steps shown", "superseded",
+                 "from reduced records", "aggregator restarts")
+
+
+def _attempt_rows(data: RunData) -> list[list[str]]:
+    """One row per attempt: where it started, what of it the report shows and what it lost."""
+    rows = []
+    for a in data.attempts:
+        started = (_dt.datetime.fromtimestamp(a.started, tz=_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                   if _finite(a.started) else "-")
+        rows.append([_fmt(x) for x in (a.attempt, started, a.first_step, a.last_step, a.steps, a.superseded,
+                                         a.from_records, a.restarts)])
+    return rows
 
 
 _ANOMALY_KEYS = ("rule", "step", "rank", "value", "threshold", "action", "message")
@@ -536,6 +600,15 @@ def _final_tables(data: RunData) -> str:
     if data.checkpoints:
         parts.append("checkpoints\n" + tabulate(_checkpoint_rows(data), headers=list(_CHECKPOINT_KEYS),
                                                 tablefmt="simple", disable_numparse=True))
+    if data.multi_attempt:
+        parts.append("attempts (each step from the newest attempt that ran it)\n"
+                     + tabulate(_attempt_rows(data), headers=list(_ATTEMPT_KEYS), tablefmt="simple",
+                                disable_numparse=True))
+    m = data.metrics
+    if m.get("damaged_bytes_skipped") or m.get("thinned_segments"):
+        parts.append(f"metrics: {m.get('segments', 0)} segment(s), {m.get('damaged_bytes_skipped', 0)} damaged "
+                     f"byte(s) skipped in {m.get('damaged_stretches', 0)} stretch(es), "
+                     f"{m.get('thinned_segments', 0)} thinned segment(s)")
     return "\n\n".join(parts)
 
 
@@ -639,7 +712,15 @@ def _render_html(data: RunData, plots: list[Path], out_dir: Path) -> str:
         parts.append(f'<figure><img alt="{_e(p.stem)}" src="data:image/png;base64,{b64}">'
                      f"<figcaption>{_e(p.name)}</figcaption></figure>")
     parts.append(f'<p>Markers: <span style="color:{_ANOMALY_COLOR}">red</span> = anomaly steps, '
-                 f'<span style="color:{_CHECKPOINT_COLOR}">green</span> = checkpoint steps.</p>')
+                 f'<span style="color:{_CHECKPOINT_COLOR}">green</span> = checkpoint steps'
+                 + (f', <span style="color:{_ATTEMPT_COLOR}">purple</span> = where a restarted attempt resumed'
+                    if data.attempt_starts else "") + ".</p>")
+
+    if data.multi_attempt:
+        parts.append("<h2>Attempts</h2>")
+        parts.append("<p>The run was restarted (<code>max_restarts</code>): each step is shown from the newest "
+                     "attempt that ran it; an attempt's steps from where the next one resumed are superseded.</p>")
+        parts.append(_html_table(list(_ATTEMPT_KEYS), _attempt_rows(data), "no attempts"))
 
     parts.append("<h2>Anomalies</h2>")
     parts.append(_html_table(list(_ANOMALY_KEYS), _anomaly_rows(data), "no anomalies recorded"))
@@ -694,6 +775,8 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict:
         "html": str(html_path),
         "steps": len(data.reduced),
         "world_size": data.world_size,
+        "attempts": len(data.attempts) or 1,
+        "metrics": data.metrics,
     }
 
 

@@ -1,8 +1,11 @@
 """`mindpulse top [RUN_DIR]`: a live cluster table of a running (or finished) run.
 
 The run is read through `run_reader.RunReader`: only the bytes appended to
-`RUN_DIR/metrics.msgpack` since the last refresh are read, and steps complete in the
-aggregator's own reducer, so the table is the one the aggregator prints.
+the run's metrics (`metrics.msgpack` and the segments closed before it) since the last
+refresh are read, and steps complete in the aggregator's own reducer, so the table is the one
+the aggregator prints. After a restart (`max_restarts`) the view follows the newest attempt and
+says which attempt the step shown comes from; damaged bytes in the metrics are skipped and
+counted in the header.
 
 On a terminal the screen is redrawn in place every `interval` seconds and `q` (or
 Ctrl-C) quits. With `once`, or when stdout is not a terminal, plain frames are printed
@@ -26,6 +29,7 @@ try:  # POSIX terminals; elsewhere the terminal view refreshes without keys
 except ImportError:  # pragma: no cover
     termios = tty = None  # type: ignore[assignment]
 
+from mindpulse.aggregator.metrics_store import closed_segments
 from mindpulse.aggregator.reducer import ReducedStep
 from mindpulse.aggregator.tables import card_table, cluster_table
 from mindpulse.protocol import EventPacket, Packet, StepPacket, TelemetryPacket
@@ -157,6 +161,9 @@ class RunView:
         behind = self._behind()
         if behind:
             lines.append(behind)
+        attempts = self._attempts()
+        if attempts:
+            lines.append(attempts)
         cards = self.card_rows()
         lines.append("")
         if cards:
@@ -177,15 +184,37 @@ class RunView:
         if self.total_steps and self.complete_step is not None:
             step += f"/{self.total_steps}"
         ws = self.world_size
-        parts = [f"run {self.run_dir}", f"status {self.status}", f"step {step}",
-                 f"world size {ws if ws > 0 else '-'}", f"records {self.records}"]
+        parts = [f"run {self.run_dir}", f"status {self.status}", f"step {step}"]
+        if self.run.multi_attempt and self.complete_step is not None:
+            parts.append(f"attempt {self.run.latest_attempt}")
+        parts += [f"world size {ws if ws > 0 else '-'}", f"records {self.records}"]
         if self.rejected:
             parts.append(f"rejected {self.rejected}")
-        if self.tail.errors:
-            parts.append(f"unreadable stretches {self.tail.errors}")
+        if self.tail.skipped_bytes:
+            parts.append(f"damaged bytes skipped {self.tail.skipped_bytes} ({self.tail.errors} stretches)")
         if not self.finished and self.newest_ts > 0:
             parts.append(f"last packet {max(0.0, now - self.newest_ts):.0f}s ago")
         return "  ".join(parts)
+
+    def _attempts(self) -> str:
+        """Which attempt runs, where it resumed, and which attempt the step shown is from."""
+        run = self.run
+        if not run.multi_attempt:
+            return ""
+        cur = run.current_attempt
+        info = run.attempts.get(cur)
+        text = f"attempt {cur}"
+        if info is not None and info.first_step is not None:
+            text += f" resumed at step {info.first_step}" if cur else f" started at step {info.first_step}"
+            if cur and any(a < cur for a in run.attempts):
+                text += f" (its steps replace the earlier attempts' from step {info.first_step} on)"
+        elif cur:
+            text += " starting (no step reported yet)"
+        if info is not None and info.restarts:
+            text += f"; its aggregator restarted {info.restarts}x"
+        if run.latest is not None and run.latest_attempt != cur:
+            text += f"; the step shown is attempt {run.latest_attempt}'s"
+        return text
 
     def _behind(self) -> str:
         """Ranks that reported beyond the newest complete step while others did not."""
@@ -221,7 +250,7 @@ def _clean_card(card: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_run_dir(d: Path) -> bool:
-    return (d / METRICS).is_file()
+    return (d / METRICS).is_file() or bool(closed_segments(d))
 
 
 def newest_run(root: Path) -> Path | None:

@@ -4,11 +4,14 @@ Two kinds, one behaviour: `RelayChannel` talks to the node agent's packet relay 
 loopback (the normal case: the aggregator's load then grows with nodes, not ranks);
 `ActorChannel` calls the aggregator actor itself (a run without relays, a benchmark).
 
-Between decision points packets are buffered and sent fire-and-forget in batches; at a
-decision point the buffer and the step's packet go in one call that returns the
-directive, so the aggregator has seen everything before it decides. A missing or dead
-peer never blocks training for longer than the decision timeout: the rank goes on with
-`Directive.no_directive` and says why in its log.
+Events are buffered and sent fire-and-forget in batches; a step's packet goes out at once
+(`send_step`), with whatever is queued. Before a step the rank asks for its `lease`: the
+answer comes from the cache without any I/O while the aggregator keeps up, and blocks
+only when the aggregator is more than `monitor.max_lag_steps` steps behind. Rank 0 at a
+checkpoint candidate sends the step in a `decide` call that returns its directive, so the
+aggregator has seen everything before it decides. A missing or dead peer never blocks
+training for longer than the decision timeout: the rank goes on (`Directive.no_directive`,
+no lease) and says why in its log.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from mindpulse.protocol import (
     FRAME_HEADER_BYTES,
     MAX_FRAME,
     Directive,
+    Lease,
     RankSettings,
     decode_frame_body,
     encode_frame,
@@ -51,6 +55,9 @@ class Channel(abc.ABC):
         """Batches or decisions that did not get through (the rank went on regardless)."""
         self._buffer: list[bytes] = []
         self._last_flush = time.monotonic()
+        self._lease: Lease | None = None
+        self.lost_since: float | None = None
+        """When the peer stopped answering (None while it answers)."""
 
     def send(self, packet: bytes) -> None:
         """Queue one encoded packet; it goes out with the next batch."""
@@ -63,9 +70,26 @@ class Channel(abc.ABC):
         if self._buffer:
             self._ship(self._take())
 
-    def decide(self, packet: bytes, step: int) -> Directive:
-        """Send the queue and the decision step's packet; wait for the step's directive."""
-        return self._decide(self._take() + [packet], step)
+    def send_step(self, packet: bytes, step: int) -> None:
+        """A rank's packet of `step`: out now, with what is queued (the relay forwards a
+        step as soon as every rank of its node has sent it)."""
+        self._ship(self._take() + [packet], step)
+
+    def decide(self, packet: bytes, step: int, expect: int | None = None) -> Directive:
+        """Send the queue and the decision step's packet; wait for the step's directive.
+        `expect`: how many ranks of the node decide this step (None: all of them)."""
+        return self._decide(self._take() + [packet], step, expect)
+
+    def lease(self, need: int) -> tuple[Lease | None, float]:
+        """The lease once step `need` is reduced or a stop is decided: (lease, seconds this
+        rank was blocked). None when no lease could be had (the rank goes on)."""
+        cached = self._lease
+        if cached is not None and (cached.reduced_through >= need or cached.stopping):
+            return cached, 0.0
+        lease, waited = self._fetch_lease(need)
+        if lease is not None:
+            self._lease = lease
+        return lease, waited
 
     def close(self) -> None:
         """Send what is queued and let go of the connection (a later call reconnects)."""
@@ -81,21 +105,44 @@ class Channel(abc.ABC):
         log.warning("no directive for step %d (%s); continuing", step, why)
         return Directive.no_directive(step, str(why))
 
-    @abc.abstractmethod
-    def _ship(self, batch: list[bytes]) -> None:
-        """Hand a batch over; never raises (count a failure and log instead)."""
+    def lost_for(self) -> float:
+        """Seconds since the peer last answered (0 while it answers)."""
+        return 0.0 if self.lost_since is None else time.monotonic() - self.lost_since
+
+    def _answered(self) -> None:
+        self.lost_since = None
+
+    def _lost(self) -> None:
+        if self.lost_since is None:
+            self.lost_since = time.monotonic()
+
+    def _no_lease(self, need: int, why: Any) -> tuple[None, float]:
+        self._lost()
+        self.failures += 1
+        log.warning("no lease for step %d (%s); continuing", need, why)
+        return None, 0.0
 
     @abc.abstractmethod
-    def _decide(self, batch: list[bytes], step: int) -> Directive:
+    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
+        """Hand a batch over (`step`: it ends with this rank's packet of that step); never
+        raises (count a failure and log instead)."""
+
+    @abc.abstractmethod
+    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
         """Hand a batch over and return the step's directive; never raises."""
+
+    @abc.abstractmethod
+    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
+        """Ask the peer for the lease covering `need`; never raises."""
 
 
 class RelayChannel(Channel):
     """Frames (protocol's `encode_frame`) to the node agent's relay on this machine."""
 
-    def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0):
+    def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0, token: str = ""):
         super().__init__(decision_timeout_s)
         self.addr = (host, port)
+        self.token = token
         self.sock: socket.socket | None = None
         self._connect()
 
@@ -103,6 +150,8 @@ class RelayChannel(Channel):
         try:
             self.sock = socket.create_connection(self.addr, timeout=CONNECT_TIMEOUT_S)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.token:  # the relay drops a connection whose first frame is not this
+                self.sock.sendall(encode_frame({"op": "hello", "token": self.token}))
         except OSError as exc:
             self.sock = None
             self.failures += 1
@@ -123,19 +172,45 @@ class RelayChannel(Channel):
             self._disconnect()
             return False
 
-    def _ship(self, batch: list[bytes]) -> None:
-        self._write({"op": "send", "packets": batch})
+    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
+        frame: dict[str, Any] = {"op": "send", "packets": batch}
+        if step is not None:
+            frame["step"] = step
+        self._write(frame)
 
-    def _decide(self, batch: list[bytes], step: int) -> Directive:
-        if not self._write({"op": "decide", "packets": batch, "step": step, "timeout": self.decision_timeout_s}):
+    def _reply(self) -> dict[str, Any]:
+        """The relay's answer to the request just written (it answers within the timeout
+        it was handed)."""
+        assert self.sock is not None
+        self.sock.settimeout(self.decision_timeout_s + REPLY_GRACE_S)
+        n = frame_length(_recv_exact(self.sock, FRAME_HEADER_BYTES))
+        if n > MAX_FRAME:
+            raise ValueError(f"a {n}-byte frame from the relay")
+        return decode_frame_body(_recv_exact(self.sock, n))
+
+    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
+        t0 = time.monotonic()
+        if not self._write({"op": "lease", "need": need, "timeout": self.decision_timeout_s}):
+            return self._no_lease(need, "relay unreachable")
+        try:
+            reply = self._reply()
+            self._answered()
+            raw = reply.get("lease")
+            lease = Lease.decode(raw) if raw is not None else None
+            # a lease the relay had at hand cost a loopback round trip, not a wait
+            return lease, (time.monotonic() - t0) if reply.get("waited_s") else 0.0
+        except Exception as exc:
+            self._disconnect()
+            return self._no_lease(need, exc)
+
+    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
+        frame: dict[str, Any] = {"op": "decide", "packets": batch, "step": step, "timeout": self.decision_timeout_s}
+        if expect is not None:
+            frame["expect"] = expect
+        if not self._write(frame):
             return Directive.no_directive(step, "relay unreachable")
         try:
-            assert self.sock is not None
-            self.sock.settimeout(self.decision_timeout_s + REPLY_GRACE_S)
-            n = frame_length(_recv_exact(self.sock, FRAME_HEADER_BYTES))
-            if n > MAX_FRAME:
-                raise ValueError(f"a {n}-byte frame from the relay")
-            return Directive.decode(decode_frame_body(_recv_exact(self.sock, n))["directive"])
+            return Directive.decode(self._reply()["directive"])
         except Exception as exc:
             self._disconnect()
             return self._no_directive(step, exc)
@@ -170,14 +245,14 @@ class ActorChannel(Channel):
         handle = ray.get_actor(settings.aggregator, namespace=settings.namespace)
         return ActorChannel(handle, settings.monitor.decision_timeout_s)
 
-    def _ship(self, batch: list[bytes]) -> None:
+    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
         try:
             self.handle.ingest.remote(batch)
         except Exception as exc:  # the aggregator is gone: training goes on
             self.failures += 1
             log.warning("could not ship %d packets to the aggregator: %s", len(batch), exc)
 
-    def _decide(self, batch: list[bytes], step: int) -> Directive:
+    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
         import ray
 
         try:
@@ -186,13 +261,25 @@ class ActorChannel(Channel):
         except Exception as exc:
             return self._no_directive(step, exc)
 
+    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
+        import ray
+
+        t0 = time.monotonic()
+        try:
+            ref = self.handle.lease.remote(need - 1, self.decision_timeout_s)
+            lease = Lease.decode(ray.get(ref, timeout=self.decision_timeout_s + 10))
+            self._answered()
+            return lease, time.monotonic() - t0
+        except Exception as exc:
+            return self._no_lease(need, exc)
+
 
 def connect(settings: RankSettings, rank: int) -> Channel:
     """This rank's channel: its node's relay when the run has one, else the aggregator."""
     relay = settings.relay_of(rank)
     if relay:
         host, _, port = relay.rpartition(":")
-        return RelayChannel(host, int(port), settings.monitor.decision_timeout_s)
+        return RelayChannel(host, int(port), settings.monitor.decision_timeout_s, token=settings.relay_token)
     return ActorChannel.connect(settings)
 
 

@@ -32,10 +32,13 @@ class CheckpointWriter:
 
     @staticmethod
     def for_run(settings: RankSettings, report: Report) -> CheckpointWriter:
-        """Writes into `RUN_DIR/checkpoints` with the run's retention and format."""
+        """Writes into `RUN_DIR/checkpoints` with the run's retention, format and file mode
+        (`output.mode`: private 0600 files in a 0700 folder unless it says `shared`)."""
         ck = settings.checkpoint
+        output = (settings.config or {}).get("output") or {}
+        mode = output.get("mode", "private") if isinstance(output, dict) else "private"
         manager = CheckpointManager(Path(settings.run_dir) / "checkpoints", keep_periodic=ck.keep_periodic,
-                                    keep_best=ck.keep_best, fmt=ck.format)
+                                    keep_best=ck.keep_best, fmt=ck.format, mode=mode)
         return CheckpointWriter(manager, report)
 
     def write(self, directive: Directive, step: int, epoch: int, train_cell: Any) -> None:

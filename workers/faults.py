@@ -93,7 +93,9 @@ class FaultInjector:
                 raise RuntimeError(f"injected crash ({f}) in rank {self.rank} at step {step}")
             elif f.kind is FaultKind.HANG:
                 self._note(f)
-                while True:  # until the launcher stops the job
+                # before the step's computation, the heartbeat alive: the other ranks wait for
+                # this one inside the step (its all-reduce) until the launcher stops the job
+                while True:
                     time.sleep(3600)
             elif f.kind is FaultKind.DESYNC:
                 self._desync()

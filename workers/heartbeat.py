@@ -1,4 +1,5 @@
-"""The rank's heartbeat: "alive, at step N" from a thread of its own.
+"""The rank's heartbeat: "alive, at step N" (and "inside step N+1" while the loop is in it)
+from a thread of its own.
 
 The training loop cannot say it is alive while it is blocked in a collective, so a
 separate thread does, every `monitor.heartbeat_s` seconds, over a channel of its own (a
@@ -32,11 +33,19 @@ def dump_stacks_on_sigusr1() -> None:
         pass  # not the main thread, or no such signal: stacks then come from py-spy only
 
 
+IN_STEP = "in step {}"
+"""A beat's message while the loop is inside a step (it began, its faults let it start, it
+has not ended); the aggregator reads it back to tell a rank blocked before the step the
+others are in (the one they wait for) from those waiting inside it (in its all-reduce)."""
+
+
 class Heartbeat:
-    def __init__(self, settings: RankSettings, rank: int, current_step: Callable[[], int]):
+    def __init__(self, settings: RankSettings, rank: int, current_step: Callable[[], int],
+                 in_step: Callable[[], int | None] | None = None):
         self.settings = settings
         self.rank = rank
         self.current_step = current_step
+        self.in_step = in_step or (lambda: None)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -51,6 +60,12 @@ class Heartbeat:
         """The thread ends at its next beat (it never delays the rank's exit: a daemon)."""
         self._stop.set()
 
+    def packet(self) -> EventPacket:
+        """One beat: the last finished step, and the step the loop is inside (if any)."""
+        inside = self.in_step()
+        return EventPacket(rank=self.rank, kind=EventKind.HEARTBEAT.value, ts=time.time(), step=self.current_step(),
+                           pid=os.getpid(), message=IN_STEP.format(inside) if inside is not None else "")
+
     def _beat(self) -> None:
         try:
             channel = connect(self.settings, self.rank)
@@ -58,10 +73,8 @@ class Heartbeat:
             log.warning("[rank %d] heartbeat has no connection: %s", self.rank, exc)
             return
         while not self._stop.wait(self.settings.monitor.heartbeat_s):
-            pkt = EventPacket(rank=self.rank, kind=EventKind.HEARTBEAT.value, ts=time.time(),
-                              step=self.current_step(), pid=os.getpid())
             try:
-                channel.send(pkt.encode())
+                channel.send(self.packet().encode())
                 channel.flush()
             except Exception:
                 pass  # a beat lost is the signal itself: the aggregator sees the silence

@@ -66,7 +66,7 @@ class Monitor(Callback):
         network: the model whose parameters are fingerprinted; found automatically in
             `Model.train` (the train cell's `network`).
         batch_size: samples per step on this rank; found from the dataset in `Model.train`.
-        collect_freq / decision_every: override the run's `monitor.*` settings.
+        collect_freq / max_lag_steps: override the run's `monitor.*` settings.
         total_steps: request a stop after this many steps (the run's `train.steps`).
         client: the channel packets go through (default: the run's relay or aggregator).
         rank: this rank (default: MindSpore's RANK_ID).
@@ -76,6 +76,9 @@ class Monitor(Callback):
         step_offset: the global step this run starts after (default: the run's resume point).
         train_cell: what rank 0 checkpoints (found automatically in `Model.train`).
         settings: the run's settings (default: those the launcher handed this process).
+        metrics: the names `evaluate` (or `extra`) reports, e.g. `["eval_acc"]`; list them in
+            the config's `eval.metrics` too, so rules and `checkpoint.best_metric` may use them
+            (checked at launch). An evaluation reporting another name is a monitor error.
     """
 
     def __init__(
@@ -83,7 +86,7 @@ class Monitor(Callback):
         network: nn.Cell | None = None,
         batch_size: int | None = None,
         collect_freq: int | None = None,
-        decision_every: int | None = None,
+        max_lag_steps: int | None = None,
         total_steps: int | None = None,
         client: Channel | None = None,
         rank: int | None = None,
@@ -94,11 +97,12 @@ class Monitor(Callback):
         step_offset: int | None = None,
         train_cell: nn.Cell | None = None,
         settings: RankSettings | None = None,
+        metrics: list[str] | None = None,
     ):
         super().__init__()
         settings = settings if settings is not None else load_settings()
         schedule = schedule_with(settings.schedule if settings is not None else UNLAUNCHED_SCHEDULE,
-                                 collect_freq=collect_freq, decision_every=decision_every, total_steps=total_steps,
+                                 collect_freq=collect_freq, max_lag_steps=max_lag_steps, total_steps=total_steps,
                                  eval_every=eval_every, eval_per_epoch=eval_per_epoch)
         self.session = RankSession(
             settings,
@@ -111,6 +115,7 @@ class Monitor(Callback):
             epoch_steps=epoch_steps,
             network=network,
             train_cell=train_cell,
+            metrics=metrics,
         )
         self._t0: float | None = None
         self._last_end: float | None = None
@@ -149,29 +154,12 @@ class Monitor(Callback):
         """
         self.session.start(network, train_cell, arm_next)
 
-    def record(
-        self,
-        loss: float | None,
-        *,
-        step: int | None = None,
-        epoch: int = 0,
-        lr: float | None = None,
-        grad_norm: float | None = None,
-        grad_norm_local: float | None = None,
-        nan_count: int = 0,
-        inf_count: int = 0,
-        step_time_s: float | None = None,
-        samples: int | None = None,
-        extra: dict[str, float] | None = None,
-        data_wait_s: float | None = None,
-        compute_s: float | None = None,
-    ) -> StepOutcome:
-        """Report one step's numbers directly (the next step unless `step` is given)."""
-        return self.session.record(
-            loss, step=step, epoch=epoch, lr=lr, grad_norm=grad_norm, grad_norm_local=grad_norm_local,
-            nan_count=nan_count, inf_count=inf_count, step_time_s=step_time_s, samples=samples, extra=extra,
-            data_wait_s=data_wait_s, compute_s=compute_s,
-        )
+    def record(self, loss: Any, **fields: Any) -> StepOutcome:
+        """Report one step's numbers directly (the next step unless `step=` is given): the
+        fields of `RankSession.record` (step, epoch, lr, grad_norm, grad_norm_local,
+        nan_count, inf_count, step_time_s, samples, extra, data_wait_s, compute_s); numbers
+        may be Python numbers, numpy scalars or MindSpore tensors."""
+        return self.session.record(loss, **fields)
 
     def finish(self, message: str = "") -> None:
         """End of training: flush and announce the end (stops the heartbeat)."""
@@ -204,7 +192,7 @@ class Monitor(Callback):
         elif network is not None and s.network is None:
             s.network = network
         if outputs is not None:
-            out_loss, out_stats = split_outputs(outputs)
+            out_loss, out_stats = self._split(outputs)
             loss = out_loss if loss is None else loss
             for k, v in out_stats.items():
                 stats.setdefault(k, v)
@@ -256,7 +244,7 @@ class Monitor(Callback):
         s = self.session
         cb = run_context.original_args()
         now = time.perf_counter()
-        loss, stats = split_outputs(cb.net_outputs)
+        loss, stats = self._split(cb.net_outputs)
         step = s.step_offset + int(cb.cur_step_num)
         s.after_step(step)
         # with dataset sinking one callback covers `sink` steps: report the mean step time
@@ -279,6 +267,15 @@ class Monitor(Callback):
         if outcome.stop:
             run_context.request_stop()
             log.info("[rank %d] stopping after step %d: %s", s.rank, step, outcome.reason)
+
+    def _split(self, outputs: Any) -> tuple[Any, dict[str, Any]]:
+        """The loss and grad statistics of a step's outputs; an unexpected shape is a monitor
+        error (counted, logged), never an exception in the training loop."""
+        try:
+            return split_outputs(outputs)
+        except Exception as exc:
+            self.session.monitor_error("reading the step's outputs", exc)
+            return None, {}
 
     def _compute_time(self) -> float | None:
         """PYNATIVE: from the step's start until the local gradients were ready."""

@@ -5,21 +5,52 @@ they are set before MindSpore is imported (and `PROTOCOL_BUFFERS_PYTHON_IMPLEMEN
 too, without which `import mindspore` fails in a Ray worker). The actor writes its
 output to `logs/rank_<r>.log`, runs the recipe or the user's script, and releases the
 communication group before it exits: a hard kill makes the scheduler wait ~30 s.
+
+It ends with its raylet (PR_SET_PDEATHSIG): when the launcher is killed its embedded
+cluster goes with it, and a rank must not train on unsupervised.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import socket
+import stat
 import sys
 from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send `sig` to this process when its parent (the raylet that started
+    this Ray worker) dies; exits at once if the parent is already gone. False where prctl is
+    not available (not Linux)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # it died before the call: nobody will signal us
+        os._exit(1)
+    return True
 
 
 def _redirect_output(log_path: str) -> None:
     """Point fds 1 and 2 (Python and MindSpore's C++ logs) at the rank's log file."""
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    folder = os.path.dirname(log_path)
+    os.makedirs(folder, exist_ok=True)
+    # the run directory's mode (output.mode): owner read/write, group/other read only where
+    # the logs folder grants them read
+    mode = 0o600 | (os.stat(folder).st_mode & (stat.S_IRGRP | stat.S_IROTH))
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+    os.fchmod(fd, mode)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -33,7 +64,11 @@ class RankActor:
     def __init__(self, rank: int, log_path: str):
         self.rank = rank
         self.log_path = log_path
+        die_with_parent()
         _redirect_output(log_path)
+        # a rank killed by SIGSEGV/SIGBUS/SIGABRT/SIGFPE/SIGILL says so in its log (Ray does not
+        # report a dead worker's signal): the failure block reads it from there
+        faulthandler.enable(file=sys.stderr, all_threads=True)
         logging.basicConfig(
             level=logging.INFO,
             format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",

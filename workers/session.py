@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindpulse.config import RunConfig, monitor_settings_of, schedule_of
-from mindpulse.protocol import Directive, EventKind, EventPacket, RankSettings, Schedule, StepPacket
+from mindpulse.protocol import (
+    Action,
+    CheckpointKind,
+    Directive,
+    EventKind,
+    EventPacket,
+    RankSettings,
+    Schedule,
+    StepPacket,
+)
 
 from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
@@ -44,6 +53,27 @@ UNLAUNCHED_SCHEDULE = schedule_of(RunConfig())
 UNLAUNCHED_MONITOR = monitor_settings_of(RunConfig())  # its heartbeat interval is unused: no heartbeat runs
 
 EVENT_MESSAGE_CHARS = 4000
+REPORTED_ERRORS = 20
+"""Monitor errors per rank reported one by one (the rest are counted)."""
+
+
+def as_number(x: Any) -> float | None:
+    """A Python float from a number, a numpy scalar or a MindSpore tensor of one element
+    (the functional `value_and_grad` style hands the loss over as a Tensor)."""
+    if x is None:
+        return None
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if hasattr(x, "asnumpy"):  # a MindSpore tensor
+        x = x.asnumpy()
+    if hasattr(x, "reshape") and getattr(x, "size", 1) == 1:  # numpy array or scalar of one value
+        return float(x.reshape(-1)[0])
+    return float(x)
+
+
+def as_count(x: Any) -> int:
+    v = as_number(x)
+    return int(v) if v is not None and v == v and abs(v) != float("inf") else 0
 STRUCTURE_MESSAGE_CHARS = 60000
 
 
@@ -56,16 +86,16 @@ class StepOutcome:
     reason: str = ""
 
 
-def schedule_with(base: Schedule, *, collect_freq: int | None = None, decision_every: int | None = None,
+def schedule_with(base: Schedule, *, collect_freq: int | None = None, max_lag_steps: int | None = None,
                   total_steps: int | None = None, eval_every: int | None = None,
                   eval_per_epoch: bool | None = None) -> Schedule:
-    """`base` with a script's explicit overrides (None keeps the run's value; a collect or
-    decision period of 0 too: every step modulo 0 is no schedule)."""
+    """`base` with a script's explicit overrides (None keeps the run's value; a collect
+    period of 0 too: every step modulo 0 is no schedule)."""
     changes: dict[str, Any] = {}
     if collect_freq:
         changes["collect_freq"] = collect_freq
-    if decision_every:
-        changes["decision_every"] = decision_every
+    if max_lag_steps is not None:
+        changes["max_lag_steps"] = max_lag_steps
     if total_steps is not None:
         changes["total_steps"] = total_steps
     if eval_every is not None:
@@ -101,8 +131,16 @@ class RankSession:
         epoch_steps: int | None = None,
         network: Any = None,
         train_cell: Any = None,
+        metrics: list[str] | None = None,
     ):
         self.settings = settings
+        declared = list(metrics or [])
+        if settings is not None:
+            declared += list((settings.config.get("eval") or {}).get("metrics") or [])
+        self.metrics = frozenset(declared) if metrics is not None else None
+        """Metric names the script declared (`Monitor(metrics=[...])`, plus `eval.metrics`): an
+        evaluation that reports another name is a monitor error (its rule or best-checkpoint
+        judgement would silently never see it)."""
         self.rank = rank if rank is not None else rank_id()
         self.schedule = schedule or (settings.schedule if settings else UNLAUNCHED_SCHEDULE)
         self.monitor_settings = settings.monitor if settings else UNLAUNCHED_MONITOR
@@ -123,12 +161,20 @@ class RankSession:
         self.checkpoints = (CheckpointWriter.for_run(settings, self.send_event)
                             if settings is not None and self.rank == 0 else None)
         self.profile = ProfileWindow.for_rank(settings, self.rank)
-        self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step) if settings else None
+        self.in_step: int | None = None
+        """The step the loop is inside: its faults let it start, it has not ended (the
+        heartbeat says so: a rank blocked before a step that the others are inside is the
+        one they wait for)."""
+        self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step, lambda: self.in_step) if settings else None
         self.weight_stats: WeightStats | None = None
         self._last_sums: Any = None
         self.started = False
         self.stopped: Directive | None = None
         """The directive that stopped every rank (None while training goes on)."""
+        self.wait_s = 0.0
+        """Seconds blocked on the aggregator since the last step packet (it carries them)."""
+        self.errors = 0
+        """Errors inside the monitor on this rank (logged and counted; training went on)."""
         self.on_directive: Callable[[Directive], None] | None = None
 
     # ---- life cycle ------------------------------------------------------------------------
@@ -149,11 +195,11 @@ class RankSession:
         if self.step_offset == 0:
             self.injector.before_step(0)  # desync@R:0 perturbs the weights before step 0's fingerprint
         fp, norm = self._fingerprint()
-        # every rank waits at its first step: a stop decided before any update (desync at step 0) holds for all
         self._ship(StepPacket(rank=self.rank, step=self.step_offset, ts=time.time(), fingerprint=fp,
-                              param_norm=norm, decision=True))
+                              param_norm=norm))
         if arm_next:
             self.injector.before_step(self.step_offset + 1)
+            self.in_step = self.step_offset + 1
 
     def finish(self, message: str = "") -> None:
         if self.heartbeat is not None:
@@ -169,18 +215,31 @@ class RankSession:
     def before_step(self, step: int) -> None:
         """Around the loop's steps: faults of `step`, and the profiler window's start."""
         self.injector.before_step(step)
+        self.in_step = step  # after its faults: a rank held there (a hang) is not inside the step
         if self.profile is not None:
             self.profile.begin(step)
 
     def after_step(self, step: int) -> None:
+        self.in_step = None
         self.injector.after_step(step)
         if self.profile is not None:
             self.profile.end(step)
 
     # ---- one step --------------------------------------------------------------------------
-    def record(
+    def record(self, loss: Any, *, step: int | None = None, **fields: Any) -> StepOutcome:
+        """Ship one finished step (the next one unless `step` is given); returns whether to
+        stop. Numbers may be Python numbers, numpy scalars or MindSpore tensors. An error
+        inside the monitor is logged and counted, never raised into the training loop: only
+        a stop ends training."""
+        try:
+            return self._record(loss, step=step, **fields)
+        except Exception as exc:
+            self.monitor_error(f"recording step {self.step}", exc)
+            return self._outcome(self.step)
+
+    def _record(
         self,
-        loss: float | None,
+        loss: Any,
         *,
         step: int | None = None,
         epoch: int = 0,
@@ -195,7 +254,6 @@ class RankSession:
         data_wait_s: float | None = None,
         compute_s: float | None = None,
     ) -> StepOutcome:
-        """Ship one finished step (the next one unless `step` is given); returns whether to stop."""
         self.step = s = step if step is not None else self.step + 1
         fp = norm = None
         weights: dict[str, Any] = {}
@@ -207,31 +265,41 @@ class RankSession:
                 except Exception as exc:
                     log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, s, exc)
         evaluates = self.evaluate is not None
-        decision = self.schedule.is_decision(s, evaluates, self.epoch_steps)
+        # rank 0 waits for the verdict on a checkpoint candidate (the checkpoint must hold
+        # exactly this step's weights); nobody else ever waits for a directive
+        decision = self.rank == 0 and self.schedule.is_candidate(s, evaluates, self.epoch_steps)
         if evaluates and self.schedule.eval_due(s, self.epoch_steps):
             try:
-                extra = dict(extra or {}, **{k: float(v) for k, v in self.evaluate().items()})
+                results = self.evaluate()
+                undeclared = sorted(set(results) - self.metrics) if self.metrics is not None else []
+                if undeclared:
+                    self.monitor_error(f"evaluating at step {s}", ValueError(
+                        f"evaluate() reported {undeclared}, not among the declared metrics {sorted(self.metrics)}; "
+                        "add them to Monitor(metrics=[...]) and eval.metrics"))
+                extra = dict(extra or {}, **results)
             except Exception as exc:
                 log.error("[rank %d] evaluation at step %d failed: %s", self.rank, s, exc)
         self._ship(StepPacket(
             rank=self.rank,
             step=s,
             epoch=epoch,
-            loss=loss,
-            lr=lr,
-            grad_norm=grad_norm,
-            grad_norm_local=grad_norm_local,
-            nan_count=int(nan_count),
-            inf_count=int(inf_count),
-            step_time_s=step_time_s,
-            data_wait_s=data_wait_s,
-            compute_s=compute_s,
-            samples=int(samples or self.batch_size or 0),
+            loss=as_number(loss),
+            lr=as_number(lr),
+            grad_norm=as_number(grad_norm),
+            grad_norm_local=as_number(grad_norm_local),
+            nan_count=as_count(nan_count),
+            inf_count=as_count(inf_count),
+            step_time_s=as_number(step_time_s),
+            data_wait_s=as_number(data_wait_s),
+            compute_s=as_number(compute_s),
+            samples=as_count(samples or self.batch_size or 0),
             ts=time.time(),
             fingerprint=fp,
             param_norm=norm,
             decision=bool(decision),
-            extra={k: float(v) for k, v in (extra or {}).items()},
+            monitor_wait_s=self._take_wait(),
+            extra={str(k): float(as_number(v)) for k, v in (extra or {}).items() if as_number(v) is not None},
+            monitor_errors=self.errors,
             weights=weights,
         ))
         if self.weight_stats is not None and self.schedule.is_collect(s + 1):
@@ -239,12 +307,27 @@ class RankSession:
                 self.weight_stats.keep_previous()  # the next step is a collect step: measure its change
             except Exception as exc:
                 log.warning("[rank %d] cannot keep the weights for the update ratio: %s", self.rank, exc)
+        return self._outcome(s)
+
+    def _outcome(self, s: int) -> StepOutcome:
         if self.stopped is not None:
             return StepOutcome(step=s, stop=True, reason=self.stopped.reason)
         total = self.schedule.total_steps
         if total and s >= total:
             return StepOutcome(step=s, stop=True, reason=f"reached train.steps={total}")
         return StepOutcome(step=s, stop=False)
+
+    def monitor_error(self, where: str, exc: BaseException) -> None:
+        """An error inside the monitor: logged, counted (every step packet carries the count
+        to summary.json), the first few reported to the aggregator; training goes on."""
+        self.errors += 1
+        if self.errors <= REPORTED_ERRORS:
+            log.warning("[rank %d] monitor error while %s (training goes on): %s: %s", self.rank, where,
+                        type(exc).__name__, exc, exc_info=self.errors <= 3)
+            try:
+                self.send_event(EventKind.MONITOR_ERROR, f"{where}: {type(exc).__name__}: {exc}")
+            except Exception:
+                pass
 
     # ---- shipping and directives -----------------------------------------------------------
     def send_event(self, kind: EventKind, message: str = "") -> None:
@@ -255,16 +338,49 @@ class RankSession:
         self.channel.send(pkt.encode())
         self.channel.flush()
 
-    def _ship(self, pkt: StepPacket) -> Directive | None:
+    def _take_wait(self) -> float:
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
+    def _ship(self, pkt: StepPacket) -> None:
+        """Ship a step, then make sure the next one may start (the lease)."""
         if self.channel is None:
             log.info("[rank %d] step %d loss %s", self.rank, pkt.step, pkt.loss)
-            return None
-        if not pkt.decision:
-            self.channel.send(pkt.encode())
-            return None
-        d = self.channel.decide(pkt.encode(), pkt.step)
-        self._follow(d, pkt)
-        return d
+            return
+        if pkt.decision:
+            t0 = time.monotonic()
+            d = self.channel.decide(pkt.encode(), pkt.step, expect=1)
+            self.wait_s += time.monotonic() - t0
+            self._follow(d, pkt)
+        else:
+            self.channel.send_step(pkt.encode(), pkt.step)
+        if self.stopped is None:
+            self._check_lease(pkt)
+
+    def _check_lease(self, pkt: StepPacket) -> None:
+        """Before the step after `pkt`: every rank may run `max_lag_steps` steps ahead of the
+        aggregator and stops after the step a stop names (the same on every rank)."""
+        assert self.channel is not None
+        need = self.schedule.lease_need(pkt.step)
+        if need < self.step_offset:
+            return  # steps before this attempt's first are never reduced by its aggregator
+        lease, waited = self.channel.lease(need)
+        self.wait_s += waited
+        if lease is None:
+            lost = self.channel.lost_for()
+            if lost > self.monitor_settings.decision_timeout_s:
+                # the node's relay (and with it every decision) is gone: training on unwatched
+                # could leave this rank alone in a collective, or outlive its run
+                self._follow(Directive(step=pkt.step, action=Action.STOP,
+                                       reason=f"no relay for {lost:.0f}s (monitor.decision_timeout_s)"), pkt)
+            return
+        if lease.stopping and pkt.step >= lease.stop_after:
+            d = Directive(step=pkt.step, action=Action.STOP, reason=lease.reason,
+                          save=CheckpointKind.LAST.value if lease.save_last else "")
+            self._follow(d, pkt)
+        elif not lease.allows(pkt.step + 1, self.schedule.max_lag_steps):
+            log.warning("[rank %d] no lease for step %d after %.0fs (aggregator at step %d); continuing",
+                        self.rank, pkt.step + 1, waited, lease.reduced_through)
 
     def _follow(self, d: Directive, pkt: StepPacket) -> None:
         if d.save_kinds and self.rank == 0:

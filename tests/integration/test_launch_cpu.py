@@ -36,6 +36,19 @@ def assert_fingerprints_agree(pk: list[dict]) -> None:
     assert not differing, f"parameters differ across ranks at steps {differing}"
 
 
+def assert_nobody_waited_but_rank0_for_its_verdicts(pk: list[dict]) -> None:
+    """An aggregator that keeps up (a 2-rank run) never makes a rank wait for its lease; only
+    rank 0 waits, for the verdict on a checkpoint candidate, and the packet of the step
+    after it carries that wait."""
+    assert all("monitor_wait_s" in o for o in pk), "a step packet without monitor_wait_s"
+    after_verdict = {o["step"] + 1 for o in pk if o["rank"] == 0 and o.get("decision")}
+    assert after_verdict, "rank 0 never waited for a checkpoint verdict"
+    waited = sorted((o["rank"], o["step"], o["monitor_wait_s"]) for o in pk
+                    if o["monitor_wait_s"] > 0 and not (o["rank"] == 0 and o["step"] in after_verdict))
+    assert not waited, f"ranks blocked on an idle aggregator (rank, step, seconds): {waited}"
+    assert not any(o.get("decision") for o in pk if o["rank"] != 0), "only rank 0 waits for directives"
+
+
 def test_recipe_two_ranks_data_parallel(run_cli):
     steps = 12
     r = run_cli("launch", "--set", f"train.steps={steps}", "--set", "monitor.per_print_step=4",
@@ -56,6 +69,8 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     assert s["best_checkpoint"] and Path(s["best_checkpoint"]["path"]).exists()
     pk = assert_every_step_from_every_rank(r.run_dir, steps, 2)
     assert_fingerprints_agree(pk)
+    assert_nobody_waited_but_rank0_for_its_verdicts(pk)
+    assert s["monitor_wait_s"] == pytest.approx(sum(o.get("monitor_wait_s", 0.0) for o in pk if o["step"] > 0))
     # the loss fell: mean over ranks of the first 3 steps against the last 3
     by_step: dict[int, list[float]] = {}
     for o in pk:

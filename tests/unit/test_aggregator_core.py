@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.metrics_store import read_packets, read_wire
@@ -33,20 +34,33 @@ def test_directive_only_after_every_rank_reported(tmp_path):
     assert core.directive_for(1).action is Action.CONTINUE
 
 
-def test_stop_request_lands_on_the_next_decision_step_for_all(tmp_path):
-    core = AggregatorCore(tmp_path, world_size=2)
+def test_stop_request_lands_max_lag_steps_after_the_next_reduced_step_for_all(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"monitor": {"max_lag_steps": 1}})
     core.ingest([step(0, 1), step(1, 1)])
     core.request_stop("user interrupt")
-    # step 2 is not a decision step: the stop waits
+    assert not core.lease().stopping, "decided when the next step is reduced"
     core.ingest([step(0, 2, decision=False), step(1, 2, decision=False)])
+    lease = core.lease()
+    # ranks may already run step 3 (their lease allowed it): all stop after it
+    assert (lease.reduced_through, lease.stop_after, lease.reason) == (2, 3, "user interrupt")
     assert core.directive_for(2).action is Action.CONTINUE
     core.ingest([step(0, 3), step(1, 3)])
     d = core.directive_for(3)
     assert d.action is Action.STOP and "user interrupt" in d.reason
-    assert core.snapshot()["stop"]["step"] == 3
+    assert core.snapshot()["stop"]["step"] == 3 and core.snapshot()["stop"]["decided_at"] == 2
     # a straggling later step still says stop
     core.ingest([step(0, 4), step(1, 4)])
     assert core.directive_for(4).action is Action.STOP
+
+
+def test_lockstep_stop_lands_on_the_step_it_was_decided(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"monitor": {"max_lag_steps": 0}})
+    core.ingest([step(0, 1), step(1, 1)])
+    core.request_stop("user interrupt", save=True)
+    core.ingest([step(0, 2, decision=False), step(1, 2, decision=False)])
+    lease = core.lease()
+    assert (lease.stop_after, lease.save_last) == (2, True)
+    assert core.directive_for(2).action is Action.STOP and "last" in core.directive_for(2).save_kinds
 
 
 def test_tables_every_per_print_step(tmp_path):
@@ -121,13 +135,16 @@ def test_memory_stays_bounded_under_a_flood_of_incomplete_steps(tmp_path):
     for s in range(1, 5001):  # rank 3 never reports: nothing completes
         core.ingest([step(r, s, decision=False) for r in range(3)])
     assert len(core.reducer.pending_steps()) <= core.reducer.max_pending
-    assert core.reducer.evicted_incomplete == 5000 - core.reducer.max_pending
+    # what is neither pending nor evicted was refused: beyond the step window (no step reduced)
+    window = core.STEP_WINDOW
+    assert core.reducer.evicted_incomplete == window - core.reducer.max_pending
+    assert core.rejected["step_out_of_window"] == 3 * (5000 - window)
     assert len(core.directives) == 0 and len(core.recent) == 0
     core.close()
 
 
 def test_a_failed_checkpoint_save_stops_the_run_when_configured(tmp_path):
-    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False,
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False, "monitor": {"max_lag_steps": 0},
                                                             "checkpoint": {"on_save_error": "stop"}})
     core.ingest([step(0, 1)])
     core.ingest([EventPacket(rank=0, kind="error", step=1,
@@ -140,3 +157,41 @@ def test_a_failed_checkpoint_save_stops_the_run_when_configured(tmp_path):
     go_on.ingest([EventPacket(rank=0, kind="error", step=1, message="checkpoint save at step 1 failed: x").encode(),
                   step(0, 1)])
     assert go_on.directive_for(1).action is Action.CONTINUE
+
+
+def test_forged_ranks_and_future_steps_touch_no_clock_and_are_not_stored(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"tensorboard": False})
+    core.ingest([step(0, 1), step(1, 1)])
+    before = (core.last_progress, dict(core.heartbeat))
+    core.ingest([step(0, (1 << 40) - 1), step(7, 2), EventPacket(rank=1, kind="heartbeat", step=1 << 39).encode()])
+    assert core.rejected == {"step_out_of_window": 2, "rank_out_of_world": 1}, core.rejected
+    assert (core.last_progress, dict(core.heartbeat)) == before, "a forged packet moved a clock"
+    assert dict(core.reducer.last_step_of_rank) == {0: 1, 1: 1}
+    for s in range(2, 300):  # 300 forged future steps cannot evict a live pending step
+        core.ingest([step(0, s + 1000)])
+    core.ingest([step(0, 2), step(1, 2)])
+    assert core.reducer.reduced_through == 2
+    core.close()
+    stored = [o for o in read_wire(tmp_path / "metrics.msgpack") if o.get("t") == "step"]
+    assert max(o["step"] for o in stored) == 2, "refused packets are not stored"
+
+
+def test_bad_nested_content_is_refused_by_the_codec_and_a_bad_packet_costs_only_itself(tmp_path):
+    from mindpulse.protocol import PacketError, TelemetryPacket, decode
+
+    for cards in ([{"card": 0, "util_pct": "x"}], [{"card": [1, 2]}], [{"ranks": ["a"]}], ["not a map"]):
+        with pytest.raises(PacketError):
+            decode(TelemetryPacket(node="n0", cards=cards).encode())
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False, "monitor": {"max_lag_steps": 0},
+                                                             "anomalies": [{"rule": "threshold", "metric": "loss",
+                                                                            "op": ">", "threshold": 5,
+                                                                            "action": "stop"}]})
+    bad_ckpt = EventPacket(rank=0, kind="checkpoint", message='[{"step": "x", "path": "a", "kind": "best"}, '
+                           '{"step": 1e999, "path": "b", "kind": "best"}]').encode()
+    core.ingest([bad_ckpt, TelemetryPacket(node="n0", cards=[{"card": 0, "util_pct": "x"}]).encode(),
+                 step(0, 1, loss=9.0)])
+    assert core.rejected["bad_checkpoint_entry"] == 2 and core.rejected["malformed"] == 1, core.rejected
+    assert core.directive_for(1).action is Action.STOP, "the stop in the same batch was not lost"
+    core.close()
+    again = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False}, replay=True)
+    assert again.reducer.reduced_through == 1, "replay skips what it cannot apply and goes on"

@@ -64,7 +64,8 @@ def test_empty_config_gets_defaults():
         ({"name": ""}, "name: '' is not allowed"),
         ({"monitor": {"collect_freq": 0}}, "monitor.collect_freq"),
         ({"monitor": {"per_print_step": 0}}, "monitor.per_print_step"),
-        ({"monitor": {"decision_every": 0}}, "monitor.decision_every"),
+        ({"monitor": {"decision_every": 1}}, "monitor.decision_every: removed"),
+        ({"monitor": {"max_lag_steps": -1}}, "monitor.max_lag_steps"),
         ({"monitor": {"decision_timeout_s": 0}}, "monitor.decision_timeout_s"),
         ({"monitor": {"hang_timeout_s": -1}}, "monitor.hang_timeout_s"),
         ({"output": {"root": ""}}, "output.root: must not be empty"),
@@ -126,7 +127,7 @@ def test_every_field_is_documented():
     for needed in ("name", "backend", "ray.address", "world.nodes", "world.ranks_per_node", "world.device",
                    "job.script", "job.args", "train.steps", "train.epochs", "train.batch_size", "train.lr",
                    "train.seed", "train.mode", "monitor.collect_freq", "monitor.per_print_step",
-                   "monitor.decision_every", "output.root"):
+                   "monitor.max_lag_steps", "output.root"):
         assert needed in paths
     undocumented = [r[0] for r in rows if not r[2]]
     assert not undocumented, f"fields without a docstring: {undocumented}"
@@ -163,3 +164,284 @@ def test_readme_documents_every_field():
     readme = (ROOT / "README.md").read_text()
     missing = [p for p, _, _ in describe_fields() if f"`{p}`" not in readme]
     assert not missing, f"README's config reference lacks {missing}"
+
+
+# ---- floats must be finite (NaN/Inf in a timeout kills or deafens the job) ---------------------
+
+def _float_fields(cls: type) -> list[list]:
+    """Paths (field names, 0 for the first item of a list of dataclasses) of every float field."""
+    import dataclasses
+    import typing
+
+    out: list[list] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) is not list and args:
+            tp = args[0]  # X | None
+        if tp is float:
+            out.append([f.name])
+        elif dataclasses.is_dataclass(tp):
+            out += [[f.name, *sub] for sub in _float_fields(tp)]
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+            out += [[f.name, 0, *sub] for sub in _float_fields(typing.get_args(tp)[0])]
+    return out
+
+
+def _nest(path: list, value) -> tuple[dict, str]:
+    """The raw config setting `path` to `value`, and its dotted name as errors spell it."""
+    node: object = value
+    for part in reversed(path):
+        node = [node] if part == 0 else {part: node}
+    dotted = ".".join(str(p) for p in path).replace(".0.", "[0].")
+    return node, dotted  # type: ignore[return-value]
+
+
+FLOAT_FIELDS = _float_fields(__import__("mindpulse.config", fromlist=["RunConfig"]).RunConfig)
+
+
+def test_float_field_walk_finds_the_nested_ones():
+    dotted = {_nest(p, 0)[1] for p in FLOAT_FIELDS}
+    assert {"train.lr", "monitor.hang_timeout_s", "monitor.decision_timeout_s", "monitor.straggler_threshold",
+            "monitor.telemetry_interval_s", "anomalies[0].threshold", "anomalies[0].factor", "anomalies[0].z",
+            "anomalies[0].for_s", "anomalies[0].tolerance"} <= dotted, dotted
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), "nan", "-Infinity", 10 ** 400])
+@pytest.mark.parametrize("path", FLOAT_FIELDS, ids=lambda p: _nest(p, 0)[1])
+def test_every_float_field_must_be_finite(path, bad):
+    raw, dotted = _nest(path, bad)
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw)
+    assert str(err.value).startswith(f"{dotted}: ") and "use a finite number (not NaN or infinity)" in str(err.value)
+
+
+def test_yaml_nan_and_inf_are_refused(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("monitor: {hang_timeout_s: .nan}\n")
+    with pytest.raises(ConfigError, match=r"^monitor.hang_timeout_s: nan is not allowed; use a finite number"):
+        load_config(cfg)
+    cfg.write_text("anomalies:\n  - {rule: threshold, metric: loss, threshold: -.inf}\n")
+    with pytest.raises(ConfigError, match=r"^anomalies\[0\].threshold: -inf is not allowed"):
+        load_config(cfg)
+    cfg.write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"^monitor.decision_timeout_s: inf is not allowed"):
+        load_config(cfg, ["monitor.decision_timeout_s=.inf"])
+    assert load_config(cfg, ["monitor.decision_timeout_s=1e3"])[0].monitor.decision_timeout_s == 1000.0
+
+
+# ---- metric names: a typo must not silently never fire --------------------------------------------
+
+def test_reduced_metrics_match_the_reducer():
+    """config cannot import the aggregator: its copy of ReducedStep's metric names must not drift."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+    import typing
+
+    from mindpulse.aggregator.reducer import ReducedStep
+    from mindpulse.config import METRIC_ALIASES, REDUCED_METRICS
+
+    def numeric(tp) -> bool:  # int, float, or either | None
+        if typing.get_origin(tp) is None:
+            return tp in (int, float)
+        args = typing.get_args(tp)
+        return type(None) in args and all(a in (int, float, type(None)) for a in args)
+
+    hints = typing.get_type_hints(ReducedStep)
+    numeric_fields = {f.name for f in dataclasses.fields(ReducedStep) if numeric(hints[f.name])}
+    assert set(REDUCED_METRICS) == numeric_fields
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ReducedStep.metric)))
+    aliases = {k.value for node in ast.walk(tree) if isinstance(node, ast.Dict) for k in node.keys}
+    assert set(METRIC_ALIASES) == aliases
+    red = ReducedStep(nonfinite_ranks=[], **{n: 2 for n in REDUCED_METRICS})
+    assert all(red.metric(n) is not None for n in (*REDUCED_METRICS, *METRIC_ALIASES))
+
+
+def test_recipe_metrics_are_what_its_evaluator_reports(monkeypatch):
+    import types
+
+    import numpy as np
+
+    from mindpulse.config import RECIPE_METRICS
+    from mindpulse.workers.recipes import llama_finetune
+
+    stub = types.ModuleType("mindspore")
+    stub.Tensor = np.asarray  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mindspore", stub)
+
+    class Out:
+        def asnumpy(self):
+            return np.array([2.0])
+
+    evaluate = llama_finetune.make_evaluator(lambda batch: Out(), np.zeros((4, 9), np.int32), 2, 0)
+    assert tuple(evaluate()) == RECIPE_METRICS["llama_finetune"] == ("eval_loss", "eval_ppl")
+
+
+SCRIPT = {"job": {"script": "train.py"}}
+RULE = {"rule": "threshold", "op": ">", "threshold": 1.0}
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"anomalies": [dict(RULE, metric="lossx")]},
+         "anomalies[0].metric: 'lossx' is not a metric this job reports; use one of loss, grad_norm_global, "
+         "throughput, step, epoch"),
+        ({"anomalies": [RULE, dict(RULE, metric="grad_nrom", enabled=False)]}, "anomalies[0].metric: a threshold"),
+        ({"anomalies": [dict(RULE, metric="loss"), dict(RULE, metric="grad_nrom")]},
+         "anomalies[1].metric: 'grad_nrom' is not a metric this job reports"),
+        ({"eval": {"every_steps": 5}, "checkpoint": {"best_metric": "evall_loss"}},
+         "checkpoint.best_metric: 'evall_loss' is not a metric this job reports; use one of"),
+        ({"checkpoint": {"best_metric": "los"}}, "checkpoint.best_metric: 'los' is not a metric this job reports"),
+        ({"anomalies": [dict(RULE, metric="eval_loss")]},
+         "anomalies[0].metric: 'eval_loss' is reported by the llama_finetune recipe only when evaluation is on"),
+        ({"eval": {"every_steps": 5}, "anomalies": [dict(RULE, metric="eval_acc")]},
+         "anomalies[0].metric: 'eval_acc' is not a metric this job reports"),
+        (dict(SCRIPT, anomalies=[dict(RULE, metric="eval_acc")]),
+         "anomalies[0].metric: 'eval_acc' is not a metric this job reports"),
+        (dict(SCRIPT, eval={"every_steps": 5}, checkpoint={"best_metric": "eval_loss"}),
+         "checkpoint.best_metric: 'eval_loss' is not a metric this job reports"),
+        (dict(SCRIPT, eval={"metrics": ["acc", "acc"]}), "eval.metrics[1]: 'acc' is listed twice"),
+        (dict(SCRIPT, eval={"metrics": [""]}), "eval.metrics[0]: '' is not allowed"),
+        (dict(SCRIPT, eval={"metrics": "acc"}), "eval.metrics: expected a list"),
+        ({"eval": {"every_steps": 5, "metrics": ["eval_acc"]}},
+         "eval.metrics[0]: 'eval_acc' is not reported by the llama_finetune recipe (it reports eval_loss, eval_ppl"),
+        ({"anomalies": [{"rule": "card_overload", "metric": "temp"}]},
+         "anomalies[0].metric: 'temp' is not allowed for card_overload; use one of temp_c, memory_pct, power_w"),
+    ],
+)
+def test_unknown_metrics_name_the_field_and_the_known_names(raw, needle):
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw)
+    assert str(err.value).startswith(needle), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"anomalies": [dict(RULE, metric=m) for m in ("loss", "loss_max", "grad_norm", "grad_norm_global",
+                                                       "step_time_max", "samples_per_s", "throughput", "lr")]},
+        {"eval": {"every_steps": 5}, "anomalies": [dict(RULE, metric="eval_ppl")],
+         "checkpoint": {"best_metric": "eval_loss"}},
+        {"eval": {"per_epoch": True, "metrics": ["eval_loss"]}, "checkpoint": {"best_metric": "eval_ppl"}},
+        dict(SCRIPT, eval={"every_steps": 5, "metrics": ["eval_acc", "tokens_per_s"]},
+             anomalies=[dict(RULE, metric="tokens_per_s")], checkpoint={"best_metric": "eval_acc", "best_mode": "max"}),
+        {"anomalies": [{"rule": "card_overload", "metric": "power_w", "threshold": 300},
+                       {"rule": "loss_spike", "z": 8}]},
+    ],
+)
+def test_known_metrics_pass(raw):
+    from_dict(raw)
+
+
+# ---- env: what mindpulse sets or relies on cannot be overridden ----------------------------------
+
+@pytest.mark.parametrize(
+    "key, instead",
+    [
+        ("MS_ROLE", "MS_WORKER"),
+        ("MS_SCHED_HOST", "use msrun.master_addr"),
+        ("MS_SCHED_PORT", "use msrun.master_port"),
+        ("MS_WORKER_NUM", "use world.nodes and world.ranks_per_node"),
+        ("MS_NODE_ID", "use world.nodes and world.ranks_per_node"),
+        ("MS_TOPO_TIMEOUT", "use msrun.cluster_time_out"),
+        ("RANK_ID", "use world.nodes and world.ranks_per_node"),
+        ("RANK_SIZE", "use world.nodes and world.ranks_per_node"),
+        ("RANK_TABLE_FILE", "not a RANK_TABLE_FILE"),
+        ("DEVICE_ID", "use world.devices"),
+        ("ASCEND_RT_VISIBLE_DEVICES", "use world.devices"),
+        ("CUDA_VISIBLE_DEVICES", "use world.devices"),
+        ("RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES", "use world.devices"),
+        ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "use world.devices"),
+        ("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "cannot import MindSpore; it has no config key"),
+        ("MINDPULSE_SETTINGS", "they have no config key"),
+        ("MINDPULSE_NODE_RANK", "they have no config key"),
+        ("GLOG_v", "set GLOG_v in that shell"),
+    ],
+)
+def test_env_refuses_what_mindpulse_sets_naming_the_key_to_use(key, instead):
+    with pytest.raises(ConfigError) as err:
+        from_dict({"env": {key: "1"}})
+    msg = str(err.value)
+    assert msg.startswith(f"env.{key}: not allowed: ") and instead in msg, msg
+
+
+@pytest.mark.parametrize("key", ["HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "LD_PRELOAD", "MS_ALLOC_CONF",
+                                 "MS_DEV_RUNTIME_CONF", "GLOG_logtostderr", "GLOG_log_dir", "PATH", "PYTHONPATH",
+                                 "ASCEND_GLOBAL_LOG_LEVEL", "OMP_NUM_THREADS"])
+def test_env_keeps_what_users_set(key):
+    assert from_dict({"env": {key: "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}}).env[key]
+
+
+@pytest.mark.parametrize("backend", ["ray", "msrun"])
+@pytest.mark.parametrize("device", ["cpu", "ascend", "gpu"])
+def test_every_variable_mindpulse_gives_ranks_is_refused_in_env(backend, device):
+    """The denylist covers what the launcher actually sets (a new variable there must be added)."""
+    from mindpulse.config import env_reserved
+    from mindpulse.launcher.spec import rank_specs, scheduler_env
+    from mindpulse.node.agent import WORKER_ENV
+    from mindpulse.protocol import NODE_RANK_ENV, SETTINGS_ENV
+
+    cfg = from_dict({"backend": backend, "world": {"device": device, "nodes": 2}})
+    keys = {k for s in rank_specs(cfg) for k in s.env} | set(scheduler_env(cfg)) | set(WORKER_ENV)
+    keys |= {SETTINGS_ENV, NODE_RANK_ENV}
+    assert {"MS_TOPO_TIMEOUT", "GLOG_v", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"} <= keys
+    assert [k for k in sorted(keys) if env_reserved(k) is None] == []
+
+
+def test_env_name_must_be_a_variable_name():
+    with pytest.raises(ConfigError, match=r"^env.A-B: not a valid environment variable name; use letters"):
+        from_dict({"env": {"A-B": "1"}})
+
+
+# ---- output.root reaches msrun's shell command -------------------------------------------------
+
+@pytest.mark.parametrize("root", ["/data/x;rm -rf ~", "runs $(id)", "a|b", "a`b`", "a&b", "r>uns", "x'y", 'x"y',
+                                  "x\ny", "a*b", "a#b"])
+def test_msrun_output_root_without_shell_metacharacters(root):
+    with pytest.raises(ConfigError) as err:
+        from_dict({"backend": "msrun", "output": {"root": root}})
+    assert str(err.value).startswith(f"output.root: {root!r} holds ") and "letters, digits and" in str(err.value)
+    assert from_dict({"backend": "ray", "output": {"root": root}}).output.root == root  # no shell there
+    assert from_dict({"backend": "msrun", "output": {"root": "/data/runs_2024-01,a+b:c@d%e=f~g/é"}})
+
+
+def test_launch_checks_the_resolved_output_root(tmp_path):
+    from mindpulse.launcher.rundir import make_run_dir
+
+    cwd = tmp_path / "jobs;touch pwned"
+    cwd.mkdir()
+    cfg = from_dict({"backend": "msrun", "output": {"root": "runs"}})  # relative: fine as written
+    with pytest.raises(ConfigError, match=r"^output.root: 'runs' \(resolved: .*jobs;touch pwned/runs'\) holds ' ;'"):
+        make_run_dir(cfg, base=cwd)
+    assert list(cwd.iterdir()) == [], "a run directory was made"
+    link = tmp_path / "safe_link"
+    link.symlink_to(cwd)
+    cfg = from_dict({"backend": "msrun", "output": {"root": str(link)}})
+    with pytest.raises(ConfigError, match=r"holds ' ;'"):
+        make_run_dir(cfg)
+    ray_cfg = from_dict({"backend": "ray", "output": {"root": "runs"}})
+    assert make_run_dir(ray_cfg, base=cwd).parent == cwd / "runs"  # the ray backend has no shell
+    assert make_run_dir(from_dict({"backend": "msrun"}), base=tmp_path / "ok").parent == tmp_path / "ok" / "runs"
+
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["monitor.hang_timeout_s=.nan"], "monitor.hang_timeout_s: nan is not allowed"),
+        (["monitor.decision_timeout_s=.inf"], "monitor.decision_timeout_s: inf is not allowed"),
+        (["anomalies=[{rule: threshold, metric: lossx, threshold: 1}]"], "anomalies[0].metric: 'lossx'"),
+        (["checkpoint.best_metric=evall_loss"], "checkpoint.best_metric: 'evall_loss'"),
+        (["env={MS_TOPO_TIMEOUT: '5'}"], "env.MS_TOPO_TIMEOUT: not allowed"),
+        (["backend=msrun", "output.root=/tmp/a;b"], "output.root: '/tmp/a;b' holds"),
+    ],
+)
+def test_cli_plan_exits_2_on_these(sets, needle):
+    args = [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-m", "mindpulse.launcher.cli", "plan", *args], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from mindpulse.aggregator.anomaly_log import read_records
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.policies import (
     Action,
@@ -113,7 +114,7 @@ def _steps(core, s, losses, **kw):
 
 
 def test_core_records_firings_once_and_stops_at_that_step(tmp_path):
-    core = AggregatorCore(tmp_path, world_size=2, settings={"anomalies": [
+    core = AggregatorCore(tmp_path, world_size=2, settings={"monitor": {"max_lag_steps": 0}, "anomalies": [
         {"rule": "threshold", "metric": "loss", "op": ">", "threshold": 2.5, "action": "warn"}]})
     _steps(core, 1, [1.0, 1.0])
     _steps(core, 2, [3.0, 3.0])  # warn: recorded, run goes on
@@ -121,7 +122,7 @@ def test_core_records_firings_once_and_stops_at_that_step(tmp_path):
     _steps(core, 3, [1.0, math.nan])
     d = core.directive_for(3)
     assert d.action is DirectiveAction.STOP and "rank 1" in d.reason
-    recs = json.loads((tmp_path / "anomalies.json").read_text())
+    recs = list(read_records(tmp_path))  # anomalies.jsonl while the run goes on
     assert [(r["rule"], r["step"], r["rank"], r["action"]) for r in recs] == [
         ("loss>2.5", 2, None, "warn"), ("nonfinite", 3, 1, "stop")]
     assert recs[1]["value"] == "nan"
@@ -132,7 +133,7 @@ def test_core_records_firings_once_and_stops_at_that_step(tmp_path):
 
 
 def test_core_card_overload_from_synthetic_telemetry(tmp_path):
-    core = AggregatorCore(tmp_path, world_size=1, settings={"anomalies": [
+    core = AggregatorCore(tmp_path, world_size=1, settings={"monitor": {"max_lag_steps": 0}, "anomalies": [
         {"rule": "card_overload", "metric": "temp_c", "threshold": 90, "for_s": 0, "action": "stop"}]})
     _steps(core, 1, [1.0])
     core.ingest([TelemetryPacket(node="n0", ts=1.0, source="test",
@@ -144,11 +145,25 @@ def test_core_card_overload_from_synthetic_telemetry(tmp_path):
 
 def test_save_and_stop_asks_rank0_for_a_last_checkpoint(tmp_path):
     core = AggregatorCore(tmp_path, world_size=1, settings={
+        "monitor": {"max_lag_steps": 0},
         "anomalies": [{"rule": "threshold", "metric": "loss", "op": ">", "threshold": 5, "action": "save_and_stop"}],
         "checkpoint": {"save_last": True}})
     _steps(core, 1, [9.0])
     d = core.directive_for(1)
     assert d.action is DirectiveAction.STOP and "last" in d.save_kinds
+
+
+def test_a_stop_decided_at_step_s_lands_after_s_plus_max_lag_on_every_rank(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"monitor": {"max_lag_steps": 2}})
+    _steps(core, 1, [1.0, 1.0])
+    _steps(core, 2, [1.0, math.nan])
+    lease = core.lease()
+    assert (lease.reduced_through, lease.stop_after) == (2, 4) and "rank 1" in lease.reason
+    assert [lease.allows(s, 2) for s in (3, 4, 5)] == [True, True, True], "a stop lets every rank reach it"
+    for s in (3, 4):
+        _steps(core, s, [1.0, 1.0])
+    assert [core.directive_for(s).action for s in (2, 3, 4)] == [DirectiveAction.CONTINUE] * 2 + [DirectiveAction.STOP]
+    assert core.snapshot()["stop"]["step"] == 4 and core.snapshot()["stop"]["decided_at"] == 2
 
 
 def test_best_and_periodic_save_decisions(tmp_path):
@@ -169,8 +184,11 @@ def test_desync_names_ranks_off_the_majority_and_ties_keep_rank0():
     rule = DesyncRule({})
     r3 = reduce_step(0, {r: StepPacket(rank=r, step=0, fingerprint=fp) for r, fp in enumerate("aab")}, 3)
     f = rule.check(r3)
-    assert f.rank == 2 and f.step == 0 and "ranks [2] differ from the majority [0, 1]" in f.message
-    assert "seed" in f.message and f.action is Action.STOP
+    # the whole message: the odd ranks, the majority, its fingerprint, then the causes (a bare
+    # `"seed" in message` held for any message, CAUSES always names the seed)
+    assert f.rank == 2 and f.step == 0 and f.action is Action.STOP
+    assert f.message == ("parameters out of sync at step 0: ranks [2] differ from the majority [0, 1] "
+                         f"(fingerprint a). Likely causes: {DesyncRule.CAUSES}"), f.message
     r2 = reduce_step(4, {r: StepPacket(rank=r, step=4, fingerprint=fp) for r, fp in enumerate("xy")}, 2)
     assert rule.check(r2).rank == 1
     same = reduce_step(4, {r: StepPacket(rank=r, step=4, fingerprint="z") for r in range(2)}, 2)
@@ -204,3 +222,56 @@ def test_straggler_scores_and_rule():
                              for r in range(2)}, 2)
         even.update(rs)
     assert min(rs.straggler_scores.values()) > 0.99
+
+
+def test_the_stopping_rule_is_reported_once_while_ranks_reach_the_stop_step(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"monitor": {"max_lag_steps": 1}})
+    _steps(core, 1, [1.0, 1.0])
+    _steps(core, 2, [1.0, math.nan])
+    _steps(core, 3, [math.nan, math.nan])  # the NaN weights of step 2 are still there
+    recs = list(read_records(tmp_path))  # anomalies.jsonl while the run goes on
+    assert [(r["rule"], r["step"]) for r in recs] == [("nonfinite", 2)]
+    assert [x for x in core.drain_console() if x.startswith("ANOMALY")] == [
+        x for x in [f"ANOMALY nonfinite (rank 1) -> stop: {recs[0]['message']}"]]
+    assert core.snapshot()["anomalies_repeated_while_stopping"] == 1
+    assert core.directive_for(3).action is DirectiveAction.STOP
+
+
+def test_a_rule_that_raises_is_reported_once_per_cause(tmp_path):
+    from mindpulse.aggregator.policies import Rule
+
+    class Broken(Rule):
+        kind = "broken"
+
+        def check(self, red):
+            raise ZeroDivisionError("division by zero in my rule")
+
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False,
+                                                             "anomalies": [{"rule": "broken"}],
+                                                             "extra_rules": {"broken": Broken}})
+    for s in (1, 2, 3):
+        _steps(core, s, [1.0])
+    recs = [r for r in read_records(tmp_path) if r.get("kind") == "rule_error"]
+    assert [(r["rule"], r["step"]) for r in recs] == [("broken", 1)], recs
+    assert "ZeroDivisionError: division by zero in my rule" in recs[0]["message"]
+    assert [x for x in core.drain_console() if x.startswith("RULE ERROR")] == [
+        "RULE ERROR broken at step 1: ZeroDivisionError: division by zero in my rule (the rule cannot fire)"]
+    assert core.snapshot()["rule_errors"] == [{"rule": "broken", "error": "ZeroDivisionError: division by zero "
+                                                                         "in my rule", "step": 1}]
+
+
+def test_anomalies_are_appended_not_rewritten_and_a_restart_continues_them(tmp_path):
+    settings = {"tensorboard": False, "anomalies": [
+        {"rule": "threshold", "metric": "loss", "op": ">", "threshold": 0.5, "action": "warn"}]}
+    core = AggregatorCore(tmp_path, world_size=1, settings=settings)
+    for s in range(1, 401):
+        _steps(core, s, [1.0 if s % 2 else 0.0])  # a new excursion every other step
+    assert not (tmp_path / "anomalies.json").exists(), "no full rewrite per firing"
+    lines = (tmp_path / "anomalies.jsonl").read_text().splitlines()
+    assert len(lines) == 200 and json.loads(lines[-1])["step"] == 399
+    core.close()
+    assert [r["step"] for r in json.loads((tmp_path / "anomalies.json").read_text())] == list(range(1, 400, 2))
+    again = AggregatorCore(tmp_path, world_size=1, settings=dict(settings, start_step=400))  # a resumed attempt
+    _steps(again, 401, [1.0])
+    again.close()
+    assert len(json.loads((tmp_path / "anomalies.json").read_text())) == 201, "nothing dropped, nothing lost"

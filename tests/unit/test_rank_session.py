@@ -13,6 +13,7 @@ from mindpulse.protocol import (
     CheckpointSettings,
     Directive,
     EventKind,
+    Lease,
     MonitorSettings,
     ProfileSettings,
     RankSettings,
@@ -29,8 +30,8 @@ def settings(tmp_path, **changes) -> RankSettings:
     s = RankSettings(
         run_id="t", run_dir=str(tmp_path), attempt=0, namespace="t", aggregator="t", ray_address="", world_size=4,
         ranks_per_node=2, device_target="CPU", relays={0: "127.0.0.1:1", 1: "127.0.0.1:2"}, batch_size=8,
-        schedule=Schedule(total_steps=10, collect_freq=100, decision_every=3, save_every=4, best_every=1,
-                          eval_every=5, eval_per_epoch=False),
+        schedule=Schedule(total_steps=10, collect_freq=100, max_lag_steps=1, save_every=4, best_every=3,
+                          save_best=True, eval_every=5, eval_per_epoch=False),
         monitor=MonitorSettings(decision_timeout_s=2.0, heartbeat_s=1.0, weight_stats=False, histogram_regex=""),
         checkpoint=CheckpointSettings(keep_periodic=5, keep_best=1, format="ckpt"),
         profile=ProfileSettings(steps=(), ranks=(0,)), faults=(), resume=None, config={},
@@ -39,35 +40,71 @@ def settings(tmp_path, **changes) -> RankSettings:
 
 
 class Recording(Channel):
-    """Answers decisions from a plan {step: Directive kwargs}."""
+    """Answers decisions from a plan {step: Directive kwargs}; an aggregator that reduced
+    every step shipped, and decides a stop when it reduces `stop_at` (lag `lag`)."""
 
-    def __init__(self, plan=None):
+    def __init__(self, plan=None, stop_at=None, lag=1):
         super().__init__()
         self.plan = plan or {}
+        self.stop_at, self.lag = stop_at, lag
         self.packets = []
         self.calls = 0
+        self.lease_calls = []
 
-    def _ship(self, batch):
+    def _ship(self, batch, step=None):
         self.calls += 1
         self.packets.extend(map(decode, batch))
 
-    def _decide(self, batch, step):
+    def _decide(self, batch, step, expect):
         self._ship(batch)
         return Directive(step=step, **self.plan.get(step, {}))
 
+    def _fetch_lease(self, need):
+        self.lease_calls.append(need)
+        reduced = max((p.step for p in self.packets if isinstance(p, StepPacket)), default=-1)
+        stop = self.stop_at + self.lag if self.stop_at is not None and reduced >= self.stop_at else -1
+        return Lease(reduced_through=reduced, stop_after=stop, reason="rule fired" if stop >= 0 else ""), 0.0
 
-def test_decision_steps_come_from_the_schedule_and_every_rank_stops_after_the_same_step(tmp_path):
+
+def test_only_rank0_waits_at_candidates_and_every_rank_stops_after_the_same_step(tmp_path):
     from mindpulse.workers.session import RankSession
 
-    ch = Recording({6: dict(action=Action.STOP, reason="rule fired")})
-    s = RankSession(settings(tmp_path), rank=1, channel=ch, evaluate=lambda: {"eval_loss": 1.0})
-    outcomes = [s.record(1.0) for _ in range(7)]
-    steps = [p for p in ch.packets if isinstance(p, StepPacket)]
-    assert [p.step for p in steps if p.decision] == [3, 4, 5, 6]  # every 3, save every 4, eval every 5
-    assert [p.step for p in steps if "eval_loss" in p.extra] == [5]
-    assert {p.samples for p in steps} == {8}, "the batch size comes from the settings"
-    assert [o.stop for o in outcomes] == [False] * 5 + [True, True]
-    assert outcomes[5].reason == "rule fired"
+    stops = {}
+    for rank in (0, 1):
+        ch = Recording(stop_at=5)
+        s = RankSession(settings(tmp_path), rank=rank, channel=ch, evaluate=lambda: {"eval_loss": 1.0})
+        outcomes = [s.record(1.0) for _ in range(7)]
+        steps = [p for p in ch.packets if isinstance(p, StepPacket)]
+        # rank 0: best candidates every 3, a periodic save every 4, evaluation every 5
+        assert [p.step for p in steps if p.decision] == ([3, 4, 5, 6] if rank == 0 else [])
+        assert [p.step for p in steps if "eval_loss" in p.extra] == [5]
+        assert {p.samples for p in steps} == {8}, "the batch size comes from the settings"
+        # an aggregator that keeps up costs no wait; rank 0's wait for a verdict is carried by
+        # the packet of the step after it
+        after_decision = {p.step + 1 for p in steps if p.decision}
+        assert {p.monitor_wait_s for p in steps if p.step not in after_decision} == {0.0}
+        assert all(p.monitor_wait_s > 0 for p in steps if p.step in after_decision)
+        stops[rank] = [o.stop for o in outcomes]
+        assert outcomes[5].reason == "rule fired"
+        assert ch.lease_calls[:3] == [0, 2, 4], "max_lag_steps back; a lease the cache grants costs no call"
+    # decided at step 5, one step of lag: every rank stops after step 6
+    assert stops[0] == stops[1] == [False] * 5 + [True, True]
+
+
+def test_a_wait_for_the_lease_is_carried_by_the_next_packet(tmp_path):
+    from mindpulse.workers.session import RankSession
+
+    class Slow(Recording):
+        def _fetch_lease(self, need):
+            lease, _ = super()._fetch_lease(need)
+            return lease, 0.25 if need == 2 else 0.0
+
+    ch = Slow()
+    s = RankSession(settings(tmp_path), rank=1, channel=ch)
+    for _ in range(5):
+        s.record(1.0)
+    waits = {p.step: p.monitor_wait_s for p in ch.packets if isinstance(p, StepPacket)}
+    assert waits == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.25, 5: 0.0}, "blocked after step 3, before step 4"
 
 
 def test_the_total_steps_stop_and_the_monitor_overrides(tmp_path):
@@ -76,7 +113,7 @@ def test_the_total_steps_stop_and_the_monitor_overrides(tmp_path):
     st = settings(tmp_path, resume=ResumePoint(path="x", step=4))
     m = Monitor(settings=st, client=Recording(), rank=1, collect_freq=2, total_steps=6, batch_size=3)
     sched = m.session.schedule
-    assert (sched.collect_freq, sched.decision_every, sched.total_steps) == (2, 3, 6)
+    assert (sched.collect_freq, sched.max_lag_steps, sched.total_steps) == (2, 1, 6)
     assert m.session.batch_size == 3 and m.step_num == 4, "the resume point is the step offset"
     assert m.record(1.0).stop is False
     out = m.record(1.0)
@@ -86,7 +123,7 @@ def test_the_total_steps_stop_and_the_monitor_overrides(tmp_path):
 def test_rank_zero_reports_a_save_it_cannot_do_and_goes_on(tmp_path, caplog):
     from mindpulse.workers.session import RankSession
 
-    ch = Recording({3: dict(save="best", metric=1.0, metric_name="loss")})
+    ch = Recording({3: dict(save="best", metric=1.0, metric_name="loss")})  # step 3: a best candidate
     s = RankSession(settings(tmp_path), rank=0, channel=ch)  # no train cell known
     assert [s.record(1.0).stop for _ in range(3)] == [False] * 3
     assert "asked to save best at step 3" in caplog.text
@@ -154,3 +191,61 @@ def test_settings_at_points_the_environment_at_the_job_file(tmp_path):
     other.write_text(json.dumps({}))
     with pytest.raises(SettingsError, match="different settings"):
         settings_at(str(other), env)
+
+
+def test_tensors_and_numpy_scalars_are_numbers_and_monitor_errors_never_reach_the_loop(tmp_path):
+    """The functional `value_and_grad` style hands the loss over as a Tensor: it killed the
+    training (msgpack cannot serialize a Tensor). Now it is a number; what the monitor cannot
+    handle is logged and counted, and training goes on."""
+    import mindspore as ms
+    import numpy as np
+
+    from mindpulse.workers.monitor import Monitor
+
+    ch = Recording()
+    m = Monitor(settings=settings(tmp_path), client=ch, rank=1)
+    out = m.step(loss=ms.Tensor(2.5, ms.float32), grad_norm=np.float64(1.5), nan_count=ms.Tensor(0, ms.int32),
+                 extra={"acc": np.float32(0.5), "t": ms.Tensor([0.25], ms.float32)})
+    assert out.stop is False
+    (first,) = [p for p in ch.packets if isinstance(p, StepPacket) and p.step == 1]
+    assert (first.loss, first.grad_norm, first.nan_count, first.extra) == (2.5, 1.5, 0, {"acc": 0.5, "t": 0.25})
+    out = m.record(object())  # not a number: a monitor error, not an exception
+    assert out.stop is False and m.session.errors == 1
+    m.record(1.0)
+    steps = {p.step: p for p in ch.packets if isinstance(p, StepPacket)}
+    assert 2 not in steps and steps[3].monitor_errors == 1, "the count travels with the next packets"
+    errors = [p for p in ch.packets if not isinstance(p, StepPacket) and p.kind == EventKind.MONITOR_ERROR.value]
+    assert len(errors) == 1 and "TypeError" in errors[0].message and "recording step 2" in errors[0].message
+
+
+def test_an_evaluation_reporting_an_undeclared_metric_is_a_monitor_error(tmp_path):
+    from mindpulse.workers.monitor import Monitor
+
+    ch = Recording()
+    st = settings(tmp_path, config={"eval": {"metrics": ["eval_acc"]}})
+    m = Monitor(settings=st, client=ch, rank=1, metrics=["eval_f1"], evaluate=lambda: {"eval_acc": 0.9, "evl_f1": 1},
+                eval_every=1)
+    m.record(1.0)
+    (pk,) = [p for p in ch.packets if isinstance(p, StepPacket) and p.step == 1]
+    assert pk.extra == {"eval_acc": 0.9, "evl_f1": 1.0}, "reported all the same"
+    (err,) = [p for p in ch.packets if not isinstance(p, StepPacket) and p.kind == EventKind.MONITOR_ERROR.value]
+    assert "['evl_f1'], not among the declared metrics ['eval_acc', 'eval_f1']" in err.message
+
+
+def test_a_rank_whose_relay_is_gone_stops_after_the_decision_timeout(tmp_path):
+    from mindpulse.workers.session import RankSession
+
+    class Gone(Recording):
+        def _fetch_lease(self, need):
+            return self._no_lease(need, "relay closed the connection")
+
+    ch = Gone()
+    st = settings(tmp_path, monitor=MonitorSettings(decision_timeout_s=0.2, heartbeat_s=1.0, weight_stats=False,
+                                                    histogram_regex=""))
+    s = RankSession(st, rank=1, channel=ch)
+    assert [s.record(1.0).stop for _ in range(3)] == [False] * 3, "a short outage is ridden out"
+    import time
+
+    time.sleep(0.25)
+    out = s.record(1.0)
+    assert out.stop and "no relay for" in out.reason and "monitor.decision_timeout_s" in out.reason

@@ -8,7 +8,7 @@ import threading
 import time
 
 from mindpulse.node.relay import RelayServer
-from mindpulse.protocol import Action, Directive, StepPacket
+from mindpulse.protocol import Action, Directive, Lease, StepPacket, decode
 from mindpulse.workers.channel import RelayChannel as RelayClient
 
 
@@ -100,3 +100,92 @@ def test_a_missing_relay_never_blocks_training():
     c.flush()
     assert d.action is Action.CONTINUE and "no directive" in d.reason
     assert time.time() - t0 < 5 and c.failures >= 1
+
+
+class LeasingUpstream(Upstream):
+    """An aggregator whose reduced step the test moves; `lease` is its long poll."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduced = -1
+        self.stop_after = -1
+        self.changed = threading.Condition()
+        self.polls = 0
+
+    def advance(self, reduced: int, stop_after: int = -1) -> None:
+        with self.changed:
+            self.reduced, self.stop_after = reduced, stop_after
+            self.changed.notify_all()
+
+    def lease(self, after, timeout):
+        with self.changed:
+            self.polls += 1
+            self.changed.wait_for(lambda: self.reduced > after or self.stop_after >= 0, timeout)
+            return Lease(reduced_through=self.reduced, stop_after=self.stop_after, reason="r").encode()
+
+
+def test_a_lease_at_hand_costs_no_wait_and_a_late_one_is_waited_for():
+    up = LeasingUpstream()
+    up.advance(4)
+    srv = RelayServer(up.send, up.decide, local_ranks=2, forward_lease=up.lease)
+    c = RelayClient("127.0.0.1", srv.start(), decision_timeout_s=5.0)
+    time.sleep(0.2)  # the relay's first long poll comes back at once (step 4 is reduced)
+    lease, waited = c.lease(3)
+    assert lease.reduced_through == 4 and waited == 0.0
+    lease, waited = c.lease(4)
+    assert waited == 0.0 and lease.reduced_through == 4, "the channel's own cache answered"
+    threading.Timer(0.3, up.advance, args=(6,)).start()
+    lease, waited = c.lease(5)
+    assert lease.reduced_through == 6 and waited >= 0.25, (lease, waited)
+    assert up.polls <= 4, "one long poll per change, not one per rank request"
+    threading.Timer(0.2, up.advance, args=(6, 8)).start()
+    lease, _ = c.lease(7)
+    assert lease.stopping and lease.stop_after == 8, "a decided stop grants the lease at once"
+    c.close()
+    srv.stop()
+
+
+def test_a_step_goes_up_as_soon_as_every_rank_of_the_node_sent_it():
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=2)
+    port = srv.start()
+    a, b = RelayClient("127.0.0.1", port), RelayClient("127.0.0.1", port)
+    a.send_step(pkt(0, 1), 1)
+    b.send_step(pkt(1, 1), 1)
+    deadline = time.time() + 2
+    while not up.sent and time.time() < deadline:
+        time.sleep(0.001)
+    assert [len(batch) for batch in up.sent] == [2], "one call for the node's step"
+    a.close()
+    b.close()
+    srv.stop()
+
+
+def test_without_an_aggregator_lease_no_rank_is_held():
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1)
+    c = RelayClient("127.0.0.1", srv.start(), decision_timeout_s=5.0)
+    assert c.lease(10) == (None, 0.0)
+    c.close()
+    srv.stop()
+
+
+def test_a_connection_without_the_runs_token_is_refused():
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1, token="s3cret")
+    port = srv.start()
+    stranger, wrong, rank = (RelayClient("127.0.0.1", port), RelayClient("127.0.0.1", port, token="guess"),
+                             RelayClient("127.0.0.1", port, token="s3cret"))
+    for c, step in ((stranger, 1), (wrong, 2), (rank, 3)):
+        c.send(pkt(0, step))
+        c.flush()
+    deadline = time.time() + 3
+    while not up.sent and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    got = [decode(b).step for batch in up.sent for b in batch]
+    assert got == [3], f"only the rank with the token gets through: {got}"
+    assert srv.stats["refused_connections"] == 2
+    for c in (stranger, wrong, rank):
+        c.close()
+    srv.stop()

@@ -181,3 +181,18 @@ def test_damaged_optional_files_are_reported_not_fatal(tmp_path):
     page = open(result["html"], encoding="utf-8").read()
     assert "summary.json could not be read" in page
     assert result["steps"] == 4 and result["world_size"] == WORLD
+
+
+def test_damaged_bytes_are_skipped_and_noted(tmp_path):
+    run_dir = tmp_path / "damaged-middle"
+    packets = _stream(steps=6)
+    blob = bytearray(b"".join(p.encode() for p in packets))
+    at = len(b"".join(p.encode() for p in packets[:7]))
+    blob[at] = 0xC1  # the map header of one step packet: never valid msgpack
+    run_dir.mkdir()
+    (run_dir / "metrics.msgpack").write_bytes(bytes(blob))
+    result = build_report(run_dir)
+    assert result["steps"] == 6  # the damaged packet's step is incomplete; every later one is read
+    page = open(result["html"], encoding="utf-8").read()
+    assert re.search(r"metrics.msgpack: \d+ damaged byte\(s\) skipped in 1 stretch\(es\)", page)
+    assert "1 stretch(es)" in final_tables(run_dir)

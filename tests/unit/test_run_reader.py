@@ -159,3 +159,55 @@ def test_damaged_config_falls_back_to_defaults_with_a_note(tmp_path):
     assert data.config == RunConfig()
     assert any("config.yaml is not valid YAML" in n for n in data.notes)
     assert data.config_text == "monitor: [unclosed\n"  # still shown as is
+
+
+def test_reader_follows_segments_closed_while_it_reads(tmp_path, monkeypatch):
+    """The aggregator closes metrics.msgpack (a numbered name, a new file) under a live reader:
+    every packet is read once, in order, and steps complete as the aggregator completed them."""
+    from mindpulse.aggregator import metrics_store as ms
+    from mindpulse.aggregator.metrics_store import MetricsWriter, closed_segments
+
+    monkeypatch.setattr(ms, "KEEP_FULL_SEGMENTS", 1000)
+    run = tmp_path / "run"
+    packets = _messy_stream(steps=30)
+    writer = MetricsWriter(run / "metrics.msgpack", max_file_size=1500)
+    live = RunReader(run)
+    for p in packets:
+        writer.append([p.encode()])
+        live.poll()
+    writer.close()
+    live.poll()
+    assert len(closed_segments(run)) > 10
+    expected = reduce_all([p for p in packets if isinstance(p, StepPacket)], 3)
+    tracker = StragglerTracker(RunConfig().monitor.straggler_window)
+    for red in expected:
+        tracker.update(red)
+    newest = max(expected, key=lambda r: r.step)
+    assert live.records == len(packets) and live.rejected == 0
+    assert live.complete_step == newest.step and _records([live.latest]) == _records([newest])
+    assert live.totals()["packets"]["duplicates"] == 4
+    assert live.tail.skipped_bytes == 0 and live.tail.segments_read == len(closed_segments(run))
+
+    whole = RunReader(run, history=True)
+    whole.poll()
+    assert _records(whole.reduced) == _records(expected)
+
+
+def test_damaged_bytes_in_the_middle_hide_nothing_after_them(tmp_path):
+    packets = _messy_stream()
+    path = _write(tmp_path / "run", packets)
+    blob = bytearray(path.read_bytes())
+    at = len(b"".join(p.encode() for p in packets[:9]))
+    junk = b"\xc1\x00\xff garbage \x93"  # bytes that are no record, between two records
+    blob[at:at] = junk
+    path.write_bytes(bytes(blob))
+    reader = RunReader(tmp_path / "run", history=True)
+    reader.poll()
+    assert reader.records == len(packets)  # every packet after the damage is read
+    assert reader.tail.skipped_bytes == len(junk) and reader.tail.errors == 1
+    assert reader.totals()["metrics"]["damaged_bytes_skipped"] == len(junk)
+    expected = reduce_all([p for p in packets if isinstance(p, StepPacket)], 3)
+    tracker = StragglerTracker(RunConfig().monitor.straggler_window)
+    for red in expected:
+        tracker.update(red)
+    assert _records(reader.reduced) == _records(expected)

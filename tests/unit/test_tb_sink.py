@@ -214,3 +214,23 @@ def test_a_second_sink_in_the_same_run_dir_keeps_the_first_file(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert _scalars(acc, "loss/mean") == {1: 1.0, 2: 2.0}
+
+
+def test_per_rank_scalars_every_collect_step_and_for_the_ranks_that_matter_between(tmp_path):
+    """16 ranks: between collect steps only the extremes (and flagged ranks) get per-rank
+    scalars; every collect step all of them; histograms over ranks every step."""
+    packets = [StepPacket(rank=r, step=s, loss=1.0 + r / 100 + s, step_time_s=0.1 + r / 1000, samples=4)
+               for s in range(1, 6) for r in range(16)]
+    sink = TensorBoardSink(tmp_path, flush_secs=1.0, collect_freq=5)
+    for red in reduce_all(packets, 16):
+        sink.on_reduced(red)
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    steps_of = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert steps_of["rank_0/loss"] == [1, 2, 3, 4, 5], "rank 0 is an extreme (lowest loss, fastest)"
+    assert steps_of["rank_15/loss"] == [1, 2, 3, 4, 5], "rank 15 is the other extreme"
+    assert steps_of["rank_7/loss"] == [5], "an ordinary rank: only at the collect step"
+    hist = {tag: [e.step for e in acc.Histograms(tag)] for tag in acc.Tags()["histograms"]}
+    assert hist["ranks/loss"] == [1, 2, 3, 4, 5] and hist["ranks/step_time"] == [1, 2, 3, 4, 5]
+    assert acc.Histograms("ranks/loss")[-1].histogram_value.num == 16

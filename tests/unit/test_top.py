@@ -305,3 +305,16 @@ def test_terminal_frame_fits_the_screen(run_dir):
     lines = top._fit(view.render(), 40, 8)
     assert len(lines) == 8 and all(len(ln) <= 40 for ln in lines)
     assert lines[-1].startswith("...")
+
+
+def test_a_damaged_record_is_skipped_counted_and_hides_nothing(run_dir):
+    path = run_dir / "metrics.msgpack"
+    view = RunView(run_dir)
+    view.refresh()
+    torn = _step(0, 6).encode()
+    # a record torn by a crash, then the restarted aggregator's records
+    _append(path, torn[:20] + b"".join(p.encode() for p in _packets(6, 7)))
+    view.refresh()
+    assert view.complete_step == 7
+    assert view.tail.skipped_bytes == 20 and view.tail.errors == 1
+    assert "damaged bytes skipped 20 (1 stretches)" in view.render().splitlines()[0]

@@ -1,5 +1,6 @@
 """MonitoredTrainOneStepCell in PYNATIVE and GRAPH mode (single process): the loss, the
-gradient norms and the NaN/Inf counts it returns, and the fault scalars."""
+gradient norms and the NaN/Inf counts it returns (taken only when a sum of squares is not
+finite), and the fault scalars."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import math
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn
+from mindspore import nn, ops
 
-from mindpulse.workers.train_cell import MonitoredTrainOneStepCell, split_outputs
+from mindpulse.workers.train_cell import MonitoredTrainOneStepCell, split_outputs, square_sum_groups
 
 
 @pytest.fixture(params=["pynative", "graph"])
@@ -68,3 +69,105 @@ def test_unarmed_cell_has_no_fault_ops_in_the_step(mode):
     cell.fault_grad_scale.set_data(ms.Tensor(float("nan"), ms.float32))
     _, stats = split_outputs(cell(x, y))
     assert stats["nan_count"] == 0, "the fault scalars must not be in an unarmed cell's computation"
+
+
+# ---- the NaN/Inf counts, taken only when the sum of squares is not finite ---------------
+# A network whose gradients are its inputs: loss = sum_p <p, t_p>, so each parameter's
+# gradient is exactly t_p, and non-finite values land where the test puts them. The shapes
+# make several concatenation groups: two matrices sharing a trailing shape, a vector and a
+# scalar (flattened together), a 3-D tensor, a matrix of its own.
+SHAPES = [(3, 4), (4,), (2, 4), (), (2, 3, 4), (5, 2)]
+
+
+class _GradIsInput(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.ps = ms.ParameterTuple(
+            [ms.Parameter(ms.Tensor(np.zeros(s, np.float32)), name=f"p{i}") for i, s in enumerate(SHAPES)]
+        )
+
+    def construct(self, *ts):
+        loss = ops.zeros((), ms.float32)
+        for p, t in zip(self.ps, ts):
+            loss = loss + ops.reduce_sum(p * t)
+        return loss
+
+
+def _grad_cell(fault_armed=False):
+    net = _GradIsInput()
+    return MonitoredTrainOneStepCell(net, nn.SGD(net.trainable_params(), 0.01), fault_armed=fault_armed)
+
+
+def _grads(seed=1):
+    rng = np.random.RandomState(seed)
+    return [rng.randn(*s).astype(np.float32) if s else np.float32(rng.randn()) for s in SHAPES]
+
+
+def _step(cell, grads):
+    return split_outputs(cell(*[ms.Tensor(np.asarray(g, np.float32)) for g in grads]))
+
+
+def test_square_sum_groups_concatenate_by_trailing_shape():
+    assert square_sum_groups(SHAPES) == ((0, 2), (1, 3), (4,), (5,))
+    assert square_sum_groups([(7,), (8, 2), (9, 2)]) == ((0,), (1, 2))
+    assert _grad_cell().stat_groups == ((0, 2), (1, 3), (4,), (5,))
+
+
+def test_finite_gradients_give_zero_counts_and_the_host_norm(mode):
+    cell = _grad_cell()
+    grads = _grads()
+    expected = math.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum()) for g in grads))
+    for _ in range(2):  # the same graph twice: the branch is taken at run time, not compiled away
+        _, stats = _step(cell, grads)
+        assert stats["grad_norm_local"] == pytest.approx(expected, rel=1e-5)
+        assert stats["grad_norm"] == pytest.approx(expected, rel=1e-5)
+        assert math.isfinite(stats["grad_norm"]) and math.isfinite(stats["grad_norm_local"])
+        assert stats["nan_count"] == 0 and stats["inf_count"] == 0
+
+
+def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode):
+    cell = _grad_cell()
+    finite = _grads()
+    _, stats = _step(cell, finite)  # a healthy step first: the same compiled step must count afterwards
+    assert stats["nan_count"] == 0 and stats["inf_count"] == 0
+
+    grads = _grads()
+    grads[0][1, 2] = np.nan
+    grads[4][1, 0, 3] = np.nan
+    grads[3] = np.float32(np.inf)  # the scalar parameter
+    grads[2][0, 0] = -np.inf  # -inf counts as Inf too
+    grads[5][4, 1] = np.inf
+    _, stats = _step(cell, grads)
+    assert (stats["nan_count"], stats["inf_count"]) == (2, 3)
+    assert math.isnan(stats["grad_norm"]) and math.isnan(stats["grad_norm_local"])
+
+    cell = _grad_cell()
+    grads = _grads()
+    grads[1][3] = np.inf
+    grads[4][0, 2, 1] = -np.inf
+    _, stats = _step(cell, grads)
+    assert (stats["nan_count"], stats["inf_count"]) == (0, 2)
+    assert stats["grad_norm"] == math.inf and stats["grad_norm_local"] == math.inf
+
+    cell = _grad_cell()
+    _, stats = _step(cell, finite)  # and back to finite gradients: nothing counted
+    assert stats["nan_count"] == 0 and stats["inf_count"] == 0 and math.isfinite(stats["grad_norm"])
+
+
+def test_an_overflowing_sum_of_squares_is_counted_not_guessed(mode):
+    """Finite gradients whose squares overflow float32: the norm is Inf, and the counts,
+    taken because the sum is not finite, say that no element is NaN or Inf."""
+    cell = _grad_cell()
+    grads = _grads()
+    grads[0][0, 0] = 3e19
+    _, stats = _step(cell, grads)
+    assert stats["grad_norm_local"] == math.inf
+    assert stats["nan_count"] == 0 and stats["inf_count"] == 0
+
+
+def test_fault_grad_scale_counts_every_element(mode):
+    cell = _grad_cell(fault_armed=True)
+    cell.fault_grad_scale.set_data(ms.Tensor(float("inf"), ms.float32))
+    grads = [np.abs(np.asarray(g)) + np.float32(0.5) for g in _grads()]  # no zero: inf * 0 would be NaN
+    _, stats = _step(cell, grads)
+    assert (stats["nan_count"], stats["inf_count"]) == (0, sum(int(np.prod(s)) for s in SHAPES))

@@ -180,6 +180,23 @@ def load_base(model, path: Path) -> None:
         raise ValueError(f"job.recipe.init_from: {path} lacks weights for {missing[:5]} (a different model shape?)")
 
 
+def load_resume(train_net, path: str, kind: str = "") -> None:
+    """Weights, optimizer moments and its global step (which indexes the lr schedule) from
+    a checkpoint of either format, once this host has checked it against its manifest
+    (size, sha256): a file that does not match is refused before MindSpore reads it."""
+    import mindspore as ms
+
+    from mindpulse.workers.checkpoint import format_of, verify_for_load
+
+    verify_for_load(path, kind)
+    params = ms.load_checkpoint(str(path), format=format_of(path))
+    params.pop("learning_rate", None)  # the schedule comes from this run's config (train.steps may grow)
+    not_loaded, _ = ms.load_param_into_net(train_net, params, strict_load=False)
+    missing = [n for n in not_loaded if not n.startswith("mindpulse_") and n != "learning_rate"]
+    if missing:
+        raise ValueError(f"resume: {path} lacks {missing[:5]}")
+
+
 def set_mode(mode: str, device_target: str) -> None:
     import mindspore as ms
 
@@ -238,13 +255,7 @@ def main(settings: RankSettings) -> None:
     train_net = MonitoredTrainOneStepCell(model, optimizer)
     train_net.set_train()
     if resume is not None and resume.path:
-        # weights, optimizer moments and its global step (which indexes the lr schedule)
-        params = ms.load_checkpoint(resume.path)
-        params.pop("learning_rate", None)  # the schedule comes from this run's config (train.steps may grow)
-        not_loaded, _ = ms.load_param_into_net(train_net, params, strict_load=False)
-        missing = [n for n in not_loaded if not n.startswith("mindpulse_") and n != "learning_rate"]
-        if missing:
-            raise ValueError(f"resume: {resume.path} lacks {missing[:5]}")
+        load_resume(train_net, resume.path, resume.kind)
         log.info("[rank %d] resumed from %s at step %d", rank, resume.path, start)
     evaluate = None
     if cfg.eval.every_steps or cfg.eval.per_epoch:

@@ -1,0 +1,251 @@
+"""A real local run's processes: what they listen on, what they keep private, and that none
+outlives a launcher killed with SIGKILL (a real `mindpulse launch` of
+cluster_configs/local_cpu.yaml, real Ray, real MindSpore ranks)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, mindpulse_cmd
+
+from mindpulse.aggregator.metrics_store import read_wire
+
+pytestmark = pytest.mark.slow
+
+CONFIG = ROOT / "cluster_configs" / "local_cpu.yaml"
+DOCUMENTED_EXCEPTIONS: dict[str, str] = {}
+"""Process name → why it listens beyond loopback (docs/security.md says the same). None
+with Ray 2.60 and MindSpore 2.9: the embedded cluster advertises 127.0.0.1, MindSpore's
+workers get MS_WORKER_IP=127.0.0.1."""
+GONE_WITHIN_S = 15
+
+
+class Run:
+    """A launch in the background whose processes are recorded while it runs: the
+    launcher's descendants, and whatever carries the run's tag, Ray temp dir or run
+    directory in its command line or environment."""
+
+    def __init__(self, out: Path, *args: str):
+        self.out = out / "runs"
+        self.log = open(out / "launcher.out", "w")  # closed in stop()
+        self.proc = subprocess.Popen(mindpulse_cmd() + ["launch", str(CONFIG), "--set", f"output.root={self.out}",
+                                                        "--set", "monitor.per_print_step=100", *args],
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.seen: dict[int, tuple[float, str]] = {}
+
+    @property
+    def run_dir(self) -> Path | None:
+        dirs = list(self.out.iterdir()) if self.out.exists() else []
+        return dirs[0] if dirs else None
+
+    def pids(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "pids.json").read_text())
+        except (OSError, TypeError, ValueError):
+            return {}
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+    def _marks(self) -> list[str]:
+        p = self.pids()
+        return [m for m in (p.get("run_tag"), p.get("ray_temp_dir"), str(self.run_dir) if self.run_dir else None)
+                if m]
+
+    def record(self) -> None:
+        """Add every process of the run alive now to `seen`."""
+        procs: list[psutil.Process] = []
+        try:
+            me = psutil.Process(self.proc.pid)
+            procs = [me] + me.children(recursive=True)
+        except psutil.Error:
+            pass
+        marks = self._marks()
+        if marks:
+            for p in psutil.process_iter():
+                try:
+                    text = " ".join(p.cmdline())
+                    env = p.environ()
+                except psutil.Error:
+                    continue
+                text += " " + " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("MINDPULSE_"))
+                if any(m in text for m in marks):
+                    procs.append(p)
+        for p in procs:
+            try:
+                self.seen.setdefault(p.pid, (p.create_time(), " ".join(p.cmdline())[:160] or p.name()))
+            except psutil.Error:
+                pass
+
+    def alive(self) -> dict[int, str]:
+        out = {}
+        for pid, (ct, cmd) in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - ct) < 1.0 and p.status() != psutil.STATUS_ZOMBIE:
+                    out[pid] = cmd
+            except psutil.Error:
+                pass
+        return out
+
+    def wait_for_step(self, step: int, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.record()
+            d = self.run_dir
+            if d and (d / "metrics.msgpack").exists():
+                steps: dict[int, int] = {}
+                for o in read_wire(d / "metrics.msgpack"):
+                    if o.get("t") == "step":
+                        steps[o["rank"]] = max(steps.get(o["rank"], 0), o["step"])
+                if len(steps) >= 2 and min(steps.values()) >= step:
+                    return
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run ended early:\n{self.output()}")
+            time.sleep(0.5)
+        pytest.fail(f"the run never reached step {step}:\n{self.output()}")
+
+    def stop(self) -> None:
+        """Whatever the test did: nothing of the run is left running."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        time.sleep(1)
+        self.record()
+        for pid in self.alive():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    run = Run(tmp_path_factory.mktemp("live"), "--set", "train.steps=2000")
+    try:
+        run.wait_for_step(2)
+        yield run
+    finally:
+        run.stop()
+
+
+def _exposed(run: Run, seconds: float) -> dict[str, set[str]]:
+    """Process → the non-loopback addresses it listened on (TCP listening, UDP bound) while
+    sampled for `seconds`."""
+    exposed: dict[str, set[str]] = {}
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        run.record()
+        for pid in run.alive():
+            try:
+                p = psutil.Process(pid)
+                conns = p.net_connections(kind="inet")
+                name = p.name()
+            except psutil.Error:
+                continue
+            for c in conns:
+                listening = c.status == psutil.CONN_LISTEN or (c.type == 2 and not c.raddr)  # SOCK_DGRAM
+                if not listening:
+                    continue
+                ip = ipaddress.ip_address(c.laddr.ip.split("%")[0])
+                ip = getattr(ip, "ipv4_mapped", None) or ip
+                if not ip.is_loopback:
+                    exposed.setdefault(f"{name} (pid {pid})", set()).add(f"{c.laddr.ip}:{c.laddr.port}")
+        time.sleep(0.5)
+    return exposed
+
+
+# ---- 10 -------------------------------------------------------------------------------------------------
+def test_a_local_run_listens_on_loopback_only(live):
+    exposed = _exposed(live, 6)
+    names = {k.split(" (pid")[0] for k in exposed}
+    unexplained = {k: v for k, v in exposed.items() if k.split(" (pid")[0] not in DOCUMENTED_EXCEPTIONS}
+    assert not unexplained, (f"a local run listens beyond loopback: {unexplained} "
+                             f"(documented exceptions: {sorted(names & set(DOCUMENTED_EXCEPTIONS))})")
+    kinds = " ".join(c for _, c in live.seen.values())
+    for must in ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "mindpulse.workers.scheduler"):
+        assert must in kinds or any(must in psutil.Process(p).name() for p in live.alive()), (
+            f"{must} was not among the run's processes: the check would not have seen it")
+    settings = json.loads((live.run_dir / "job.json").read_text())
+    assert settings["ray_address"].startswith("127.0.0.1:"), settings["ray_address"]
+
+
+# ---- 12 -------------------------------------------------------------------------------------------------
+def test_the_embedded_cluster_runs_with_a_private_token(live):
+    private = Path(live.pids()["run_tag"]).parent  # the run's folder: Ray's temp dir and the token
+    token = private / "auth_token"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    raylets = [p for p in live.alive() if psutil.Process(p).name() == "raylet"]
+    assert raylets, "no raylet found"
+    env = psutil.Process(raylets[0]).environ()
+    assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN_PATH") == str(token)
+
+
+def test_ray_auth_mode_disabled_is_refused_before_anything_starts(run_cli):
+    r = run_cli("launch", str(CONFIG), "--set", "train.steps=2", env={"RAY_AUTH_MODE": "disabled"}, timeout=120)
+    assert r.returncode == 2, r.output
+    assert "RAY_AUTH_MODE=disabled" in r.stderr and "ray.allow_no_auth" in r.stderr, r.output
+    assert r.run_dir is None, "a refused launch left a run directory"
+
+
+# ---- 15 -------------------------------------------------------------------------------------------------
+def test_the_run_directory_is_private(live):
+    d = live.run_dir
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE((d / "logs").stat().st_mode) == 0o700
+    for name in ("config.yaml", "job.json", "plan.json", "pids.json", "logs/rank_0.log", "logs/rank_1.log",
+                 "logs/scheduler.log"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o600, name
+
+
+# ---- 13 (last: it ends the run) ----------------------------------------------------------------------------
+def _assert_nothing_outlives_a_killed_launcher(run: Run) -> None:
+    for _ in range(6):  # a few more looks at the tree, as it is now
+        run.record()
+        time.sleep(0.5)
+    before = run.alive()
+    names = " ".join(before.values())
+    assert len(before) >= 8 and "raylet" in names, f"too few run processes recorded to judge: {before}"
+    killed_at = time.time()
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait()
+    left: dict[int, str] = {}
+    while time.time() - killed_at < GONE_WITHIN_S:
+        left = run.alive()
+        if not left:
+            break
+        time.sleep(0.5)
+    # what carries the run's marks now, recorded or not
+    run.record()
+    left.update(run.alive())
+    assert not left, (f"{len(left)} of the run's {len(before)} processes were alive {GONE_WITHIN_S}s after "
+                      f"the launcher's SIGKILL: {left}")
+
+
+def test_every_process_of_the_run_ends_when_the_launcher_is_killed(live):
+    assert any("mindpulse.workers.scheduler" in c for c in live.alive().values())
+    _assert_nothing_outlives_a_killed_launcher(live)
+
+
+def test_with_msrun_nothing_outlives_a_killed_launcher(tmp_path):
+    run = Run(tmp_path, "--set", "backend=msrun", "--set", "train.steps=2000")
+    try:
+        run.wait_for_step(2)
+        exposed = _exposed(run, 3)
+        assert not exposed, f"an msrun run listens beyond loopback: {exposed}"
+        ranks = [p for p, c in run.alive().items() if "mindpulse.workers.rank_main" in c]
+        assert len(ranks) >= 2, f"msrun's ranks were not found among the run's processes: {run.alive()}"
+        _assert_nothing_outlives_a_killed_launcher(run)
+    finally:
+        run.stop()
