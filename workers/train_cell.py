@@ -6,21 +6,23 @@ NaN/Inf counts before it (so they name the rank that produced a bad gradient).
 Works in PYNATIVE and GRAPH mode, in one process and in data parallel.
 
 The statistics cost passes over the gradients and kernel launches, not arithmetic, so
-they are built to make as few of both as possible (measured on this repo's machine,
-see docs/monitoring.md):
+they are built to make as few of both as possible (measured on this repo's 2-core CPU
+machine, MindSpore 2.9; see docs/monitoring.md):
 
 - a norm is one sum of squares over a few concatenations: the gradients are grouped by
   their trailing shape, each group is concatenated along its first axis (one copy, no
   per-tensor kernels) and reduced with one dot product (one read, no squared temporary);
-- a finite sum of squares proves that no gradient element is NaN or Inf, so the NaN/Inf
-  counts are taken only when the local sum is not finite (a data-dependent branch: a
-  healthy step pays the branch, not the counting passes);
+- a finite sum of squares proves that no gradient element is NaN or Inf, so on large
+  gradients the NaN/Inf counts are taken only when the local sum is not finite (a
+  data-dependent branch); on small gradients, where counting costs less than the branch
+  (~3 ms a step on CPU), they are counted on the concatenated vector every step;
 - in one process the reducer is the identity and the global norm is the local one; in
   data parallel it takes a second sum of squares over the reduced gradients.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import mindspore as ms
@@ -46,13 +48,21 @@ def _tensor_scale(s, g):
     return g * ops.cast(s, g.dtype)
 
 
+COUNT_EVERY_STEP_MAX_VALUES = 400_000
+"""Up to this many gradient values the NaN/Inf counts are taken every step (on the
+concatenated gradients: measured +0.1 ms at 115 k values, +0.6 ms at 250 k); above it
+only when the local sum of squares is not finite, behind a branch that costs ~3 ms a
+step in MindSpore 2.9's CPU runtime (its control flow runs without switch inlining
+there) and saves 5-11 ms of counting at 0.5-2.75 M values."""
+
+
 def square_sum_groups(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
     """Indices of the gradients (in parameter order) that are concatenated together for
     the sum of squares: tensors of rank 2 and more by their shape past the first axis
     (they concatenate along axis 0 without a reshape each), tensors of rank 0 and 1 in one
-    group (flattened). Measured on the larger bench model (39 tensors, 2.75 M values):
-    3 groups 3.2-3.8 ms, one flat concatenation 5.6-6.1 ms, one dot product per tensor
-    7.4-8.1 ms, per-tensor `reduce_sum(square)` 17 ms."""
+    group (flattened). Measured on the larger bench model (39 tensors, 2.75 M values),
+    one sum of squares: 3 groups 2.9-3.8 ms, one flat concatenation 4.8-6.1 ms, a dot
+    product per tensor 7.4-8.1 ms, per-tensor `reduce_sum(square)` 17 ms."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, shape in enumerate(shapes):
         key = tuple(int(d) for d in shape[1:]) if len(shape) > 1 else ()
@@ -60,19 +70,22 @@ def square_sum_groups(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...],
     return tuple(tuple(v) for v in groups.values())
 
 
-def _group_vector(grads, idx):
-    if len(idx) == 1:
-        return ops.reshape(ops.cast(grads[idx[0]], ms.float32), (-1,))
-    if len(grads[idx[0]].shape) > 1:
-        return ops.reshape(ops.cat([ops.cast(grads[i], ms.float32) for i in idx]), (-1,))
-    return ops.cat([ops.reshape(ops.cast(grads[i], ms.float32), (-1,)) for i in idx])
+def _group_vectors(grads, groups):
+    """One float32 vector per group (a concatenation, or a reshape for a lone tensor)."""
+    out = []
+    for idx in groups:
+        if len(idx) == 1:
+            v = ops.reshape(ops.cast(grads[idx[0]], ms.float32), (-1,))
+        elif len(grads[idx[0]].shape) > 1:
+            v = ops.reshape(ops.cat([ops.cast(grads[i], ms.float32) for i in idx]), (-1,))
+        else:
+            v = ops.cat([ops.reshape(ops.cast(grads[i], ms.float32), (-1,)) for i in idx])
+        out.append(v)
+    return out
 
 
 def _square_sum(grads, groups):
-    parts = []
-    for idx in groups:
-        v = _group_vector(grads, idx)
-        parts.append(ops.tensor_dot(v, v, 1))
+    parts = [ops.tensor_dot(v, v, 1) for v in _group_vectors(grads, groups)]
     if not parts:
         return ops.zeros((), ms.float32)
     if len(parts) == 1:
@@ -80,20 +93,28 @@ def _square_sum(grads, groups):
     return ops.addn(parts)
 
 
+def _count(mask):
+    return ops.reduce_sum(ops.cast(mask, ms.float32))
+
+
 def _nan_inf_counts(grads):
-    nan = ops.addn([ops.reduce_sum(ops.cast(ops.isnan(g), ms.float32)) for g in grads])
-    inf = ops.addn([ops.reduce_sum(ops.cast(ops.isinf(g), ms.float32)) for g in grads])
-    return nan, inf
+    return ops.addn([_count(ops.isnan(g)) for g in grads]), ops.addn([_count(ops.isinf(g)) for g in grads])
 
 
 # Compiled once, even in PYNATIVE mode: eagerly every kernel costs a host dispatch
 # (measured: ~0.3 s a step for 20 parameters on CPU with per-parameter reductions).
-# `groups` is a constant (`square_sum_groups` of the weights): in GRAPH mode these
-# functions are inlined into the step's graph.
+# `groups` and `count_every_step` are constants (from the weights' shapes): in GRAPH mode
+# these functions are inlined into the step's graph.
 @ms.jit
-def local_grad_stats(grads, groups):
-    """[sum of squares, NaN count, Inf count] over all gradients; the counts are taken
-    only when the sum of squares is not finite (otherwise there is nothing to count)."""
+def local_grad_stats(grads, groups, count_every_step):
+    """[sum of squares, NaN count, Inf count] over all gradients. With `count_every_step`
+    the counts are taken on the concatenated gradients; otherwise only when the sum of
+    squares is not finite (a finite sum proves there is nothing to count)."""
+    if count_every_step:
+        vs = _group_vectors(grads, groups)
+        v = vs[0] if len(vs) == 1 else ops.cat(vs)
+        sq = ops.tensor_dot(v, v, 1)
+        return ops.stack([sq, _count(ops.isnan(v)), _count(ops.isinf(v))])
     sq = _square_sum(grads, groups)
     nan = ops.zeros((), ms.float32)
     inf = ops.zeros((), ms.float32)
@@ -119,10 +140,14 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
     real computation in the real rank: `mindpulse_fault_loss_scale` multiplies the loss
     and its gradients, `mindpulse_fault_grad_scale` multiplies the local gradients
     before the reduction. Both are 1.0 unless a fault is injected.
+
+    `count_every_step`: take the NaN/Inf counts every step (True) or only when the local
+    sum of squares is not finite (False); None, the default, decides by the number of
+    gradient values (`COUNT_EVERY_STEP_MAX_VALUES`). Both give the same statistics.
     """
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, sens: float | None = None,
-                 fault_armed: bool | None = None):
+                 fault_armed: bool | None = None, count_every_step: bool | None = None):
         super().__init__(network, optimizer, sens)
         # the scaling ops are only in the graph when a fault may be injected in this rank
         # (known at launch, from the run's settings): a normal run pays nothing for them
@@ -136,8 +161,13 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
         self.fault_grad_scale = Parameter(
             Tensor(1.0, ms.float32), name=FAULT_PARAM_PREFIX + "grad_scale", requires_grad=False
         )
-        # which gradients are concatenated together for the sums of squares (a constant)
-        self.stat_groups = square_sum_groups([w.shape for w in self.weights])
+        # constants of the statistics: which gradients are concatenated together for the sums
+        # of squares, and whether the NaN/Inf counts are cheap enough to take every step
+        shapes = [tuple(w.shape) for w in self.weights]
+        self.stat_groups = square_sum_groups(shapes)
+        if count_every_step is None:
+            count_every_step = sum(math.prod(s) for s in shapes) <= COUNT_EVERY_STEP_MAX_VALUES
+        self.count_every_step = bool(count_every_step)
 
     def enable_pre_reduce_timing(self) -> bool:
         """PYNATIVE only: time-stamp the moment the local gradients are ready, just before
@@ -187,7 +217,7 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
         if self.fault_armed:
             grads = self.hyper_map(ops.partial(_scale, self.fault_grad_scale), grads)
         # mutable: without it the tuple is a compile-time constant and recompiles every step
-        local = local_grad_stats(ms.mutable(grads), self.stat_groups)
+        local = local_grad_stats(ms.mutable(grads), self.stat_groups, self.count_every_step)
         grads = self.grad_reducer(grads)
         if self.reducer_flag:  # data parallel: the norm of the all-reduced gradients
             global_sq = square_sum(ms.mutable(grads), self.stat_groups)

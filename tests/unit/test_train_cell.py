@@ -93,9 +93,17 @@ class _GradIsInput(nn.Cell):
         return loss
 
 
-def _grad_cell(fault_armed=False):
+@pytest.fixture(params=["count_if_not_finite", "count_every_step"])
+def counting(request):
+    """Both ways the cell takes the counts: behind a branch on the sum of squares (large
+    gradients) and every step on the concatenated gradients (small ones)."""
+    return request.param == "count_every_step"
+
+
+def _grad_cell(count_every_step, fault_armed=False):
     net = _GradIsInput()
-    return MonitoredTrainOneStepCell(net, nn.SGD(net.trainable_params(), 0.01), fault_armed=fault_armed)
+    return MonitoredTrainOneStepCell(net, nn.SGD(net.trainable_params(), 0.01), fault_armed=fault_armed,
+                                     count_every_step=count_every_step)
 
 
 def _grads(seed=1):
@@ -110,11 +118,22 @@ def _step(cell, grads):
 def test_square_sum_groups_concatenate_by_trailing_shape():
     assert square_sum_groups(SHAPES) == ((0, 2), (1, 3), (4,), (5,))
     assert square_sum_groups([(7,), (8, 2), (9, 2)]) == ((0,), (1, 2))
-    assert _grad_cell().stat_groups == ((0, 2), (1, 3), (4,), (5,))
+    cell = _grad_cell(None)
+    assert cell.stat_groups == ((0, 2), (1, 3), (4,), (5,))
+    assert cell.count_every_step  # 67 values: counting costs less than the branch
 
 
-def test_finite_gradients_give_zero_counts_and_the_host_norm(mode):
-    cell = _grad_cell()
+def test_counts_every_step_only_on_small_gradients():
+    big = nn.Dense(800, 600)  # 480,600 values
+    small = nn.Dense(400, 600)  # 240,600 values
+    for net, every in ((big, False), (small, True)):
+        cell = MonitoredTrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.SGD(net.trainable_params(), 0.01),
+                                         fault_armed=False)
+        assert cell.count_every_step is every
+
+
+def test_finite_gradients_give_zero_counts_and_the_host_norm(mode, counting):
+    cell = _grad_cell(counting)
     grads = _grads()
     expected = math.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum()) for g in grads))
     for _ in range(2):  # the same graph twice: the branch is taken at run time, not compiled away
@@ -125,8 +144,8 @@ def test_finite_gradients_give_zero_counts_and_the_host_norm(mode):
         assert stats["nan_count"] == 0 and stats["inf_count"] == 0
 
 
-def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode):
-    cell = _grad_cell()
+def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode, counting):
+    cell = _grad_cell(counting)
     finite = _grads()
     _, stats = _step(cell, finite)  # a healthy step first: the same compiled step must count afterwards
     assert stats["nan_count"] == 0 and stats["inf_count"] == 0
@@ -141,7 +160,7 @@ def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode):
     assert (stats["nan_count"], stats["inf_count"]) == (2, 3)
     assert math.isnan(stats["grad_norm"]) and math.isnan(stats["grad_norm_local"])
 
-    cell = _grad_cell()
+    cell = _grad_cell(counting)
     grads = _grads()
     grads[1][3] = np.inf
     grads[4][0, 2, 1] = -np.inf
@@ -149,15 +168,15 @@ def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode):
     assert (stats["nan_count"], stats["inf_count"]) == (0, 2)
     assert stats["grad_norm"] == math.inf and stats["grad_norm_local"] == math.inf
 
-    cell = _grad_cell()
+    cell = _grad_cell(counting)
     _, stats = _step(cell, finite)  # and back to finite gradients: nothing counted
     assert stats["nan_count"] == 0 and stats["inf_count"] == 0 and math.isfinite(stats["grad_norm"])
 
 
-def test_an_overflowing_sum_of_squares_is_counted_not_guessed(mode):
+def test_an_overflowing_sum_of_squares_is_counted_not_guessed(mode, counting):
     """Finite gradients whose squares overflow float32: the norm is Inf, and the counts,
     taken because the sum is not finite, say that no element is NaN or Inf."""
-    cell = _grad_cell()
+    cell = _grad_cell(counting)
     grads = _grads()
     grads[0][0, 0] = 3e19
     _, stats = _step(cell, grads)
@@ -165,8 +184,8 @@ def test_an_overflowing_sum_of_squares_is_counted_not_guessed(mode):
     assert stats["nan_count"] == 0 and stats["inf_count"] == 0
 
 
-def test_fault_grad_scale_counts_every_element(mode):
-    cell = _grad_cell(fault_armed=True)
+def test_fault_grad_scale_counts_every_element(mode, counting):
+    cell = _grad_cell(counting, fault_armed=True)
     cell.fault_grad_scale.set_data(ms.Tensor(float("inf"), ms.float32))
     grads = [np.abs(np.asarray(g)) + np.float32(0.5) for g in _grads()]  # no zero: inf * 0 would be NaN
     _, stats = _step(cell, grads)
