@@ -11,7 +11,11 @@ over the repeats. A target (`--target`, on `--target-cases`) counts as met only 
 worst repeat meets it.
 
 Cases: GRAPH mode with the small (recipe) and the larger model (bench/overhead.py's
-shapes), and PYNATIVE mode (the recipe's default mode) with the small model.
+shapes), and PYNATIVE mode (the recipe's default mode) with the small model. One
+process: the gradient reducer is the identity, so the cell's global norm is its local
+one; data parallel adds a second sum of squares over the reduced gradients (not here).
+The monitored cell is built as a rank builds it (no fault armed; NaN/Inf counting chosen
+by the gradients' size).
 
 `--cell-file F` times the `MonitoredTrainOneStepCell` of another version of
 workers/train_cell.py instead (e.g. `git show HEAD:workers/train_cell.py > /tmp/old.py`),
