@@ -139,3 +139,16 @@ def run_cli(tmp_path):
         except psutil.Error:
             pass
     assert not leftovers, f"processes left running after the launcher exited: {leftovers}"
+
+
+def last_steps(run_dir: Path) -> dict[int, int]:
+    """Each rank's newest step in a run's metrics (every segment)."""
+    from mindpulse.aggregator.metrics_store import read_wire
+
+    out: dict[int, int] = {}
+    if not (Path(run_dir) / "metrics.msgpack").exists():
+        return out
+    for o in read_wire(Path(run_dir) / "metrics.msgpack"):
+        if o.get("t") == "step":
+            out[o["rank"]] = max(out.get(o["rank"], 0), o["step"])
+    return out

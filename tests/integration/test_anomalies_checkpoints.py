@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, mindpulse_cmd
+from conftest import ROOT, last_steps, mindpulse_cmd
 
 from mindpulse.aggregator.metrics_store import read_wire
 from mindpulse.aggregator.reducer import reduce_all
@@ -24,14 +24,6 @@ FAST = ["--set", "monitor.per_print_step=50"]
 def reduced(run_dir: Path, world: int = 2):
     pk = [from_wire(o) for o in read_wire(run_dir / "metrics.msgpack") if o.get("t") == "step"]
     return reduce_all(pk, world)
-
-
-def last_steps(run_dir: Path) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for o in read_wire(run_dir / "metrics.msgpack"):
-        if o.get("t") == "step":
-            out[o["rank"]] = max(out.get(o["rank"], 0), o["step"])
-    return out
 
 
 def test_nan_grad_on_rank1_stops_every_rank_after_the_same_step(run_cli):

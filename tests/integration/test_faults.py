@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, _run_processes, mindpulse_cmd
+from conftest import ROOT, _run_processes, last_steps, mindpulse_cmd
 
 from mindpulse.aggregator.metrics_store import read_wire
 
@@ -36,14 +36,9 @@ class LiveRun:
     def wait_for_step(self, step: int, timeout: float = 180) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
-            d = self.run_dir
-            if d and (d / "metrics.msgpack").exists():
-                steps = {}
-                for o in read_wire(d / "metrics.msgpack"):
-                    if o.get("t") == "step":
-                        steps[o["rank"]] = max(steps.get(o["rank"], 0), o["step"])
-                if len(steps) >= 2 and min(steps.values()) >= step:
-                    return
+            steps = last_steps(self.run_dir) if self.run_dir else {}
+            if len(steps) >= 2 and min(steps.values()) >= step:
+                return
             if self.proc.poll() is not None:
                 pytest.fail(f"the run ended early:\n{self.proc.stdout.read()[-3000:]}")
             time.sleep(0.3)

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, mindpulse_cmd
-
-from mindpulse.aggregator.metrics_store import read_wire
+from conftest import ROOT, last_steps, mindpulse_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -102,14 +100,9 @@ class Run:
         deadline = time.time() + timeout
         while time.time() < deadline:
             self.record()
-            d = self.run_dir
-            if d and (d / "metrics.msgpack").exists():
-                steps: dict[int, int] = {}
-                for o in read_wire(d / "metrics.msgpack"):
-                    if o.get("t") == "step":
-                        steps[o["rank"]] = max(steps.get(o["rank"], 0), o["step"])
-                if len(steps) >= 2 and min(steps.values()) >= step:
-                    return
+            steps = last_steps(self.run_dir) if self.run_dir else {}
+            if len(steps) >= 2 and min(steps.values()) >= step:
+                return
             if self.proc.poll() is not None:
                 pytest.fail(f"the run ended early:\n{self.output()}")
             time.sleep(0.5)
