@@ -48,8 +48,8 @@ from pathlib import Path  # noqa: E402
 
 import ray  # noqa: E402
 
-from mindpulse.aggregator.partial import from_wire, merge, to_wire  # noqa: E402
-from mindpulse.node.prereduce import NodePreReducer  # noqa: E402
+from mindpulse.aggregator.reducer import from_wire, merge, to_wire  # noqa: E402
+from mindpulse.node.relay import NodePreReducer  # noqa: E402
 from mindpulse.protocol import Lease, StepPacket  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,7 +122,7 @@ def agent_cost_per_step(rpn: int = 8, steps: int = 2000) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from mindpulse.aggregator.actor import start_aggregator
+    from mindpulse.aggregator.core import start_aggregator
 
     rpn = args.ranks_per_node
     nodes = math.ceil(args.ranks / rpn)

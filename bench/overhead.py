@@ -123,8 +123,8 @@ class Rig:
             return [MFLossMonitor(learning_rate=1e-4, per_print_times=1, origin_epochs=1, dataset_size=self.steps,
                                   global_batch_size=self.bs)]
         if cfg in ("mp_default", "mp_all"):
-            from mindpulse.workers.channel import ActorChannel as AggregatorClient
             from mindpulse.workers.monitor import Monitor
+            from mindpulse.workers.session import ActorChannel as AggregatorClient
 
             client = AggregatorClient(self.handle_factory(cfg))
             # steps keep counting up across repeats so the aggregator sees new steps only
@@ -193,7 +193,7 @@ def main() -> None:
 
     import ray
 
-    from mindpulse.aggregator.actor import AggregatorActor
+    from mindpulse.aggregator.core import AggregatorActor
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              logging_level=logging.WARNING, configure_logging=False)

@@ -56,7 +56,7 @@ class Attempt:
     def start(self) -> dict[Any, RefOwner]:
         import ray
 
-        from mindpulse.aggregator.actor import actor_name, start_aggregator
+        from mindpulse.aggregator.core import actor_name, start_aggregator
 
         from .preflight import check_cluster
         from .resume import best_seed

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mindpulse.node.prereduce import NodeBatch, batch_size
+from mindpulse.node.relay import NodeBatch, batch_size
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,7 @@ class NodeAgent:
                  relay_token: str = ""):
         """`driver`: the launcher's `driver_identity()`; while it is given, a watchdog ends this
         node's processes of the run once that process is gone."""
-        from mindpulse.node.prereduce import NodePreReducer
-        from mindpulse.node.relay import RelayServer
+        from mindpulse.node.relay import NodePreReducer, RelayServer
 
         self.node = node
         self.name = f"node{node}-{socket.gethostname()}"

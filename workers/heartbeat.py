@@ -17,10 +17,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from mindpulse.protocol import EventKind, EventPacket, RankSettings
-
-from .channel import connect
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +40,11 @@ others are in (the one they wait for) from those waiting inside it (in its all-r
 
 class Heartbeat:
     def __init__(self, settings: RankSettings, rank: int, current_step: Callable[[], int],
-                 in_step: Callable[[], int | None] | None = None):
+                 in_step: Callable[[], int | None] | None = None, *, connect: Callable[[], Any] | None = None):
         self.settings = settings
+        self.connect = connect
+        """Opens the beat's own channel (the session's `connect`, handed in: the session owns
+        the heartbeat, so the heartbeat cannot import it)."""
         self.rank = rank
         self.current_step = current_step
         self.in_step = in_step or (lambda: None)
@@ -67,8 +69,10 @@ class Heartbeat:
                            pid=os.getpid(), message=IN_STEP.format(inside) if inside is not None else "")
 
     def _beat(self) -> None:
+        if self.connect is None:
+            return  # nowhere to beat to (a session outside a launch)
         try:
-            channel = connect(self.settings, self.rank)
+            channel = self.connect()
         except Exception as exc:
             log.warning("[rank %d] heartbeat has no connection: %s", self.rank, exc)
             return

@@ -21,9 +21,8 @@ from mindspore.train.callback import Callback
 
 from mindpulse.protocol import Directive, RankSettings
 
-from .channel import Channel
 from .errors import StopTraining
-from .session import UNLAUNCHED_SCHEDULE, RankSession, StepOutcome, schedule_with
+from .session import UNLAUNCHED_SCHEDULE, Channel, RankSession, StepOutcome, schedule_with
 from .settings import load_settings
 from .train_cell import split_outputs
 

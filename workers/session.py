@@ -10,10 +10,26 @@ injector, the profiler window, the weight statistics and the checkpoint writer.
 
 Outside a launch (no settings: a user script run by hand) it has no channel: it logs
 each step and never blocks.
+
+**The channel**, the rank's one way out: a `Channel` ships packets and fetches directives.
+
+Two kinds, one behaviour: `RelayChannel` talks to the node agent's packet relay over
+loopback (the normal case: the aggregator's load then grows with nodes, not ranks);
+`ActorChannel` calls the aggregator actor itself (a run without relays, a benchmark).
+
+Events are buffered and sent fire-and-forget in batches; a step's packet goes out at once
+(`send_step`), with whatever is queued. Before a step the rank asks for its `lease`: the
+answer comes from the cache without any I/O while the aggregator keeps up, and blocks
+only when the aggregator is more than `monitor.max_lag_steps` steps behind. Rank 0 at a
+checkpoint candidate sends the step in a `decide` call that returns its directive, so the
+aggregator has seen everything before it decides. A missing or dead peer never blocks
+training for longer than the decision timeout: the rank goes on (`Directive.no_directive`,
+no lease) and says why in its log.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import os
@@ -25,17 +41,22 @@ from typing import Any
 
 from mindpulse.config import RunConfig, monitor_settings_of, schedule_of
 from mindpulse.protocol import (
+    FRAME_HEADER_BYTES,
+    MAX_FRAME,
     Action,
     CheckpointKind,
     Directive,
     EventKind,
     EventPacket,
+    Lease,
     RankSettings,
     Schedule,
     StepPacket,
+    decode_frame_body,
+    encode_frame,
+    frame_length,
 )
 
-from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
 from .faults import FaultInjector, faults_for
 from .fingerprint import fingerprint_of, param_sums
@@ -46,6 +67,265 @@ from .settings import rank_id
 from .weight_stats import DEFAULT_HIST_REGEX, WeightStats, structure_text
 
 log = logging.getLogger(__name__)
+
+BATCH_PACKETS = 32
+"""A batch goes out when it holds this many packets..."""
+FLUSH_S = 0.5
+"""...or when this long has passed since the last one went (checked on `send`)."""
+CONNECT_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 30.0
+REPLY_GRACE_S = 15.0
+"""Waited past the decision timeout for the directive itself: the peer answers after
+at most the timeout it was handed, so a longer silence means it is gone."""
+
+
+class Channel(abc.ABC):
+    """Buffered packets out, directives back; subclasses only move batches."""
+
+    def __init__(self, decision_timeout_s: float = 120.0):
+        self.decision_timeout_s = decision_timeout_s
+        self.failures = 0
+        """Batches or decisions that did not get through (the rank went on regardless)."""
+        self._buffer: list[bytes] = []
+        self._last_flush = time.monotonic()
+        self._lease: Lease | None = None
+        self.lost_since: float | None = None
+        """When the peer stopped answering (None while it answers)."""
+
+    def send(self, packet: bytes) -> None:
+        """Queue one encoded packet; it goes out with the next batch."""
+        self._buffer.append(packet)
+        if len(self._buffer) >= BATCH_PACKETS or time.monotonic() - self._last_flush >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is queued now (fire-and-forget)."""
+        if self._buffer:
+            self._ship(self._take())
+
+    def send_step(self, packet: bytes, step: int) -> None:
+        """A rank's packet of `step`: out now, with what is queued (the relay forwards a
+        step as soon as every rank of its node has sent it)."""
+        self._ship(self._take() + [packet], step)
+
+    def decide(self, packet: bytes, step: int, expect: int | None = None) -> Directive:
+        """Send the queue and the decision step's packet; wait for the step's directive.
+        `expect`: how many ranks of the node decide this step (None: all of them)."""
+        return self._decide(self._take() + [packet], step, expect)
+
+    def lease(self, need: int) -> tuple[Lease | None, float]:
+        """The lease once step `need` is reduced or a stop is decided: (lease, seconds this
+        rank was blocked). None when no lease could be had (the rank goes on)."""
+        cached = self._lease
+        if cached is not None and (cached.reduced_through >= need or cached.stopping):
+            return cached, 0.0
+        lease, waited = self._fetch_lease(need)
+        if lease is not None:
+            self._lease = lease
+        return lease, waited
+
+    def close(self) -> None:
+        """Send what is queued and let go of the connection (a later call reconnects)."""
+        self.flush()
+
+    def _take(self) -> list[bytes]:
+        batch, self._buffer = self._buffer, []
+        self._last_flush = time.monotonic()
+        return batch
+
+    def _no_directive(self, step: int, why: Any) -> Directive:
+        self.failures += 1
+        log.warning("no directive for step %d (%s); continuing", step, why)
+        return Directive.no_directive(step, str(why))
+
+    def lost_for(self) -> float:
+        """Seconds since the peer last answered (0 while it answers)."""
+        return 0.0 if self.lost_since is None else time.monotonic() - self.lost_since
+
+    def _answered(self) -> None:
+        self.lost_since = None
+
+    def _lost(self) -> None:
+        if self.lost_since is None:
+            self.lost_since = time.monotonic()
+
+    def _no_lease(self, need: int, why: Any) -> tuple[None, float]:
+        self._lost()
+        self.failures += 1
+        log.warning("no lease for step %d (%s); continuing", need, why)
+        return None, 0.0
+
+    @abc.abstractmethod
+    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
+        """Hand a batch over (`step`: it ends with this rank's packet of that step); never
+        raises (count a failure and log instead)."""
+
+    @abc.abstractmethod
+    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
+        """Hand a batch over and return the step's directive; never raises."""
+
+    @abc.abstractmethod
+    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
+        """Ask the peer for the lease covering `need`; never raises."""
+
+
+class RelayChannel(Channel):
+    """Frames (protocol's `encode_frame`) to the node agent's relay on this machine."""
+
+    def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0, token: str = ""):
+        super().__init__(decision_timeout_s)
+        self.addr = (host, port)
+        self.token = token
+        self.sock: socket.socket | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        try:
+            self.sock = socket.create_connection(self.addr, timeout=CONNECT_TIMEOUT_S)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.token:  # the relay drops a connection whose first frame is not this
+                self.sock.sendall(encode_frame({"op": "hello", "token": self.token}))
+        except OSError as exc:
+            self.sock = None
+            self.failures += 1
+            log.warning("cannot reach the node's packet relay at %s:%d: %s", *self.addr, exc)
+
+    def _write(self, obj: dict[str, Any]) -> bool:
+        if self.sock is None:
+            self._connect()
+            if self.sock is None:
+                return False
+        try:
+            self.sock.settimeout(WRITE_TIMEOUT_S)
+            self.sock.sendall(encode_frame(obj))
+            return True
+        except OSError as exc:
+            self.failures += 1
+            log.warning("packet relay write failed: %s", exc)
+            self._disconnect()
+            return False
+
+    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
+        frame: dict[str, Any] = {"op": "send", "packets": batch}
+        if step is not None:
+            frame["step"] = step
+        self._write(frame)
+
+    def _reply(self) -> dict[str, Any]:
+        """The relay's answer to the request just written (it answers within the timeout
+        it was handed)."""
+        assert self.sock is not None
+        self.sock.settimeout(self.decision_timeout_s + REPLY_GRACE_S)
+        n = frame_length(_recv_exact(self.sock, FRAME_HEADER_BYTES))
+        if n > MAX_FRAME:
+            raise ValueError(f"a {n}-byte frame from the relay")
+        return decode_frame_body(_recv_exact(self.sock, n))
+
+    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
+        t0 = time.monotonic()
+        if not self._write({"op": "lease", "need": need, "timeout": self.decision_timeout_s}):
+            return self._no_lease(need, "relay unreachable")
+        try:
+            reply = self._reply()
+            self._answered()
+            raw = reply.get("lease")
+            lease = Lease.decode(raw) if raw is not None else None
+            # a lease the relay had at hand cost a loopback round trip, not a wait
+            return lease, (time.monotonic() - t0) if reply.get("waited_s") else 0.0
+        except Exception as exc:
+            self._disconnect()
+            return self._no_lease(need, exc)
+
+    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
+        frame: dict[str, Any] = {"op": "decide", "packets": batch, "step": step, "timeout": self.decision_timeout_s}
+        if expect is not None:
+            frame["expect"] = expect
+        if not self._write(frame):
+            return Directive.no_directive(step, "relay unreachable")
+        try:
+            return Directive.decode(self._reply()["directive"])
+        except Exception as exc:
+            self._disconnect()
+            return self._no_directive(step, exc)
+
+    def close(self) -> None:
+        super().close()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+
+class ActorChannel(Channel):
+    """Calls the aggregator actor (`ingest` / `decide`) through its Ray handle."""
+
+    def __init__(self, handle: Any, decision_timeout_s: float = 120.0):
+        super().__init__(decision_timeout_s)
+        self.handle = handle
+
+    @staticmethod
+    def connect(settings: RankSettings) -> ActorChannel:
+        import ray
+
+        if not ray.is_initialized():
+            # a rank started outside Ray (msrun) joins the run's cluster as a driver
+            ray.init(address=settings.ray_address or "auto", namespace=settings.namespace,
+                     log_to_driver=False, logging_level=logging.WARNING)
+        handle = ray.get_actor(settings.aggregator, namespace=settings.namespace)
+        return ActorChannel(handle, settings.monitor.decision_timeout_s)
+
+    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
+        try:
+            self.handle.ingest.remote(batch)
+        except Exception as exc:  # the aggregator is gone: training goes on
+            self.failures += 1
+            log.warning("could not ship %d packets to the aggregator: %s", len(batch), exc)
+
+    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
+        import ray
+
+        try:
+            ref = self.handle.decide.remote(batch, step, self.decision_timeout_s)
+            return Directive.decode(ray.get(ref, timeout=self.decision_timeout_s + 10))
+        except Exception as exc:
+            return self._no_directive(step, exc)
+
+    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
+        import ray
+
+        t0 = time.monotonic()
+        try:
+            ref = self.handle.lease.remote(need - 1, self.decision_timeout_s)
+            lease = Lease.decode(ray.get(ref, timeout=self.decision_timeout_s + 10))
+            self._answered()
+            return lease, time.monotonic() - t0
+        except Exception as exc:
+            return self._no_lease(need, exc)
+
+
+def connect(settings: RankSettings, rank: int) -> Channel:
+    """This rank's channel: its node's relay when the run has one, else the aggregator."""
+    relay = settings.relay_of(rank)
+    if relay:
+        host, _, port = relay.rpartition(":")
+        return RelayChannel(host, int(port), settings.monitor.decision_timeout_s, token=settings.relay_token)
+    return ActorChannel.connect(settings)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("relay closed the connection")
+        buf.extend(chunk)
+    return bytes(buf)
+
+
 
 # Outside a launch (a script run by hand, a benchmark): the config's defaults, so a script
 # collects, decides and reports weights the same by hand as launched with a default config.
@@ -165,7 +445,8 @@ class RankSession:
         """The step the loop is inside: its faults let it start, it has not ended (the
         heartbeat says so: a rank blocked before a step that the others are inside is the
         one they wait for)."""
-        self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step, lambda: self.in_step) if settings else None
+        self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step, lambda: self.in_step,
+                                   connect=lambda: connect(settings, self.rank)) if settings else None
         self.weight_stats: WeightStats | None = None
         self._last_sums: Any = None
         self.started = False

@@ -151,7 +151,7 @@ def _settings(run_dir, **config):
 def _saving_channel():
     """A channel whose every decision says "save the best", the metric falling."""
     from mindpulse.protocol import Directive, Lease, decode
-    from mindpulse.workers.channel import Channel
+    from mindpulse.workers.session import Channel
 
     class SavingChannel(Channel):
         def __init__(self):

@@ -10,8 +10,16 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindpulse.aggregator.partial import NodeStragglers, from_wire, partial_of, straggler_scores, to_wire
-from mindpulse.aggregator.reducer import StepReducer, StragglerTracker, reduce_step
+from mindpulse.aggregator.reducer import (
+    NodeStragglers,
+    StepReducer,
+    StragglerTracker,
+    from_wire,
+    partial_of,
+    reduce_step,
+    straggler_scores,
+    to_wire,
+)
 from mindpulse.protocol import StepPacket
 
 values = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=64),
@@ -115,10 +123,9 @@ def test_a_nodes_relay_pre_reduces_and_the_aggregator_merges_one_partial_per_nod
     import time
 
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.node.prereduce import NodePreReducer
-    from mindpulse.node.relay import RelayServer
+    from mindpulse.node.relay import NodePreReducer, RelayServer
     from mindpulse.protocol import EventPacket
-    from mindpulse.workers.channel import RelayChannel
+    from mindpulse.workers.session import RelayChannel
 
     core = AggregatorCore(tmp_path, world_size=4, settings={"tensorboard": False,
                                                              "world": {"nodes": 2, "ranks_per_node": 2}})
@@ -162,7 +169,7 @@ def test_node_partials_drive_the_hang_clock(tmp_path):
     import time
 
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.aggregator.partial import to_wire
+    from mindpulse.aggregator.reducer import to_wire
 
     core = AggregatorCore(tmp_path, world_size=2, settings={"tensorboard": False,
                                                              "world": {"nodes": 1, "ranks_per_node": 2},

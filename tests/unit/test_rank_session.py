@@ -22,7 +22,7 @@ from mindpulse.protocol import (
     StepPacket,
     decode,
 )
-from mindpulse.workers.channel import BATCH_PACKETS, ActorChannel, Channel, RelayChannel, connect
+from mindpulse.workers.session import BATCH_PACKETS, ActorChannel, Channel, RelayChannel, connect
 from mindpulse.workers.settings import SettingsError, settings_at
 
 

@@ -9,7 +9,7 @@ import time
 
 from mindpulse.node.relay import RelayServer
 from mindpulse.protocol import Action, Directive, Lease, StepPacket, decode
-from mindpulse.workers.channel import RelayChannel as RelayClient
+from mindpulse.workers.session import RelayChannel as RelayClient
 
 
 class Upstream:
