@@ -423,8 +423,9 @@ class MetricsWriter:
         if not raw:
             return 0
         cap = self.max_file_size
-        if not cap:
-            self._write(b"".join(raw))
+        blob = b"".join(raw)
+        if not cap or self._size + len(blob) <= cap:  # the common case: no roll inside this batch
+            self._write(blob)
             return len(raw)
         group: list[bytes] = []
         pending = 0

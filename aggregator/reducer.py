@@ -22,7 +22,7 @@ import bisect
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,11 +101,12 @@ def _nonfinite(p: StepPacket) -> bool:
 
 
 def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = False,
-               wires: Mapping[int, dict[str, Any]] | None = None) -> Partial:
+               wires: Mapping[int, dict[str, Any]] | None = None, collect: Iterable[int] = ()) -> Partial:
     """The partial of one step from these ranks' packets (one per rank). `keep_all` keeps
-    every packet whole (the flat reduction, a collect step); otherwise only the ones worth
-    keeping. `wires`: the packets' validated wire maps (a node agent has them: they travel
-    on as they are)."""
+    every packet whole (the flat reduction); otherwise the ones worth keeping, and at a
+    collect step those of the `collect` ranks (`collect_ranks`), marked to be kept through
+    `finalize`. `wires`: the packets' validated wire maps (a node agent has them: they
+    travel on as they are)."""
     losses = [(r, p.loss) for r, p in packets.items() if p.loss is not None]
     finite = [v for _, v in losses if math.isfinite(v)]
     gns = [p.grad_norm for p in packets.values() if p.grad_norm is not None]
@@ -156,8 +157,10 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         "st_q": sum(exact(p.step_time_s) ** 2 for p in packets.values()
                     if p.step_time_s is not None and math.isfinite(p.step_time_s)),
     }
+    collect = set(collect).intersection(packets)
     part["all"] = keep_all
-    keep = sorted(set(packets) if keep_all else _worth_keeping(part, packets))
+    part["keep"] = sorted(collect)
+    keep = sorted(set(packets) if keep_all else _worth_keeping(part, packets) | collect)
     part["packets"] = {r: (wires[r] if wires is not None else packets[r]) for r in keep}
     return part
 
@@ -202,6 +205,42 @@ def _worth_keeping(part: Partial, packets: Mapping[int, StepPacket]) -> set[int]
     return keep
 
 
+RANKS_PER_COLLECT = 256
+"""Ranks whose every field is kept whole at a collect step (per-rank TensorBoard detail)."""
+
+
+def collect_ranks(step: int, world_size: int, collect_freq: int) -> range | set[int]:
+    """The ranks kept whole at `step`: none off a collect step; every rank up to
+    RANKS_PER_COLLECT; beyond that a window that moves on at each collect step, so every
+    rank shows up in turn while the work per step stays bounded. A pure function of the
+    step, so the node agents (which keep those packets) and the aggregator's sinks (which
+    write them) agree without talking, and a restarted aggregator picks up where it was."""
+    world = max(world_size, 1)
+    if step % max(1, collect_freq):
+        return range(0)
+    if world <= RANKS_PER_COLLECT:
+        return range(world)
+    lo = (step // max(1, collect_freq)) * RANKS_PER_COLLECT % world
+    if lo + RANKS_PER_COLLECT <= world:
+        return range(lo, lo + RANKS_PER_COLLECT)
+    return set(range(lo, world)) | set(range(lo + RANKS_PER_COLLECT - world))
+
+
+def _kept(part: Partial) -> dict[int, Any]:
+    """The packets a partial still needs whole: its extremes (the merged extremes are
+    among the parts' kept packets), its non-finite ranks, the collect window (`keep`) and
+    the weight statistics; every packet of a flat reduction (`all`)."""
+    packets = part["packets"]
+    if part.get("all"):
+        return packets
+    wanted = {x[1] for x in (part["loss_min"], part["loss_max"], part["gl_max"], part["st_min"],
+                             part["st_max"]) if x is not None}
+    wanted.update(part["nonfinite"])
+    wanted.update(part.get("keep", ()))
+    wanted.update(r for r, p in packets.items() if has_weights(p))
+    return {r: packets[r] for r in sorted(wanted) if r in packets}
+
+
 # ---- merging node partials ------------------------------------------------------------------------
 def merge(a: Partial, b: Partial) -> Partial:
     """Two partials of one step (disjoint ranks) as one; exact and associative."""
@@ -239,11 +278,15 @@ def merge(a: Partial, b: Partial) -> Partial:
         "st_q": a["st_q"] + b["st_q"],
         "packets": {**a["packets"], **b["packets"]},
         "all": a["all"] and b["all"],
+        "keep": sorted(a.get("keep", []) + b.get("keep", [])),
         "strag": a.get("strag", []) + b.get("strag", []),
     }
     for k in a["extra"].keys() | b["extra"].keys():
         xa, xb = a["extra"].get(k, [0, 0]), b["extra"].get(k, [0, 0])
         out["extra"][k] = [xa[0] + xb[0], xa[1] + xb[1]] + xa[2:] + xb[2:]
+    # a node's extremes that are no longer the group's need not travel on: what goes up
+    # stays a few packets whatever the number of nodes merged
+    out["packets"] = _kept(out)
     return out
 
 
@@ -277,11 +320,15 @@ def from_wire(w: dict[str, Any]) -> Partial:
     part["packets"] = {p["rank"]: p for p in w["packets"]
                        if isinstance(p, dict) and isinstance(p.get("rank"), int) and p.get("t") == "step"}
     part["all"] = bool(w.get("all"))
+    keep = w.get("keep") or []
+    if not (isinstance(keep, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in keep)):
+        raise ValueError("partial field 'keep' is not a list of ranks")
+    part["keep"] = keep
     part["pnorm"] = {int(r): float(v) for r, v in w["pnorm"]}
     part["fp"] = {str(k): [int(r) for r in v] for k, v in w["fp"].items()}
     for k in ("h_loss", "h_st"):
         if not (isinstance(w[k], list) and len(w[k]) == len(HIST_EDGES) + 1
-                and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in w[k])):
+                and all(type(c) is int for c in w[k]) and min(w[k]) >= 0):
             raise ValueError(f"partial field {k!r} is not a histogram")
     for k in ("step", "n", "epoch", "loss_n", "loss_f", "gn_n", "samples", "nan", "inf", "errors"):
         if not isinstance(part[k], int) or isinstance(part[k], bool) or part[k] < 0:
@@ -326,10 +373,11 @@ class NodeStragglers:
         return {"fast": meds[-1][0], "med": [[r, m] for m, r in meds]}
 
 
-def straggler_scores(inputs: Iterable[dict[str, Any]], threshold: float, every_rank: bool = False
-                     ) -> dict[int, float]:
+def straggler_scores(inputs: Iterable[dict[str, Any]], threshold: float, every_rank: bool = False,
+                     also: Container[int] = ()) -> dict[int, float]:
     """Scores (fastest median over all nodes / the rank's median) of the ranks below
-    `threshold` — each node's list is read only while it holds such ranks — or of every rank."""
+    `threshold` — each node's list is read only while it holds such ranks — and of the
+    ranks in `also` (a collect step's window), or of every rank."""
     inputs = [x for x in inputs if x]
     if sum(len(x["med"]) for x in inputs) < 2:
         return {}  # one rank alone is no comparison
@@ -339,7 +387,10 @@ def straggler_scores(inputs: Iterable[dict[str, Any]], threshold: float, every_r
         for r, m in x["med"]:  # slowest first
             score = fastest / m if m > 0 else 1.0
             if score >= threshold and not every_rank:
-                break
+                if not also:
+                    break
+                if r not in also:
+                    continue
             scores[int(r)] = score
     return dict(sorted(scores.items()))
 
@@ -446,15 +497,7 @@ def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedS
     for k in sorted(part["extra"]):
         cnt, total, *bad = part["extra"][k]
         extra[k] = sum(bad) if bad else mean_of(total, cnt)
-    packets = part["packets"]
-    if not (keep_all or part.get("all")):
-        # the merged extremes are among the kept packets; keep just those, the non-finite
-        # ranks and the weight statistics (a collect step keeps every rank's)
-        wanted = {x[1] for x in (part["loss_min"], part["loss_max"], part["gl_max"], part["st_min"],
-                                 part["st_max"]) if x is not None}
-        wanted.update(part["nonfinite"])
-        wanted.update(r for r, p in packets.items() if has_weights(p))
-        packets = {r: packets[r] for r in wanted if r in packets}
+    packets = part["packets"] if keep_all else _kept(part)
     packets = {r: pk for r, pk in ((r, as_packet(p)) for r, p in packets.items()) if pk is not None}
 
     def ext(key: str) -> tuple[float | None, int | None]:

@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .reducer import ReducedStep
+from .reducer import ReducedStep, collect_ranks
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +88,6 @@ def _md_escape(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-RANKS_PER_COLLECT = 256
-"""Per-rank scalars written at one collect step at most (larger worlds: a moving window)."""
-
-
 class TensorBoardSink:
     """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
 
@@ -103,8 +99,6 @@ class TensorBoardSink:
         self.run_dir = Path(run_dir)
         self.collect_freq = max(1, collect_freq)
         self.straggler_threshold = straggler_threshold
-        self._sample_from = 0
-        """Where the next collect step's window of ranks starts (it cycles through the world)."""
         self.logdir = self.run_dir / "tb"
         self.flush_secs = flush_secs
         self.errors: Counter[str] = Counter()
@@ -141,12 +135,17 @@ class TensorBoardSink:
         else:
             log.debug("TensorBoard sink: %s failed again: %s", kind, exc)
 
-    def _scalar(self, tag: str, value: Any, step: int, walltime: float | None) -> bool:
-        v = _number(value)
-        if v is None:
-            return False
-        self._writer.add_scalar(tag, v, global_step=step, walltime=walltime)
-        return True
+    def _scalars(self, items: list[tuple[str, Any]], step: int, walltime: float | None) -> int:
+        """Every numeric `(tag, value)` of `items` as one event: one summary holding many
+        values costs ~3 µs a value against ~70-280 µs for one event per scalar
+        (`add_scalar`), and TensorBoard reads each value under its own tag all the same."""
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=v) for tag, v in
+                  ((t, _number(x)) for t, x in items) if v is not None]
+        if values:
+            self._writer.file_writer.add_summary(Summary(value=values), step, walltime)
+        return len(values)
 
     def _add_text(self, tag: str, text: str, step: int, walltime: float | None = None) -> None:
         # TensorBoard hides earlier events of a tag when a smaller step follows (it takes
@@ -173,26 +172,24 @@ class TensorBoardSink:
         if step == 0 and red.loss_mean is None:
             return  # the step-0 report only carries fingerprints
         wt = red.ts if _number(red.ts) and red.ts > 0 else None
-        for tag, attr in _CLUSTER_SCALARS:
-            self._scalar(tag, getattr(red, attr, None), step, wt)
-        for name, value in (red.extra or {}).items():
-            self._scalar(f"extra/{_tag_part(name)}", value, step, wt)
-        every_rank = step % self.collect_freq == 0
-        matter = red.ranks_that_matter(self.straggler_threshold)
-        if every_rank:
-            matter |= self._sample(red)
+        scalars = [(tag, getattr(red, attr, None)) for tag, attr in _CLUSTER_SCALARS]
+        scalars += [(f"extra/{_tag_part(name)}", value) for name, value in (red.extra or {}).items()]
+        window = collect_ranks(step, red.world_size, self.collect_freq)
+        every_rank = bool(window)
+        matter = red.ranks_that_matter(self.straggler_threshold) | set(window)
         local_norms: list[float] = []
-        for rank, pkt in (red.per_rank or {}).items():
-            if rank not in matter:
+        per_rank = red.per_rank or {}
+        for rank in sorted(matter):
+            pkt = per_rank.get(rank)
+            if pkt is None:
                 continue
-            for suffix, attr in _RANK_SCALARS:
-                self._scalar(f"rank_{rank}/{suffix}", getattr(pkt, attr, None), step, wt)
+            scalars += [(f"rank_{rank}/{suffix}", getattr(pkt, attr, None)) for suffix, attr in _RANK_SCALARS]
             g = _number(getattr(pkt, "grad_norm_local", None))
             if g is not None:
                 local_norms.append(g)
-        for rank, score in (getattr(red, "straggler_scores", None) or {}).items():
-            if rank in matter:
-                self._scalar(f"rank_{rank}/straggler_score", score, step, wt)
+        scalars += [(f"rank_{rank}/straggler_score", score)
+                    for rank, score in (getattr(red, "straggler_scores", None) or {}).items() if rank in matter]
+        self._scalars(scalars, step, wt)
         for name, h in (red.histograms or {}).items():  # over every rank, every step
             self._writer.add_histogram_raw(f"ranks/{name}", global_step=step, walltime=wt, **h)
         if local_norms and every_rank:
@@ -210,27 +207,16 @@ class TensorBoardSink:
             lines += [f"- rank {r}: loss {_fmt(v)}" for r, v in sorted(bad.items())]
             self._add_text("loss/nonfinite", "\n\n".join(lines), step, wt)
 
-    def _sample(self, red: ReducedStep) -> set[int]:
-        """Every rank's detail at a collect step, up to RANKS_PER_COLLECT of them: beyond
-        that a window that moves on each collect step, so every rank shows up in turn while
-        the work per step stays bounded."""
-        world = max(red.world_size, 1)
-        if world <= RANKS_PER_COLLECT:
-            return set(range(world))
-        lo = self._sample_from % world
-        self._sample_from = lo + RANKS_PER_COLLECT
-        return {(lo + i) % world for i in range(RANKS_PER_COLLECT)}
-
     def on_weights(self, step: int, weights: dict) -> None:
         """Per-layer norms and update ratios as scalars; weight and gradient histograms."""
         if not self.enabled:
             return
         try:
             with self._lock:
-                for name, v in (weights.get("norms") or {}).items():
-                    self._scalar(f"weights/{_tag_part(name)}/norm", v, int(step), None)
-                for name, v in (weights.get("update_ratio") or {}).items():
-                    self._scalar(f"weights/{_tag_part(name)}/update_ratio", v, int(step), None)
+                norms = [(f"weights/{_tag_part(name)}/norm", v) for name, v in (weights.get("norms") or {}).items()]
+                ratios = [(f"weights/{_tag_part(name)}/update_ratio", v)
+                          for name, v in (weights.get("update_ratio") or {}).items()]
+                self._scalars(norms + ratios, int(step), None)
                 for group, prefix in (("hist", "weights"), ("grad_hist", "grads")):
                     for name, h in (weights.get(group) or {}).items():
                         if not h.get("counts"):
@@ -249,13 +235,14 @@ class TensorBoardSink:
         try:
             with self._lock:
                 wt = ts if _number(ts) and ts > 0 else None
+                scalars: list[tuple[str, Any]] = []
                 for i, card in enumerate(cards or []):
                     if not isinstance(card, dict):
                         continue
                     cid = card.get("card")
                     prefix = f"card_{_tag_part(node)}_{_tag_part(i if cid is None else cid)}"
-                    for suffix, key in _CARD_SCALARS:
-                        self._scalar(f"{prefix}/{suffix}", card.get(key), int(step), wt)
+                    scalars += [(f"{prefix}/{suffix}", card.get(key)) for suffix, key in _CARD_SCALARS]
+                self._scalars(scalars, int(step), wt)
         except Exception as exc:
             self._error("telemetry", exc)
 

@@ -59,10 +59,15 @@ LAG = 1
 SENDERS = 2
 
 
-def node_batch(node: int, rpn: int, step: int) -> dict:
+def node_batch(node: int, rpn: int, step: int, world: int) -> dict:
     """What node `node`'s agent sends for one step: its ranks' real packets through the real
     pre-reducer (fingerprints every 10 steps, as the monitor sends them)."""
-    pre = NodePreReducer(node, range(node * rpn, (node + 1) * rpn))
+    pre = NodePreReducer(node, range(node * rpn, (node + 1) * rpn), world_size=world)
+    for s in range(step - 5, step):  # a few steps before: the node's straggler window fills, as in a run
+        for local in range(rpn):
+            pre.add(StepPacket(rank=node * rpn + local, step=s, loss=2.0, step_time_s=0.5, data_wait_s=0.001,
+                               samples=8, ts=time.time()).encode())
+    pre.take()
     for local in range(rpn):
         r = node * rpn + local
         pkt = StepPacket(rank=r, step=step, epoch=1, loss=2.0 + 0.01 * math.sin(r + step), lr=3e-3,
@@ -78,12 +83,12 @@ class Leader:
     """Plays the group leaders of some groups: merges its nodes' partials per step and
     sends one call per group."""
 
-    def __init__(self, aggregator, groups: list[list[int]], rpn: int):
+    def __init__(self, aggregator, groups: list[list[int]], rpn: int, world: int):
         self.aggregator = aggregator
         self.groups = groups
         # a node's batch per step kind (collect or not): built once by the real pre-reducer;
         # the step number of the partial is set per step (the raw packets are stored as they are)
-        self.batches = {(n, kind): node_batch(n, rpn, 10 if kind else 1) for g in groups for n in g
+        self.batches = {(n, kind): node_batch(n, rpn, 20 if kind else 11, world) for g in groups for n in g
                         for kind in (0, 1)}
 
     def send_step(self, step: int) -> float:
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
                                settings=settings)
         agg_pid = ray.get(agg.ping.remote())
         leader_cls = ray.remote(Leader).options(num_cpus=0)
-        leaders = [leader_cls.remote(agg, groups[i::SENDERS], rpn) for i in range(SENDERS)]
+        leaders = [leader_cls.remote(agg, groups[i::SENDERS], rpn, ranks) for i in range(SENDERS)]
         ray.get([ldr.send_step.remote(0) for ldr in leaders])  # warm-up: step 0
 
         reduced_at: dict[int, float] = {}

@@ -56,20 +56,37 @@ class NodeAgents:
                                 f"{self.resource}: {exc}") from None
         self.pg = pg
         devices = node_devices(self.cfg)
+        group = self.cfg.monitor.groups_of(w.nodes)  # a leader also answers its members' lease polls
         for n in range(w.nodes):
             self.agents.append(ray.remote(NodeAgent).options(
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
                 runtime_env={"env_vars": dict(WORKER_ENV)}, max_restarts=0,
                 # threaded: run_msrun holds one thread for the whole job; kill_ranks, stop,
                 # dump_stacks and telemetry must still get through
-                max_concurrency=8,
+                max_concurrency=8 + group,
             ).remote(n, aggregator, w.device.value,
                      {n * w.ranks_per_node + i: devices[i] for i in range(w.ranks_per_node)},
                      self.cfg.monitor.telemetry_interval_s, w.ranks_per_node, self.cfg.monitor.decision_timeout_s,
                      # its watchdog ends the node's processes of the run when the launcher is gone
                      driver=driver_identity(), straggler_window=self.cfg.monitor.straggler_window,
-                     collect_freq=self.cfg.monitor.collect_freq, relay_token=relay_token))
+                     collect_freq=self.cfg.monitor.collect_freq, relay_token=relay_token,
+                     world_size=w.world_size))
         self.infos = ray.get([a.info.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
+        self.leaders: set[int] = set()
+        if group > 1:  # the tree's second level (node/group.py)
+            calls = []
+            for first in range(0, w.nodes, group):
+                members = list(range(first, min(w.nodes, first + group)))
+                self.leaders.add(first)
+                calls.append(self.agents[first].lead.remote(members))
+                calls += [self.agents[m].follow.remote(self.agents[first]) for m in members[1:]]
+            ray.get(calls, timeout=PLACEMENT_TIMEOUT_S)
+
+    def _members_first(self) -> list[Any]:
+        """The agents, group members before their leaders: a member's last batch goes
+        through its leader, which must still be there to pass it on."""
+        leaders = getattr(self, "leaders", set())
+        return [a for n, a in enumerate(self.agents) if n not in leaders] + [self.agents[n] for n in sorted(leaders)]
 
     def bundle(self, node: int) -> Any:
         """The scheduling strategy that puts an actor in `node`'s bundle."""
@@ -138,7 +155,7 @@ class NodeAgents:
         import ray
 
         dropped = 0
-        for a in self.agents:
+        for a in self._members_first():
             try:
                 dropped += ray.get(a.stop.remote(kill=kill), timeout=20).get("dropped", 0)
             except Exception:
@@ -149,7 +166,7 @@ class NodeAgents:
         """Stop every agent (killing what it started: msrun, the scheduler) and the actor."""
         import ray
 
-        for a in self.agents:
+        for a in self._members_first():
             try:
                 ray.get(a.stop.remote(kill=True), timeout=20)
             except Exception:

@@ -27,9 +27,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mindpulse.node.relay import NodeBatch, batch_size
+
+if TYPE_CHECKING:
+    from mindpulse.node.group import GroupLeader
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +148,7 @@ class NodeAgent:
     def __init__(self, node: int, aggregator: Any, device: str, rank_devices: dict[int, int],
                  interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0,
                  driver: dict[str, Any] | None = None, straggler_window: int = 10, collect_freq: int = 10,
-                 relay_token: str = ""):
+                 relay_token: str = "", world_size: int | None = None):
         """`driver`: the launcher's `driver_identity()`; while it is given, a watchdog ends this
         node's processes of the run once that process is gone."""
         from mindpulse.node.relay import NodePreReducer, RelayServer
@@ -173,12 +176,14 @@ class NodeAgent:
         """Set to stop the watchdog (tests; the agent itself ends with its process)."""
         self._watchdog: threading.Thread | None = None
         self._inflight: list[Any] = []
+        self._inflight_lock = threading.Lock()  # the relay's thread and the group's flush thread both call up
         self.dropped = 0
         # the node's ranks are validated and each step reduced here: the aggregator merges
         # one partial per node and step
         ranks = sorted(self.rank_devices)
         self.prereduce = NodePreReducer(node, range(ranks[0], ranks[-1] + 1) if ranks else range(0),
-                                        straggler_window=straggler_window, collect_freq=collect_freq)
+                                        straggler_window=straggler_window, collect_freq=collect_freq,
+                                        world_size=world_size)
         self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks,
                                  forward_lease=self._forward_lease, prereduce=self.prereduce, token=relay_token)
         self.relay_port = self.relay.start()
@@ -192,24 +197,77 @@ class NodeAgent:
     """Batches on their way to the aggregator; while it restarts they wait (Ray retries
     them on the new instance); beyond this bound new batches are dropped and counted."""
 
-    def _forward_send(self, batch: NodeBatch) -> None:
+    # ---- the group (node/group.py): a leader merges its members' batches -----------------------
+    group: GroupLeader | None = None
+    leader: Any = None
+
+    def lead(self, members: list[int]) -> None:
+        """Lead the group of `members` (node ids, this node's included)."""
         import ray
 
-        if self._inflight:
-            done, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
-        if len(self._inflight) >= self.MAX_INFLIGHT_CALLS:
-            self.dropped += batch_size(batch)
+        from mindpulse.node.group import GroupLeader
+
+        def poll(after: int, timeout: float) -> bytes:
+            return ray.get(self.aggregator.lease.remote(after, timeout), timeout=timeout + 10)
+
+        self.group = GroupLeader(self.node, members, lambda entries: self._call(
+            self.aggregator.ingest_nodes.remote, entries, size=sum(batch_size(b) for _, b in entries)), poll)
+
+    def follow(self, leader: Any) -> None:
+        """Send this node's batches and lease polls through `leader` (a NodeAgent handle)."""
+        self.leader = leader
+
+    def group_send(self, node: int, batch: NodeBatch) -> None:
+        if self.group is None:  # not (or no longer) a leader: straight to the aggregator
+            self.aggregator.ingest_node.remote(node, batch)
             return
-        self._inflight.append(self.aggregator.ingest_node.remote(self.node, batch))
+        self.group.add(node, batch)
+
+    def group_lease(self, after: int, timeout: float) -> bytes:
+        import ray
+
+        if self.group is None:
+            return ray.get(self.aggregator.lease.remote(after, timeout), timeout=timeout + 10)
+        return self.group.lease(after, timeout)
+
+    def _forward_send(self, batch: NodeBatch) -> None:
+        if self.group is not None:
+            self.group.add(self.node, batch)
+            return
+        target = self.leader.group_send if self.leader is not None else self.aggregator.ingest_node
+        self._call(target.remote, self.node, batch, size=batch_size(batch))
+
+    def _call(self, remote: Callable[..., Any], *args: Any, size: int) -> None:
+        """A fire-and-forget call up the tree, at most MAX_INFLIGHT_CALLS on their way."""
+        import ray
+
+        with self._inflight_lock:
+            if self._inflight:
+                _, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
+            if len(self._inflight) >= self.MAX_INFLIGHT_CALLS:
+                self.dropped += size
+                return
+            self._inflight.append(remote(*args))
 
     def _forward_decide(self, batch: NodeBatch, step: int, timeout: float) -> bytes:
         import ray
 
+        if self.group is not None:  # the step goes up with the group's; the directive comes back
+            self.group.add(self.node, batch)
+            return ray.get(self.aggregator.decide.remote([], step, timeout), timeout=timeout + 10)
         return ray.get(self.aggregator.decide_node.remote(self.node, batch, step, timeout), timeout=timeout + 10)
 
     def _forward_lease(self, after: int, timeout: float) -> bytes:
         import ray
 
+        if self.group is not None:
+            return self.group.lease(after, timeout)
+        if self.leader is not None:
+            try:
+                return ray.get(self.leader.group_lease.remote(after, timeout), timeout=timeout + 10)
+            except Exception as exc:  # the leader is gone: ask the aggregator itself
+                log.warning("node %d: group leader unreachable (%s); polling the aggregator", self.node, exc)
+                self.leader = None
         return ray.get(self.aggregator.lease.remote(after, timeout), timeout=timeout + 10)
 
     def info(self) -> dict[str, Any]:
@@ -309,16 +367,18 @@ class NodeAgent:
             if proc is not None and proc.poll() is None and kill:
                 _killpg(proc)
         self.relay.stop()
-        if self._inflight:  # the last packets reach the aggregator before it closes
+        group = self.group.close() if self.group is not None else {}
+        with self._inflight_lock:
+            inflight, self._inflight = self._inflight, []
+        if inflight:  # the last packets reach the aggregator before it closes
             import ray
 
             try:
-                ray.wait(self._inflight, num_returns=len(self._inflight), timeout=10)
+                ray.wait(inflight, num_returns=len(inflight), timeout=10)
             except Exception:
                 pass
-            self._inflight = []
-        return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:], "dropped": self.dropped,
-                "relay": dict(self.relay.stats)}
+        return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:],
+                "dropped": self.dropped, "relay": dict(self.relay.stats), "group": group}
 
     stack_ready: set[int] = set()
 

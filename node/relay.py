@@ -36,7 +36,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.aggregator.reducer import NodeStragglers, partial_of, to_wire
+from mindpulse.aggregator.reducer import NodeStragglers, collect_ranks, partial_of, to_wire
 from mindpulse.protocol import (
     FRAME_HEADER_BYTES,
     MAX_FRAME,
@@ -64,9 +64,13 @@ def empty_batch() -> NodeBatch:
 class NodePreReducer:
     """One node's steps: `add(raw)` files a packet; complete steps come out as partials."""
 
-    def __init__(self, node: int, ranks: range, straggler_window: int = 10, collect_freq: int = 10):
+    def __init__(self, node: int, ranks: range, straggler_window: int = 10, collect_freq: int = 10,
+                 world_size: int | None = None):
+        """`world_size`: which of this node's ranks a collect step keeps whole follows from
+        it (`collect_ranks`); None keeps every rank of the node whole at a collect step."""
         self.node = node
         self.ranks = ranks
+        self.world_size = world_size
         self.collect_freq = max(1, collect_freq)
         self.stragglers = NodeStragglers(straggler_window)
         self._pending: OrderedDict[int, dict[int, StepPacket]] = OrderedDict()
@@ -114,9 +118,12 @@ class NodePreReducer:
         return True
 
     def _partial(self, step: int, packets: dict[int, StepPacket], wires: dict[int, dict]) -> dict[str, Any]:
-        # every collect step keeps each rank's packet whole (per-rank TensorBoard detail);
-        # other steps only the extremes, the non-finite ranks and the weight statistics
-        part = partial_of(step, packets, keep_all=step % self.collect_freq == 0, wires=wires)
+        # a collect step keeps whole the packets of its window of ranks (per-rank TensorBoard
+        # detail; every rank of a world up to RANKS_PER_COLLECT); every step keeps the
+        # extremes, the non-finite ranks and the weight statistics
+        collect = collect_ranks(step, self.world_size, self.collect_freq) if self.world_size is not None else (
+            self.ranks if step % self.collect_freq == 0 else ())
+        part = partial_of(step, packets, wires=wires, collect=collect)
         part["strag"] = [x] if (x := self.stragglers.update(step, packets)) else []
         return to_wire(part)
 

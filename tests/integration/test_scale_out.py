@@ -137,11 +137,14 @@ def test_ray_backend_across_two_nodes(two_node_cluster, tmp_path):
 def test_msrun_across_two_nodes(two_node_cluster, tmp_path):
     proc, run_dir = launch_on(two_node_cluster, tmp_path, "--set", "backend=msrun", "--set", "world.nodes=2",
                               "--set", "world.ranks_per_node=1", "--set", "train.steps=5",
-                              "--set", "msrun.master_addr=127.0.0.1")
+                              "--set", "msrun.master_addr=127.0.0.1", "--set", "monitor.group_size=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["status"] == "succeeded" and s["steps_completed"] == 5
     every_step_from_every_rank(run_dir, 5, 2)
+    # the two nodes form one group: node 1's agent sends through node 0's, which merges them
+    assert s["packets"]["group_partials"] >= 5, f"no step came merged by the group leader: {s['packets']}"
+    assert s["packets"]["dropped"] == 0 and s["packets"]["rejected"] == 0, s["packets"]
     # each node's msrun started its own rank (--node_rank), with the rank's environment
     assert_msrun_ran(run_dir, node=0, ranks=[0])
     assert_msrun_ran(run_dir, node=1, ranks=[1])

@@ -1,0 +1,189 @@
+"""The tree's second level: a group leader between the node agents and the aggregator.
+
+One aggregator actor drains about 1,900 calls a second on a 2-core machine, so a job of
+4,096 nodes at 2 steps/s cannot make one call per node and step. Nodes are grouped
+(`monitor.group_size`; 64-node groups by default once a job has more than 64 nodes) and
+each group's first node agent leads it:
+
+- its members send their batches (raw step packets, events, one partial per step) to it
+  instead of the aggregator; once every member's partial of a step is in, it merges them
+  (merging is exact and associative: the aggregator cannot tell a group's merged partial
+  from its nodes' ones) and sends one `ingest_nodes` call with the group's raw packets. A
+  step some member is late with goes up node by node after `STRAGGLE_S`, so a slow node
+  never holds back its group's other nodes for long (the aggregator merges them as they
+  come);
+- it keeps one lease long poll to the aggregator for the whole group and answers its
+  members' polls from it.
+
+Rank 0's decisions at checkpoint candidates still go straight to the aggregator (one
+node, a few steps in ten). We chose leaders over a cheaper single path into one process
+(shared memory, a socket server in the aggregator) because it keeps working across
+machines and puts the merging on the nodes, as MindCluster and DLRover do at scale.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from mindpulse.aggregator.reducer import Partial, from_wire, merge, to_wire
+from mindpulse.protocol import Lease
+
+log = logging.getLogger(__name__)
+
+STRAGGLE_S = 0.5
+"""A step's partials wait this long for the group's last member before they go up apart."""
+FLUSH_S = 0.05
+"""Events and late partials go up at least this often."""
+LEASE_POLL_S = 2.0
+
+
+class GroupLeader:
+    """Merges the batches of `members` (node ids, the leader's own included) per step and
+    shares one lease poll among them. Thread-safe: members call in from the actor's threads."""
+
+    def __init__(self, node: int, members: list[int], send: Callable[[list[tuple[Any, dict[str, Any]]]], None],
+                 poll: Callable[[int, float], bytes]):
+        """`send(entries)`: one `ingest_nodes` call to the aggregator, fire-and-forget;
+        `poll(after, timeout)`: the aggregator's lease long poll (the node agent makes both
+        Ray calls; tests hand in an `AggregatorCore`'s)."""
+        self.node = node
+        self.members = frozenset(members)
+        self.send = send
+        self.poll = poll
+        self._lock = threading.Lock()
+        self._parts: dict[int, dict[int, Partial]] = {}
+        self._since: dict[int, float] = {}
+        self._steps: list[bytes] = []
+        self._other: list[bytes] = []
+        self._rejected: Counter[str] = Counter()
+        self.calls = 0
+        self.merged_steps = 0
+        self._stopped = threading.Event()
+        self._lease = Lease()
+        self._lease_raw = self._lease.encode()
+        self._lease_cond = threading.Condition()
+        self._threads = [threading.Thread(target=self._flush_loop, name="mindpulse-group-flush", daemon=True),
+                         threading.Thread(target=self._poll_loop, name="mindpulse-group-lease", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ---- packets up ------------------------------------------------------------------------
+    def add(self, node: int, batch: dict[str, Any]) -> None:
+        """One member's batch (its relay's `NodeBatch`)."""
+        complete = False
+        with self._lock:
+            if node not in self.members:
+                self._rejected["node_not_in_group"] += 1
+                return
+            self._steps.extend(b for b in batch.get("steps") or [] if isinstance(b, (bytes, bytearray)))
+            self._other.extend(b for b in batch.get("other") or [] if isinstance(b, (bytes, bytearray)))
+            for reason, n in (batch.get("rejected") or {}).items():
+                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                    self._rejected[str(reason)] += n
+            for wire in batch.get("partials") or []:
+                try:
+                    part = from_wire(wire)
+                except Exception:
+                    self._rejected["malformed_partial"] += 1
+                    continue
+                per = self._parts.setdefault(part["step"], {})
+                if node in per:
+                    self._rejected["duplicate_partial"] += 1
+                    continue
+                per[node] = part
+                self._since.setdefault(part["step"], time.monotonic())
+                complete = complete or len(per) == len(self.members)
+        if complete or self._stopped.is_set():
+            self.flush()
+
+    def flush(self, force: bool = False) -> None:
+        """Send what is ready: complete steps merged, late ones node by node, and the
+        raw packets and events gathered so far, in one aggregator call."""
+        now = time.monotonic()
+        entries: list[tuple[Any, dict[str, Any]]] = []
+        with self._lock:
+            for step in sorted(self._parts):
+                per = self._parts[step]
+                if len(per) == len(self.members):
+                    nodes = sorted(per)
+                    part = per[nodes[0]]
+                    for n in nodes[1:]:
+                        part = merge(part, per[n])
+                    entries.append((nodes, _batch(partials=[to_wire(part)])))
+                    self.merged_steps += 1
+                elif force or self._stopped.is_set() or now - self._since[step] >= STRAGGLE_S:
+                    entries += [(n, _batch(partials=[to_wire(p)])) for n, p in sorted(per.items())]
+                else:
+                    continue
+                del self._parts[step], self._since[step]
+            if self._steps or self._other or self._rejected:
+                raw = _batch(steps=self._steps, other=self._other, rejected=dict(self._rejected))
+                self._steps, self._other, self._rejected = [], [], Counter()
+                if entries:  # the raw packets travel with the first entry
+                    nodes, first = entries[0]
+                    entries[0] = (nodes, dict(raw, partials=first["partials"]))
+                else:
+                    entries.append((self.node, raw))
+        if entries:
+            self._send(entries)
+
+    def _send(self, entries: list[tuple[Any, dict[str, Any]]]) -> None:
+        self.send(entries)
+        self.calls += 1
+
+    def _flush_loop(self) -> None:
+        while not self._stopped.wait(FLUSH_S):
+            try:
+                self.flush()
+            except Exception as exc:  # the monitor never ends a run: log, go on
+                log.warning("group leader of node %d: flush failed: %s", self.node, exc)
+
+    # ---- the lease down ---------------------------------------------------------------------
+    def lease(self, after: int, timeout: float) -> bytes:
+        """A member's long poll, answered from the group's one poll of the aggregator."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._lease_cond:
+            while not (self._lease.reduced_through > after or self._lease.stopping):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopped.is_set():
+                    break
+                self._lease_cond.wait(left)
+            return self._lease_raw
+
+    def _poll_loop(self) -> None:
+        while not self._stopped.is_set():
+            after = self._lease.reduced_through
+            try:
+                raw = self.poll(after, LEASE_POLL_S)
+                lease = Lease.decode(raw)
+            except Exception as exc:
+                log.debug("group leader of node %d: lease poll failed: %s", self.node, exc)
+                self._stopped.wait(0.5)
+                continue
+            changed = raw != self._lease_raw
+            with self._lease_cond:
+                self._lease, self._lease_raw = lease, raw
+                self._lease_cond.notify_all()
+            if not changed:
+                # a long poll returns unchanged only after its timeout, but a decided stop
+                # answers at once: never spin on an answer that says nothing new
+                self._stopped.wait(0.05)
+
+    # ---- the end ------------------------------------------------------------------------------
+    def close(self) -> dict[str, Any]:
+        """Send everything left (late steps node by node); later batches go up at once."""
+        self._stopped.set()
+        with self._lease_cond:
+            self._lease_cond.notify_all()
+        self.flush(force=True)
+        return {"calls": self.calls, "merged_steps": self.merged_steps}
+
+
+def _batch(steps: list[bytes] | None = None, other: list[bytes] | None = None,
+           partials: list[dict[str, Any]] | None = None, rejected: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"steps": steps or [], "other": other or [], "partials": partials or [], "rejected": rejected or {}}

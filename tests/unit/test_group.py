@@ -1,0 +1,95 @@
+"""The tree's second level: a group leader merges its members' node partials per step
+into one aggregator call, lets a late member's step go up on its own, and shares one lease
+poll; the aggregator cannot tell the result from the flat reduction."""
+
+from __future__ import annotations
+
+import time
+
+from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.aggregator.metrics_store import read_wire
+from mindpulse.aggregator.reducer import reduce_step
+from mindpulse.node import group as group_mod
+from mindpulse.node.group import GroupLeader
+from mindpulse.node.relay import NodePreReducer
+from mindpulse.protocol import EventPacket, Lease, StepPacket
+
+NODES, RPN = 3, 2
+
+
+def packet(r: int, s: int) -> StepPacket:
+    return StepPacket(rank=r, step=s, loss=1.0 + 0.1 * r + 0.01 * s, grad_norm=1.0, grad_norm_local=0.5 + r,
+                      step_time_s=0.1 * (r + 1), data_wait_s=0.001, samples=4, ts=float(s),
+                      fingerprint="ab" * 6 if s % 10 == 0 else None)
+
+
+def test_a_group_leader_merges_its_members_into_one_call_per_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(group_mod, "STRAGGLE_S", 0.2)
+    core = AggregatorCore(tmp_path, world_size=NODES * RPN,
+                          settings={"tensorboard": False, "world": {"nodes": NODES, "ranks_per_node": RPN}})
+    calls: list[list] = []
+
+    def send(entries):
+        calls.append(entries)
+        core.ingest_nodes(entries)
+
+    leader = GroupLeader(0, list(range(NODES)), send, lambda after, timeout: core.lease().encode())
+    pre = [NodePreReducer(n, range(n * RPN, (n + 1) * RPN), world_size=NODES * RPN) for n in range(NODES)]
+    try:
+        for s in range(1, 6):
+            for n in range(NODES):
+                for r in pre[n].ranks:
+                    pre[n].add(packet(r, s).encode())
+                if s == 1:
+                    pre[n].add(EventPacket(rank=n * RPN, kind="start", pid=100 + n).encode())
+                leader.add(n, pre[n].take())
+            red = core.last_reduced
+            assert red is not None and red.step == s, f"step {s} was not reduced once every member sent it"
+            flat = reduce_step(s, {r: packet(r, s) for r in range(NODES * RPN)}, NODES * RPN)
+            assert (red.loss_mean, red.loss_max_rank, red.grad_norm_local_max_rank, red.samples_per_s,
+                    red.ranks_reported) == (flat.loss_mean, flat.loss_max_rank, flat.grad_norm_local_max_rank,
+                                            flat.samples_per_s, flat.ranks_reported), f"step {s}"
+        merged = [e for c in calls for e in c if isinstance(e[0], list)]
+        assert [e[0] for e in merged] == [[0, 1, 2]] * 5, f"one merged entry per step: {[e[0] for e in merged]}"
+        assert len(calls) == 5, f"one aggregator call per step, got {len(calls)}"
+
+        # node 2 is late with step 6: the others go up on their own, and node 2's part after them
+        for n in (0, 1):
+            for r in pre[n].ranks:
+                pre[n].add(packet(r, 6).encode())
+            leader.add(n, pre[n].take())
+        deadline = time.time() + 5
+        while core.reducer.missing_ranks(6) != [4, 5] and time.time() < deadline:
+            time.sleep(0.02)
+        assert core.reducer.missing_ranks(6) == [4, 5], "the punctual members' step 6 did not go up alone"
+        for r in pre[2].ranks:
+            pre[2].add(packet(r, 6).encode())
+        leader.add(2, pre[2].take())
+        deadline = time.time() + 5
+        while (core.last_reduced.step != 6) and time.time() < deadline:
+            time.sleep(0.02)
+        assert core.last_reduced.step == 6 and core.last_reduced.ranks_reported == 6
+
+        # the group's one lease poll answers a member's long poll
+        lease = Lease.decode(leader.lease(after=4, timeout=3))
+        assert lease.reduced_through >= 6, lease
+    finally:
+        leader.close()
+    assert {r: i["pid"] for r, i in core.rank_info.items()} == {0: 100, 2: 101, 4: 102}, "events pass through"
+    core.close()
+    stored = sorted((o["rank"], o["step"]) for o in read_wire(tmp_path / "metrics.msgpack") if o.get("t") == "step")
+    assert stored == sorted((r, s) for r in range(NODES * RPN) for s in range(1, 7)), "every raw packet is stored"
+
+
+def test_a_batch_from_a_node_outside_the_group_is_refused_and_counted(tmp_path):
+    core = AggregatorCore(tmp_path, world_size=4, settings={"tensorboard": False,
+                                                             "world": {"nodes": 2, "ranks_per_node": 2}})
+    leader = GroupLeader(0, [0], core.ingest_nodes, lambda after, timeout: core.lease().encode())
+    try:
+        leader.add(1, {"steps": [packet(2, 1).encode()], "other": [], "partials": [], "rejected": {}})
+        leader.flush(force=True)
+    finally:
+        leader.close()
+    assert core.rejected == {"node:node_not_in_group": 1}, core.rejected
+    assert core.accepted == 0
+    core.close()
