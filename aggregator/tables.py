@@ -27,10 +27,15 @@ MAX_TABLE_RANKS = 16
 """Above this many ranks the table shows the ranks that matter and counts the rest."""
 
 
-def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.7) -> str:
+def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.7,
+                  ranks: range | None = None) -> str:
+    """The step's table: every rank up to MAX_TABLE_RANKS, else the ranks that matter and a
+    count of the rest; `ranks`: exactly those ranks (a page of `mindpulse top`)."""
     rows = []
     shown = red.per_rank
-    if len(shown) > MAX_TABLE_RANKS or len(shown) < red.world_size:
+    if ranks is not None:
+        shown = {r: red.per_rank[r] for r in ranks if r in red.per_rank}
+    elif len(shown) > MAX_TABLE_RANKS or len(shown) < red.world_size:
         matter = red.ranks_that_matter(straggler_threshold)
         shown = {r: p for r, p in red.per_rank.items() if r in matter}
     for r, p in shown.items():
@@ -55,7 +60,10 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
         )
     hidden = red.world_size - len(shown)
     if hidden > 0:
-        rows.append([f"+{hidden}", red.step, "", "", "", "", "", "other ranks, within the ranges of the row below"])
+        what = "other ranks, within the ranges of the row below"
+        if ranks is not None and shown:
+            what = f"other ranks (shown: {min(shown)}..{max(shown)})"
+        rows.append([f"+{hidden}", red.step, "", "", "", "", "", what])
     note = f"lr {_num(red.lr, '.2e')}"
     if red.extra:
         note += "  " + "  ".join(f"{k} {_num(v)}" for k, v in red.extra.items())

@@ -3,10 +3,11 @@
 No MindSpore. The aggregator is started as `mindpulse launch` starts it (same actor
 options; the default config's settings: TensorBoard on, default rules) unless
 `--no-tensorboard`. Each simulated node holds real step packets of its ranks, reduced by
-the real `NodePreReducer` into a node partial, as a node agent does; group leaders merge
-the partials of `--group-size` nodes (the tree's second level) and send one
-`ingest_nodes` call per group and step with the group's raw step packets (stored, never
-decoded, by the aggregator). Two sender actors play the leaders; they pace steps at the
+the real `NodePreReducer` into a node partial, as a node agent does; each group of
+`--group-size` nodes hands its batches to the real `GroupLeader` (node/group.py, what a
+leading node agent runs: the tree's second level), which merges a step's partials into one
+`ingest_nodes` call with the group's raw step packets (stored, never decoded, by the
+aggregator) and keeps the group's one lease long poll. Two sender actors hold the leaders; they pace steps at the
 asked rate, and a simulated rank starts step k only once step k-1-max_lag_steps is
 reduced (its lease, from the aggregator's long poll), so a saturated aggregator shows as
 a lower achieved rate and as rank wait.
@@ -48,7 +49,6 @@ from pathlib import Path  # noqa: E402
 
 import ray  # noqa: E402
 
-from mindpulse.aggregator.reducer import from_wire, merge, to_wire  # noqa: E402
 from mindpulse.node.relay import NodePreReducer  # noqa: E402
 from mindpulse.protocol import Lease, StepPacket  # noqa: E402
 
@@ -80,34 +80,37 @@ def node_batch(node: int, rpn: int, step: int, world: int) -> dict:
 
 
 class Leader:
-    """Plays the group leaders of some groups: merges its nodes' partials per step and
-    sends one call per group."""
+    """Plays the group leaders of some groups: each group is the real `GroupLeader` a
+    leading node agent runs (node/group.py): it merges its nodes' partials of a step into
+    one `ingest_nodes` call and keeps the group's one lease long poll."""
 
     def __init__(self, aggregator, groups: list[list[int]], rpn: int, world: int):
-        self.aggregator = aggregator
+        from mindpulse.node.group import GroupLeader
+
         self.groups = groups
         # a node's batch per step kind (collect or not): built once by the real pre-reducer;
         # the step number of the partial is set per step (the raw packets are stored as they are)
         self.batches = {(n, kind): node_batch(n, rpn, 20 if kind else 11, world) for g in groups for n in g
                         for kind in (0, 1)}
 
+        def poll(after: int, timeout: float) -> bytes:
+            return ray.get(aggregator.lease.remote(after, timeout), timeout=timeout + 10)
+
+        self.leaders = [GroupLeader(g[0], g, aggregator.ingest_nodes.remote, poll) for g in groups]
+
     def send_step(self, step: int) -> float:
-        """All of this leader's groups for `step`; returns when the last call left."""
+        """Every node of this leader's groups hands its batch of `step` to its group's leader;
+        returns when the last group's call left."""
         kind = 1 if step % 10 == 0 else 0
-        calls = []
-        for g in self.groups:
-            merged = None
-            raw: list[bytes] = []
+        for leader, g in zip(self.leaders, self.groups):
             for n in g:
                 b = self.batches[(n, kind)]
-                part = from_wire(dict(b["partials"][0], step=step))
-                merged = part if merged is None else merge(merged, part)
-                raw.extend(b["steps"])
-            calls.append(self.aggregator.ingest_nodes.remote(
-                [(g, {"steps": raw, "other": [], "partials": [to_wire(merged)], "rejected": {}})]))
-        sent = time.time()
-        ray.get(calls)
-        return sent
+                leader.add(n, {"steps": b["steps"], "other": [], "partials": [dict(b["partials"][0], step=step)],
+                               "rejected": {}})
+        return time.time()
+
+    def close(self) -> int:
+        return sum(leader.close()["calls"] for leader in self.leaders)
 
 
 def agent_cost_per_step(rpn: int = 8, steps: int = 2000) -> float:
@@ -202,6 +205,7 @@ def run(args: argparse.Namespace) -> dict:
         lat = sorted(max(0.0, reduced_at[s] - sent_at[s]) * 1000 for s in done)
         # steps reduced per second between the first and the last reduction
         achieved = (len(done) - 1) / max(reduced_at[done[-1]] - reduced_at[done[0]], 1e-9) if len(done) > 1 else 0.0
+        ray.get([ldr.close.remote() for ldr in leaders], timeout=60)
         ray.get(agg.close.remote(), timeout=60)
     finally:
         ray.shutdown()

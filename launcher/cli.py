@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--root", type=Path, default=Path("runs"))
     tp.add_argument("--interval", type=float, default=1.0)
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
+    tp.add_argument("--page", type=int, default=None,
+                    help="show page N of the ranks (16 a page), not the ranks that matter; n/p page on a terminal")
 
     tel = sub.add_parser("telemetry", help="card telemetry tools")
     tsub = tel.add_subparsers(dest="telemetry_command", required=True)
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "top":
             from mindpulse.views.top import main_top
 
-            return main_top(args.run_dir, root=args.root, interval=args.interval, once=args.once)
+            return main_top(args.run_dir, root=args.root, interval=args.interval, once=args.once, page=args.page)
         if args.command == "telemetry":
             return _telemetry(args)
         if args.command == "pretrain":

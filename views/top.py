@@ -8,7 +8,9 @@ says which attempt the step shown comes from; damaged bytes in the metrics are s
 counted in the header.
 
 On a terminal the screen is redrawn in place every `interval` seconds and `q` (or
-Ctrl-C) quits. With `once`, or when stdout is not a terminal, plain frames are printed
+Ctrl-C) quits. A world larger than the table shows its ranks that matter (extremes,
+non-finite ranks, stragglers) and counts the rest; `n` and `p` page through every rank
+(`--page N` prints page N), `a` goes back. With `once`, or when stdout is not a terminal, plain frames are printed
 instead: one frame with `once`; otherwise a frame whenever the view changed, until the
 run's `summary.json` appears (then the final frame).
 """
@@ -31,11 +33,13 @@ except ImportError:  # pragma: no cover
 
 from mindpulse.aggregator.metrics_store import closed_segments
 from mindpulse.aggregator.reducer import ReducedStep
-from mindpulse.aggregator.tables import card_table, cluster_table
+from mindpulse.aggregator.tables import MAX_TABLE_RANKS, card_table, cluster_table
 from mindpulse.protocol import EventPacket, Packet, StepPacket, TelemetryPacket
 from mindpulse.views.run_reader import CONFIG, METRICS, SUMMARY, MetricsTail, RunReader
 
 MAX_ERROR_LINES = 3
+PAGE_RANKS = MAX_TABLE_RANKS
+"""Ranks per page when paging through a large world (`n`/`p`, or `--page`)."""
 
 _CLEAR = "\x1b[2J"
 _HOME = "\x1b[H"
@@ -151,7 +155,12 @@ class RunView:
         lines.append("")
         if red is not None:
             lines.append(cluster_table(red, self.total_steps,
-                                       straggler_threshold=self.run.config.monitor.straggler_threshold))
+                                       straggler_threshold=self.run.config.monitor.straggler_threshold,
+                                       ranks=self.page_ranks(red.world_size)))
+            if red.world_size > MAX_TABLE_RANKS:
+                pages = self.pages(red.world_size)
+                where = "the ranks that matter" if self.page is None else f"page {self.page + 1}/{pages}"
+                lines.append(f"{where}: n/p next/previous page of {PAGE_RANKS} ranks, a the ranks that matter")
         elif self.newest_step_seen >= 0:
             lines.append(f"no complete step yet (newest step reported: {self.newest_step_seen})")
         elif self.tail.offset == 0 and not (self.run_dir / METRICS).exists():
@@ -177,6 +186,30 @@ class RunView:
         if self.summary and isinstance(self.summary.get("stop"), dict) and self.summary["stop"].get("message"):
             lines.append(f"stopped: {self.summary['stop']['message']}")
         return "\n".join(lines)
+
+    # ---- paging through the ranks
+    page: int | None = None
+    """The page of ranks shown (None: the ranks that matter, as the aggregator's table)."""
+
+    @staticmethod
+    def pages(world: int) -> int:
+        return max(1, math.ceil(world / PAGE_RANKS))
+
+    def page_ranks(self, world: int) -> range | None:
+        if self.page is None or world <= 0:
+            return None
+        self.page = min(max(self.page, 0), self.pages(world) - 1)
+        return range(self.page * PAGE_RANKS, min(world, (self.page + 1) * PAGE_RANKS))
+
+    def key(self, ch: str) -> None:
+        """n / p: next / previous page of ranks; a: back to the ranks that matter."""
+        world = max(self.world_size, 1)
+        if ch in ("n", "]", " "):
+            self.page = 0 if self.page is None else min(self.page + 1, self.pages(world) - 1)
+        elif ch in ("p", "["):
+            self.page = self.pages(world) - 1 if self.page is None else max(self.page - 1, 0)
+        elif ch == "a":
+            self.page = None
 
     def _header(self, now: float | None) -> str:
         now = time.time() if now is None else now
@@ -323,19 +356,19 @@ def _draw(view: RunView, out: TextIO, interval: float, first: bool) -> None:
     out.flush()
 
 
-def _wait_key(fd: int | None, timeout: float) -> tuple[bool, int | None]:
-    """Wait up to `timeout` s; (quit requested, fd still usable)."""
+def _wait_key(fd: int | None, timeout: float) -> tuple[str | None, int | None]:
+    """Wait up to `timeout` s for a key; ("q" to quit, another key, or None; fd still usable)."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return False, fd
+            return None, fd
         if fd is None:
             time.sleep(left)
-            return False, fd
+            return None, fd
         ready, _, _ = select.select([fd], [], [], left)
         if not ready:
-            return False, fd
+            return None, fd
         try:
             data = os.read(fd, 64)
         except OSError:
@@ -344,7 +377,8 @@ def _wait_key(fd: int | None, timeout: float) -> tuple[bool, int | None]:
             fd = None  # stdin closed: keep refreshing, Ctrl-C still quits
             continue
         if b"q" in data.lower() or b"\x03" in data:
-            return True, fd
+            return "q", fd
+        return data[-1:].decode("latin-1").lower(), fd
 
 
 def _run_terminal(view: RunView, out: TextIO, interval: float) -> int:
@@ -363,9 +397,11 @@ def _run_terminal(view: RunView, out: TextIO, interval: float) -> int:
             view.refresh()
             _draw(view, out, interval, first)
             first = False
-            quit_, fd = _wait_key(fd, interval)
-            if quit_:
+            key, fd = _wait_key(fd, interval)
+            if key == "q":
                 return 0
+            if key:
+                view.key(key)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -404,7 +440,7 @@ def _run_plain(view: RunView, out: TextIO, interval: float) -> int:
 
 
 def main_top(run_dir: Path | None, root: Path = Path("runs"), interval: float = 1.0, once: bool = False,
-             out: TextIO | None = None) -> int:
+             out: TextIO | None = None, page: int | None = None) -> int:
     """The `mindpulse top` command; `out` defaults to sys.stdout. Returns the exit code."""
     out = sys.stdout if out is None else out
     path, err = resolve_run_dir(run_dir, Path(root))
@@ -415,7 +451,11 @@ def main_top(run_dir: Path | None, root: Path = Path("runs"), interval: float = 
         print(f"mindpulse top: --interval must be a positive number of seconds, not {interval}", file=sys.stderr)
         return 2
     interval = max(0.05, float(interval))
+    if page is not None and page < 1:
+        print(f"mindpulse top: --page counts from 1, not {page}", file=sys.stderr)
+        return 2
     view = RunView(path)
+    view.page = None if page is None else page - 1
     if once:
         view.refresh()
         out.write(view.render() + "\n")

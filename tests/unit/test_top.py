@@ -318,3 +318,49 @@ def test_a_damaged_record_is_skipped_counted_and_hides_nothing(run_dir):
     assert view.complete_step == 7
     assert view.tail.skipped_bytes == 20 and view.tail.errors == 1
     assert "damaged bytes skipped 20 (1 stretches)" in view.render().splitlines()[0]
+
+
+def test_a_large_world_shows_the_ranks_that_matter_and_pages_through_all(tmp_path):
+    world = 40
+    d = tmp_path / "runs" / "big-20260101-000000"
+    _write(d, _start(world) + _packets(1, 3, world=world))
+    rc, text = _once(d)
+    assert rc == 0
+    rows = _rows(text)
+    # the extremes (lowest loss rank 0, highest loss and grad norm rank 39) and a count of the rest
+    assert "0" in rows and "39" in rows and "20" not in rows, text
+    assert f"+{world - len([r for r in rows if r.isdigit()])}" in text and "n/p next/previous page" in text
+    seen: set[int] = set()
+    for page in (1, 2, 3):
+        rc, text = _once(d, page=page)
+        assert rc == 0 and f"page {page}/3" in text, text
+        ranks = {int(r) for r in _rows(text) if r.isdigit()}
+        assert ranks == set(range((page - 1) * 16, min(world, page * 16))), (page, sorted(ranks))
+        assert all(_rows(text)[str(r)][2] == f"{_loss(r, 3):.4f}" for r in ranks)
+        seen |= ranks
+    assert seen == set(range(world)), "paging shows every rank once"
+    rc, text = _once(d, page=9)  # past the end: the last page
+    assert rc == 0 and "page 3/3" in text
+    buf = io.StringIO()
+    assert main_top(d, once=True, out=buf, page=0) == 2
+
+
+def test_page_keys_move_through_the_ranks_and_back(tmp_path):
+    world = 40
+    d = tmp_path / "runs" / "big-20260101-000000"
+    _write(d, _start(world) + _packets(1, 2, world=world))
+    view = RunView(d)
+    view.refresh()
+    assert view.page is None and view.page_ranks(world) is None
+    view.key("n")
+    assert view.page_ranks(world) == range(0, 16)
+    view.key("n")
+    view.key("n")
+    view.key("n")
+    assert view.page_ranks(world) == range(32, 40), "the last page holds the rest and paging stops there"
+    view.key("p")
+    assert view.page_ranks(world) == range(16, 32)
+    view.key("a")
+    assert view.page is None
+    view.key("p")
+    assert view.page_ranks(world) == range(32, 40), "p from the overview goes to the last page"
