@@ -43,10 +43,31 @@ def final_status(result: RunResult, snap: dict[str, Any]) -> RunStatus:
     return status
 
 
-def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[str, Any], history: RunHistory,
-                  pids: dict[str, Any], started: float, say: Callable[[str], None]) -> tuple[RunStatus, dict[str, Any]]:
+def _say_final_summary(cfg: RunConfig, run_dir: Path, summary: dict[str, Any], say: Callable[[str], None]) -> Any:
+    """The end-of-run summary in the report's order: the status and why first, then wall time
+    (as dates), steps, loss first → best → last, throughput, world and cards, checkpoints,
+    anomalies, attempts and ranks. The metrics are read once, for this and the report; with
+    `output.report` off only the summary and the side files are (cheap for a run of any size).
+    Returns what was read, for the report."""
     from mindpulse.aggregator.tables import summary_table, totals_table
 
+    say("")
+    try:
+        from mindpulse.views.report import final_tables, load_run
+
+        data = load_run(run_dir, metrics=cfg.output.report)
+        say(final_tables(data))
+        return data
+    except Exception as exc:  # the summary.json written stands; fall back to the plain tables
+        say(summary_table(summary.get("ranks", [])))
+        say("")
+        say(totals_table(summary))
+        say(f"mindpulse: could not read the run back for its summary: {type(exc).__name__}: {exc}")
+        return None
+
+
+def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[str, Any], history: RunHistory,
+                  pids: dict[str, Any], started: float, say: Callable[[str], None]) -> tuple[RunStatus, dict[str, Any]]:
     status = final_status(result, snap)
     stop = snap.get("stop")
     ranks = []
@@ -98,16 +119,13 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
                                               kind, stuck=result.hang, message=result.message)
         say(format_failure(summary["failure"]))
     write_json(run_dir / "summary.json", summary)
-    say("")
-    say(summary_table(ranks))
-    say("")
-    say(totals_table(summary))
+    data = _say_final_summary(cfg, run_dir, summary, say)
     say(f"\nmindpulse: {status.value} (exit code {int(ExitCode.of(status))}); run directory {run_dir}")
     if cfg.output.report:
         try:
             from mindpulse.views.report import build_report
 
-            rep = build_report(run_dir)
+            rep = build_report(run_dir, data=data)
             say(f"mindpulse: report {rep['html']}")
         except Exception as exc:  # the run's outcome stands; say why there is no report
             say(f"mindpulse: could not write the report: {type(exc).__name__}: {exc}")
