@@ -748,6 +748,8 @@ def goodput_text(g: dict[str, Any], top: int = 3) -> str:
         if rest:
             shown.append(f"{len(rest)} more {_duration(sum(v for _, v in rest))}")
         parts.append("badput: " + ", ".join(shown))
+    if _finite(g.get("unaccounted_s")) and g["unaccounted_s"] > 0:
+        parts.append(f"unaccounted {_duration(g['unaccounted_s'])}")
     return "; ".join(parts)
 
 
@@ -1509,7 +1511,7 @@ header.run h1 { display: inline; font-size: 1.55em; margin: 0 12px 0 0; vertical
 .gbar { display: flex; height: 10px; border-radius: 3px; overflow: hidden; margin: 6px 0 4px; background: #eee; }
 .gbar span { display: block; height: 100%; }
 .g-prod { background: var(--ok); } .g0 { background: #c62828; } .g1 { background: #ef6c00; }
-.g2 { background: #f9a825; } .g3 { background: #8d6e63; }
+.g2 { background: #f9a825; } .g3 { background: #8d6e63; } .g-un { background: #cfd8dc; }
 ol.badput { list-style: none; padding: 0; margin: 2px 0; font-size: .88em; }
 ol.badput li { display: inline-block; margin-right: 14px; }
 .g-dot { display: inline-block; width: 9px; height: 9px; border-radius: 2px; margin-right: 4px; }
@@ -1679,6 +1681,9 @@ def _goodput_html(g: dict[str, Any]) -> str:
     wall, prod = g.get("wall_s"), g.get("productive_s")
     value = f"ETTR {pct:.1f}%" if pct is not None else "ETTR -"
     sub = (f"productive {_duration(prod)} of {_duration(wall)} wall time" if _finite(prod) and _finite(wall) else "")
+    unaccounted = g.get("unaccounted_s") if _finite(g.get("unaccounted_s")) and g["unaccounted_s"] > 0 else None
+    if unaccounted is not None:
+        sub += f"; {_duration(unaccounted)} unaccounted (between the measured parts of the steps)"
     causes = _badput(g)
     known = _finite(wall) and wall > 0
 
@@ -1692,6 +1697,9 @@ def _goodput_html(g: dict[str, Any]) -> str:
         for i, (k, v) in enumerate(causes):
             segs.append(f'<span class="g-bad g{min(i, 3)}" style="width:{100 * v / wall:.2f}%" '
                         f'title="{_e(k)} {_e(_duration(v))} ({share(v)})"></span>')
+        if unaccounted is not None:
+            segs.append(f'<span class="g-un" style="width:{100 * unaccounted / wall:.2f}%" '
+                        f'title="unaccounted {_e(_duration(unaccounted))} ({share(unaccounted)})"></span>')
         bar = '<div class="gbar">' + "".join(segs) + "</div>"
     top = [f'<li><span class="g-dot g{min(i, 3)}"></span><b>{_e(k)}</b> {_e(_duration(v))} ({share(v)})</li>'
            for i, (k, v) in enumerate(causes[:3])]
