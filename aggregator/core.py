@@ -33,10 +33,12 @@ from mindpulse.protocol import (
 
 from . import tables
 from .anomaly_log import AnomalyLog
+from .goodput import GoodputClock, StepTimes
 from .metrics_store import MetricsWriter
 from .policies import Firing, PolicyEngine, build_rules
 from .reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, collect_ranks, straggler_scores
 from .reducer import from_wire as partial_from_wire
+from .rule_changes import LiveRules
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,13 @@ class AggregatorCore:
         self.straggler_threshold = cfg.monitor.straggler_threshold
         self.max_lag = cfg.monitor.max_lag_steps
         self.start_step = int(settings.get("start_step") or 0)
+        self.goodput = GoodputClock()
+        base = settings.get("goodput") or {}
+        self.launch_started = float(base.get("started") or 0.0)
+        self.productive_before = float(base.get("productive_s") or 0.0)
+        """Productive seconds of the earlier attempts (the live `goodput/ettr` spans the launch)."""
+        self.rollbacks_done: dict[str, int] = dict(settings.get("rollbacks") or {})
+        """Rollbacks each rule has made in this launch (the launcher's count, per attempt)."""
         """The step this attempt starts after (a resumed run): the step window counts from it."""
         self.collect_freq = cfg.monitor.collect_freq
         self.stragglers = StragglerTracker(cfg.monitor.straggler_window)
@@ -134,6 +143,10 @@ class AggregatorCore:
         """When each rank last finished a new step; absent while it is starting up."""
         self.in_step: dict[int, int] = {}
         """The step each rank's loop was inside at its last heartbeat (absent: between steps)."""
+        # rules changed on the running job (`mindpulse rules`), kept across restarts: rule_changes.py
+        self.live_rules = LiveRules(self.run_dir, self.policies, settings, replay=replay,
+                                    straggler_threshold=self.straggler_threshold, say=self.console.append,
+                                    next_step=lambda: self.reducer.reduced_through + 1, milestone=self.milestone)
         if replay:  # last: every attribute the packets touch must exist
             self._replay()
 
@@ -353,6 +366,7 @@ class AggregatorCore:
             entries = json.loads(pkt.message)
         except ValueError:
             return
+        self.goodput.checkpoint_at(pkt.step)
         for e in entries if isinstance(entries, list) else []:
             step = e.get("step") if isinstance(e, dict) else None
             if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step
@@ -392,7 +406,8 @@ class AggregatorCore:
         if self.replaying:  # recorded before the restart (anomalies.json was reloaded)
             if f.action.stops:
                 self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
-                                  save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold)
+                                  save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold,
+                                  rollback=self._rollback_of(f))
             return
         self.anomalies.append(rec)
         where = f" (rank {f.rank})" if f.rank is not None else ""
@@ -402,7 +417,23 @@ class AggregatorCore:
             self.milestone(f"anomaly {f.rule}: {f.message}", f.step)
         if f.action.stops:
             self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
-                              save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold)
+                              save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold,
+                              rollback=self._rollback_of(f))
+
+    def _rollback_of(self, f: Firing) -> dict[str, Any] | None:
+        """What the launcher needs to roll back after `f` (a rollback rule with rollbacks
+        left), else None: the rule then stops the job as `stop` does, and says why."""
+        if f.action is not Action.ROLLBACK:
+            return None
+        rule = next((r for r in self.policies.rules if r.name == f.rule), None)
+        cfg = rule.cfg if rule is not None else {}
+        limit = int(cfg.get("max_rollbacks", 2))
+        done = int(self.rollbacks_done.get(f.rule, 0))
+        if done >= limit:
+            self.console.append(f"ANOMALY {f.rule}: {done} rollback(s) made, max_rollbacks {limit}: stopping the job")
+            return None
+        return {"rule": f.rule, "anomaly_step": f.step, "skip_batches": bool(cfg.get("skip_batches", True)),
+                "lr_factor": float(cfg.get("lr_factor", 0.5)), "lr_steps": int(cfg.get("lr_steps", 100))}
 
     # ---- reduction → decisions ------------------------------------------------------
     def _on_reduced(self, red: ReducedStep) -> None:
@@ -416,6 +447,10 @@ class AggregatorCore:
                 self.tb.on_weights(red.step, w)
         self.last_reduced = red
         self.recent.append(red)
+        self.goodput.add(StepTimes.of(red))
+        if self.tb is not None and not self.replaying and self.launch_started and red.ts > self.launch_started:
+            ettr = (self.productive_before + self.goodput.cum["productive"]) / (red.ts - self.launch_started)
+            self.tb.on_scalars([("goodput/ettr", ettr)], red.step, red.ts)
         self.totals.add(red)
         self._check_fingerprints(red)
         if red.straggler_inputs:  # merged node partials: the nodes scored their ranks
@@ -424,6 +459,7 @@ class AggregatorCore:
         else:
             self.stragglers.update(red)
         self.metrics.append_reduced(red)
+        self.live_rules.before_step(red.step, self.replaying)  # changes apply between steps
         for f in self.policies.on_step(red):
             self._on_firing(f)
         self._on_rule_errors(red.step)
@@ -503,14 +539,19 @@ class AggregatorCore:
                      reason=str(stop.get("message", "")), save_last=bool(stop.get("save_last", False)))
 
     def request_stop(self, reason: str, rule: str = "interrupt", rank: int | None = None,
-                     value: float | None = None, save: bool = False, threshold: float | None = None) -> None:
+                     value: float | None = None, save: bool = False, threshold: float | None = None,
+                     rollback: dict[str, Any] | None = None) -> None:
         """Stop every rank after the next reduced step plus monitor.max_lag_steps (first request wins).
 
         `save`: rank 0 also writes a `last` checkpoint after that step (interrupts and
-        save_and_stop rules)."""
+        save_and_stop rules); `rollback`: the launcher then resumes from a checkpoint before
+        the anomaly (`stop.rollback` in summary.json's attempts)."""
         if self.stop_request is None and self.stop is None:
-            self.stop_request = (reason, {"rule": rule, "rank": rank, "value": value, "threshold": threshold,
-                                          "message": reason, "save": save})
+            stop = {"rule": rule, "rank": rank, "value": value, "threshold": threshold, "message": reason,
+                    "save": save}
+            if rollback is not None:
+                stop["rollback"] = rollback
+            self.stop_request = (reason, stop)
 
     # ---- output ---------------------------------------------------------------------
     def drain_console(self) -> list[str]:
@@ -561,6 +602,8 @@ class AggregatorCore:
                 "group_partials": self.group_partials,
             },
             "aggregator_restarts": self.restarts,
+            "goodput": self.goodput.to_dict(),
+            "rule_changes": list(self.live_rules.changes),
             "last_step": self.last_reduced.to_record() if self.last_reduced else None,
         }
 
@@ -727,6 +770,7 @@ class AggregatorActor:
         self.core.request_stop(reason, rule=rule, save=save)
 
     async def poll(self) -> dict[str, Any]:
+        self.core.live_rules.tick()  # rule changes are picked up between steps too (the launcher polls)
         return {"console": self.core.drain_console(), "progress": self.core.progress()}
 
     async def snapshot(self) -> dict[str, Any]:

@@ -148,6 +148,10 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         "pnorm": {r: p.param_norm for r, p in packets.items() if p.param_norm is not None},
         "extra": extra,
         "wait_max": max((p.monitor_wait_s for p in packets.values()), default=0.0),
+        "dw_max": max((p.data_wait_s for p in packets.values()
+                       if p.data_wait_s is not None and math.isfinite(p.data_wait_s)), default=0.0),
+        "ck_max": max((p.checkpoint_s for p in packets.values()), default=0.0),
+        "ev_max": max((p.eval_s for p in packets.values()), default=0.0),
         "wait_s": sum(exact(p.monitor_wait_s) for p in packets.values()),
         "errors": sum(p.monitor_errors for p in packets.values()),
         "h_loss": _hist(v for _, v in losses),
@@ -270,6 +274,9 @@ def merge(a: Partial, b: Partial) -> Partial:
         "pnorm": {**a["pnorm"], **b["pnorm"]},
         "extra": {},
         "wait_max": max(a["wait_max"], b["wait_max"]),
+        "dw_max": max(a.get("dw_max", 0.0), b.get("dw_max", 0.0)),
+        "ck_max": max(a.get("ck_max", 0.0), b.get("ck_max", 0.0)),
+        "ev_max": max(a.get("ev_max", 0.0), b.get("ev_max", 0.0)),
         "wait_s": a["wait_s"] + b["wait_s"],
         "errors": a["errors"] + b["errors"],
         "h_loss": [x + y for x, y in zip(a["h_loss"], b["h_loss"])],
@@ -325,6 +332,11 @@ def from_wire(w: dict[str, Any]) -> Partial:
         raise ValueError("partial field 'keep' is not a list of ranks")
     part["keep"] = keep
     part["pnorm"] = {int(r): float(v) for r, v in w["pnorm"]}
+    for k in ("dw_max", "ck_max", "ev_max"):  # older nodes send none
+        v = w.get(k, 0.0)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ValueError(f"partial field {k!r} is not a number of seconds")
+        part[k] = float(v)
     part["fp"] = {str(k): [int(r) for r in v] for k, v in w["fp"].items()}
     for k in ("h_loss", "h_st"):
         if not (isinstance(w[k], list) and len(w[k]) == len(HIST_EDGES) + 1
@@ -435,6 +447,12 @@ class ReducedStep:
     ranks_reported: int = 0
     monitor_errors: int = 0
     """Errors inside the ranks' monitors so far, summed over ranks (training went on)."""
+    data_wait_max: float = 0.0
+    """The longest data wait of the step over ranks (it delays everyone's all-reduce)."""
+    checkpoint_s_max: float = 0.0
+    """Seconds rank 0 (any rank) wrote checkpoints before this step (everyone waits for it)."""
+    eval_s_max: float = 0.0
+    """The longest evaluation at this step over ranks."""
     monitor_wait_max: float = 0.0
     """The longest any rank blocked on the aggregator before this step (seconds)."""
     monitor_wait_sum: float = 0.0
@@ -534,6 +552,9 @@ def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedS
         ts=part["ts"],
         per_rank=dict(sorted(packets.items())),
         monitor_wait_max=part["wait_max"],
+        data_wait_max=part.get("dw_max", 0.0),
+        checkpoint_s_max=part.get("ck_max", 0.0),
+        eval_s_max=part.get("ev_max", 0.0),
         monitor_wait_sum=mean_of(part["wait_s"], 1),
         ranks_reported=n,
         monitor_errors=part["errors"],

@@ -207,6 +207,16 @@ class TensorBoardSink:
             lines += [f"- rank {r}: loss {_fmt(v)}" for r, v in sorted(bad.items())]
             self._add_text("loss/nonfinite", "\n\n".join(lines), step, wt)
 
+    def on_scalars(self, items: list[tuple[str, Any]], step: int, ts: float | None = None) -> None:
+        """Named scalars of one step (e.g. `goodput/ettr`) as one event."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                self._scalars(items, int(step), ts if _number(ts) and ts > 0 else None)
+        except Exception as exc:
+            self._error("scalars", exc)
+
     def on_weights(self, step: int, weights: dict) -> None:
         """Per-layer norms and update ratios as scalars; weight and gradient histograms."""
         if not self.enabled:

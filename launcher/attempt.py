@@ -30,13 +30,18 @@ def logs_dir_of(run_dir: Path, index: int) -> Path:
 
 class Attempt:
     def __init__(self, cfg: RunConfig, *, index: int, run_dir: Path, run_id: str, session: RaySession,
-                 resume: dict[str, Any] | None, pids: PidFile, console: Console):
+                 resume: dict[str, Any] | None, pids: PidFile, console: Console,
+                 goodput: dict[str, Any] | None = None, task: str = "train"):
         self.cfg = cfg
+        self.task = task
+        """What the ranks run: `train`, or `card_check` (the pre-flight check: launcher/card_check.py)."""
         self.index = index
         self.run_dir = run_dir
         self.run_id = run_id
         self.session = session
         self.resume = resume
+        self.goodput = goodput or {}
+        """The launch's start and the productive seconds of earlier attempts (live goodput/ettr)."""
         self.pids = pids
         self.console = console
         self.logs_dir = make_dir(logs_dir_of(run_dir, index), run_modes(cfg)[1])
@@ -67,6 +72,8 @@ class Attempt:
         agg_settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
                         "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"], "world": plain["world"],
                         "start_step": int((self.resume or {}).get("step") or 0),
+                        "rollbacks": dict((self.resume or {}).get("rollbacks") or {}),  # per rule, this launch
+                        "goodput": self.goodput,
                         "msrun": plain["msrun"],  # msrun.cluster_time_out: the default start-up limit
                         "attempt": self.index, "output": plain["output"],  # metrics.msgpack's markers, segments
                         "config_yaml": (self.run_dir / "config.yaml").read_text(),
@@ -89,7 +96,8 @@ class Attempt:
         settings_path = settings_path_of(str(self.run_dir))
         settings = rank_settings(cfg, run_dir=str(self.run_dir), run_id=self.run_id, attempt=self.index,
                                  aggregator=actor_name(self.name), ray_address=self.session.address,
-                                 relays=self.nodes.relays(), resume=self.resume, relay_token=relay_token)
+                                 relays=self.nodes.relays(), resume=self.resume, relay_token=relay_token,
+                                 task=self.task)
         write_atomic(Path(settings_path), settings.to_json().encode())
         specs = rank_specs(cfg, run_dir=str(self.run_dir), logs_dir=str(self.logs_dir), settings_path=settings_path,
                            sched_host=sched_host, sched_port=sched_port)

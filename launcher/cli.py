@@ -1,7 +1,7 @@
 """The `mindpulse` command.
 
 Exit codes: 0 success, 1 job failed, 2 bad config or usage, 3 stopped by an anomaly
-rule, 130 interrupted.
+rule, 4 refused by the pre-flight card check (a slow or failed card), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -33,6 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--resume-from", default="latest", metavar="best|latest|PATH",
                     help="which checkpoint --resume starts from (default: latest)")
 
+    pf = sub.add_parser("preflight", help="pre-flight card check: every rank's matmul GFLOP/s and the world's "
+                        "all-reduce GB/s, started as launch starts the ranks; exit code 4 on a slow or failed card")
+    pf.add_argument("config", nargs="?", type=Path,
+                    help="cluster config YAML (default: cluster_configs/local_cpu.yaml)")
+    pf.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pf.add_argument("--inject", action="append", default=[], metavar="slow_card@RANK",
+                    help="rehearse a slow card: slow_card@1 (repeatable; see docs/faults.md)")
+    pf.add_argument("--json", action="store_true", help="print preflight.json's object (messages go to stderr)")
+
     cp = sub.add_parser("config", help="print the resolved config (validates it)")
     cp.add_argument("config", nargs="?", type=Path)
     cp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -53,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.add_argument("--page", type=int, default=None,
                     help="show page N of the ranks (16 a page), not the ranks that matter; n/p page on a terminal")
+
+    from .rules_cmd import add_parser as add_rules_parser
+
+    add_rules_parser(sub)  # mindpulse rules RUN_DIR [set|add|disable ...]: launcher/rules_cmd.py
 
     tel = sub.add_parser("telemetry", help="card telemetry tools")
     tsub = tel.add_subparsers(dest="telemetry_command", required=True)
@@ -79,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0) and int(ExitCode.USAGE)
     try:
-        if args.command in ("launch", "config"):
+        if args.command in ("launch", "config", "preflight"):
             resume = None
             config_file = args.config
             if getattr(args, "resume", None):
@@ -102,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
                 return 0
+            if args.command == "preflight":
+                from .card_check import preflight_command
+
+                return preflight_command(cfg, as_json=args.json)
             from .launch import launch
 
             return launch(cfg, path, resume=resume)
@@ -116,19 +133,26 @@ def main(argv: list[str] | None = None) -> int:
                 _print_plan(cfg, specs)
             return 0
         if args.command == "report":
-            from mindpulse.views.report import build_report, final_tables
+            from mindpulse.views.report import build_report, final_tables, load_run
+
+            from .progress import printable
 
             if not (args.run_dir / "metrics.msgpack").exists():
                 print(f"mindpulse: {args.run_dir} has no metrics.msgpack; is it a run directory?", file=sys.stderr)
                 return int(ExitCode.USAGE)
-            rep = build_report(args.run_dir, args.out)
-            print(final_tables(args.run_dir))
+            data = load_run(args.run_dir)  # read once, for the report and the tables
+            rep = build_report(args.run_dir, args.out, data=data)
+            print(printable(final_tables(data)))  # ranks' text made printable, as on the live console
             print(f"report: {rep['html']}")
             return 0
         if args.command == "top":
             from mindpulse.views.top import main_top
 
             return main_top(args.run_dir, root=args.root, interval=args.interval, once=args.once, page=args.page)
+        if args.command == "rules":
+            from .rules_cmd import run as run_rules
+
+            return run_rules(args)
         if args.command == "telemetry":
             return _telemetry(args)
         if args.command == "pretrain":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,13 @@ class Controller:
         # its aggregator, which takes the manifest's best) reads it
         for line in supersede_newer(self.history.resume):
             self.console.say(f"mindpulse: {line}")
+        from mindpulse.aggregator.goodput import combine
+
+        self._attempt_started = time.time()
+        kept = combine(self.history.clocks, self.started, self._attempt_started, self.history.attempts)
         attempt = Attempt(self.cfg, index=self.index, run_dir=self.run_dir, run_id=self.run_id,
-                          session=self.session, resume=self.history.resume, pids=self.pids, console=self.console)
+                          session=self.session, resume=self.history.resume, pids=self.pids, console=self.console,
+                          goodput={"started": self.started, "productive_s": kept["productive_s"]})
         self.attempt = attempt
         refs = attempt.start()
         self.watch = AttemptWatch(self.cfg, attempt, refs, self.interrupts, self.console, self.started)
@@ -124,22 +130,69 @@ class Controller:
 
     def _restart(self) -> ControllerState:
         resume = self.history.resume
-        self.console.say(f"mindpulse: attempt {self.index} failed ({self.result.message}); restarting every rank "
-                         f"(attempt {self.index + 1} of {self.cfg.max_restarts + 1}) from "
-                         + (f"step {resume['step']} ({resume['path']})" if resume else "the start"))
+        if not self._rolling_back:
+            self.console.say(f"mindpulse: attempt {self.index} failed ({self.result.message}); restarting every "
+                             f"rank (attempt {self.index + 1} of {self.cfg.max_restarts + 1}) from "
+                             + (f"step {resume['step']} ({resume['path']})" if resume and resume["path"]
+                                else "the start"))
+        self._rolling_back = False
         self.index += 1
         return ControllerState.STARTING
+
+    _rolling_back = False
+    _attempt_started = 0.0
+
+    def _rollback(self, rb: dict[str, Any], stop: dict[str, Any]) -> None:
+        """Resume from the newest valid checkpoint strictly before the anomaly step, past the
+        batches from there to it, the learning rate lowered for a while (rule action `rollback`)."""
+        from .resume import rollback_point
+
+        anomaly = int(rb["anomaly_step"])
+        ckpt_dir = self.run_dir / "checkpoints"
+        point, refused = rollback_point(ckpt_dir, anomaly)
+        for why in refused:
+            self.console.say(f"mindpulse: rollback: refused {why}")
+        to_step = int(point["step"]) if point else 0
+        skipped = anomaly - to_step if rb.get("skip_batches", True) else 0
+        before = self.history.resume or {}
+        counts = dict(before.get("rollbacks") or {})
+        counts[rb["rule"]] = counts.get(rb["rule"], 0) + 1
+        resume = dict(point or {"path": "", "step": 0, "epoch": 0, "kind": ""})
+        resume.update(skip_batches=int(before.get("skip_batches") or 0) + skipped, lr_factor=float(rb["lr_factor"]),
+                      lr_until_step=to_step + int(rb["lr_steps"]), rollbacks=counts)
+        if point is None:  # back to the start: no checkpoint of the abandoned line stays latest or best
+            from mindpulse.workers.checkpoint import supersede_after
+
+            try:
+                supersede_after(ckpt_dir, 0, note="rolled back to the start")
+            except Exception as exc:
+                self.console.say(f"mindpulse: rollback: the newer checkpoints stay listed: {exc}")
+        record = {"rule": rb["rule"], "anomaly_step": anomaly, "from_step": stop.get("step"), "to_step": to_step,
+                  "skipped_batches": skipped, "lr_factor": float(rb["lr_factor"])}
+        self.history.rollbacks.append(record)
+        self.history.resume = resume
+        self._rolling_back = True
+        self.console.say(f"mindpulse: rollback {len(self.history.rollbacks)} ({rb['rule']} at step {anomaly}): every "
+                         f"rank stopped after step {stop.get('step')}; resuming from "
+                         + (f"step {to_step} ({point['path']})" if point else "the start (no checkpoint before it)")
+                         + (f", skipping {skipped} batch(es)" if skipped else "")
+                         + f", learning rate x{rb['lr_factor']:g} until step {resume['lr_until_step']}")
 
     # ---- after each attempt -----------------------------------------------------------------
     def _conclude(self) -> ControllerState:
         """Record the attempt that just ended and ask the failure policy what comes next."""
         self._record()
+        stop = self.snapshot.get("stop") or {}
+        if (stop.get("rollback") and self.result.status is not RunStatus.FAILED
+                and not self.interrupts.count):
+            self._rollback(stop["rollback"], stop)
+            return ControllerState.RESTARTING
         decision = self.policy.decide(self.result, self.index, self.interrupts.count > 0, self.history.resume)
         if decision.decision is Decision.STOP:
             return ControllerState.FINISHED
         for line in decision.notes:
             self.console.say(f"mindpulse: {line}")
-        self.history.resume = decision.resume
+        self.history.resume = carry_rollbacks(decision.resume, self.history.resume)
         return ControllerState.RESTARTING
 
     def _record(self) -> None:
@@ -151,7 +204,13 @@ class Controller:
                 self.history.rank_nodes = attempt.group.rank_nodes
         record: dict[str, Any] = {"attempt": self.index, "status": result.status.value, "message": result.message,
                                   "resumed_from": self.history.resume, "logs": str(self.history.logs_dir),
-                                  "steps_completed": snapshot.get("steps_completed", 0)}
+                                  "steps_completed": snapshot.get("steps_completed", 0),
+                                  "started_at": self._attempt_started, "ended_at": time.time()}
+        self.history.add_losses(snapshot)
+        clock = snapshot.get("goodput")
+        self.history.clocks.append(clock if clock and clock.get("first_start") is not None else None)
+        if (snapshot.get("stop") or {}).get("rollback"):
+            record["rollback"] = snapshot["stop"]["rollback"]
         if result.status is RunStatus.FAILED:
             from .failures import FailureKind, describe_failure
 
@@ -160,3 +219,12 @@ class Controller:
                                                  FailureKind.HANG if result.hang else FailureKind.CRASH,
                                                  stuck=result.hang, message=result.message)
         self.history.attempts.append(record)
+
+
+def carry_rollbacks(new: dict[str, Any] | None, old: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A restart after a failure keeps what earlier rollbacks set: the data stream's offset
+    (the skipped batches stay skipped), the lowered learning rate's window and the counts."""
+    keep = {k: v for k, v in (old or {}).items() if k in ("skip_batches", "lr_factor", "lr_until_step", "rollbacks")}
+    if not keep:
+        return new
+    return dict(new or {"path": "", "step": 0, "epoch": 0, "kind": ""}, **keep)

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from mindpulse.config import RunConfig
 
+from . import card_check
 from .controller import Controller
 from .preflight import LaunchRefused, check_local
 from .progress import Console
@@ -79,6 +80,7 @@ class Launch:
         self._resolve_paths()
         try:
             check_local(self.cfg)
+            card_check.check_faults(self.cfg, card_check.enabled(self.cfg))
         except LaunchRefused as exc:
             return self._refuse(exc)
         write_config(self.run_dir, self.cfg)
@@ -93,11 +95,15 @@ class Launch:
                 # Ray's core installs its own SIGTERM handler at init: ours must come after
                 for sig in HANDLED_SIGNALS:
                     signal.signal(sig, self.interrupts.on_signal)
+                # the pre-flight card check (preflight.enabled): a refusal ends the launch before training
+                refused = card_check.gate(self.cfg, run_dir=self.run_dir, run_id=self.run_id, session=session,
+                                          pids=self.pids, console=self.console, interrupts=self.interrupts) \
+                    if card_check.enabled(self.cfg) else None
                 controller = Controller(self.cfg, run_dir=self.run_dir, run_id=self.run_id, session=session,
                                         resume=self.resume, pids=self.pids, console=self.console,
                                         interrupts=self.interrupts, started=self.started)
                 history = controller.history
-                result, snapshot = controller.run()
+                result, snapshot = controller.run() if refused is None else (refused, {})
         except LaunchRefused as exc:
             for s, h in old.items():
                 signal.signal(s, h)

@@ -99,3 +99,23 @@ def best_seed(ckpt_dir: Path) -> dict[str, Any] | None:
             return {"metric": e.metric, "metric_name": e.metric_name, "step": e.step,
                     "path": str(Path(ckpt_dir) / e.path)}
     return None
+
+
+def rollback_point(ckpt_dir: Path, before_step: int) -> tuple[dict[str, Any] | None, list[str]]:
+    """The newest valid checkpoint strictly before `before_step` (a rollback's target), as a
+    resume dict, or None (no such checkpoint: the rollback starts from the beginning);
+    with the files refused on the way (their sha256 or size does not match)."""
+    from mindpulse.workers.checkpoint import ManifestError, read_manifest, verify
+
+    try:
+        entries = [e for e in read_manifest(ckpt_dir) if e.step < before_step]
+    except (ManifestError, OSError) as exc:
+        return None, [f"the checkpoint manifest cannot be read ({exc})"]
+    refused = []
+    for e in sorted(entries, key=lambda e: (e.step, e.time), reverse=True):
+        why = verify(ckpt_dir, e)
+        if why is None:
+            return {"path": str(Path(ckpt_dir) / e.path), "step": e.step, "epoch": e.epoch, "kind": e.kind,
+                    "refused": refused}, refused
+        refused.append(why)
+    return None, refused

@@ -30,6 +30,8 @@ class RunStatus(str, enum.Enum):
     ANOMALY_STOP = "anomaly_stop"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+    PREFLIGHT_FAILED = "preflight_failed"
+    """The pre-flight card check found a slow or failed card; nothing trained."""
 
     def is_terminal(self) -> bool:
         return self is not RunStatus.RUNNING
@@ -40,6 +42,8 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     USAGE = 2
     ANOMALY = 3
+    PREFLIGHT = 4
+    """The pre-flight card check refused the launch (a slow or failed card)."""
     INTERRUPTED = 130
 
     @staticmethod
@@ -48,6 +52,7 @@ class ExitCode(enum.IntEnum):
             RunStatus.SUCCEEDED: ExitCode.SUCCESS,
             RunStatus.ANOMALY_STOP: ExitCode.ANOMALY,
             RunStatus.INTERRUPTED: ExitCode.INTERRUPTED,
+            RunStatus.PREFLIGHT_FAILED: ExitCode.PREFLIGHT,
         }.get(status, ExitCode.FAILED)
 
 
@@ -235,8 +240,9 @@ def scheduler_env(cfg: RunConfig, *, run_dir: str = RUN_DIR, settings_path: str 
 
 def rank_settings(cfg: RunConfig, *, run_dir: str, run_id: str, attempt: int, aggregator: str,
                   ray_address: str, relays: dict[int, str], resume: dict[str, Any] | None,
-                  relay_token: str = "") -> RankSettings:
-    """The launcher → rank contract for one attempt (written to RUN_DIR/job.json)."""
+                  relay_token: str = "", task: str = "train") -> RankSettings:
+    """The launcher → rank contract for one attempt (written to RUN_DIR/job.json); `task`
+    `card_check` makes the ranks run the pre-flight card check only."""
     return RankSettings(
         run_id=run_id,
         run_dir=run_dir,
@@ -257,7 +263,10 @@ def rank_settings(cfg: RunConfig, *, run_dir: str, run_id: str, attempt: int, ag
         # faults are a rehearsal of the first attempt: a restart runs clean
         faults=tuple(cfg.faults) if attempt == 0 else (),
         resume=ResumePoint(path=resume["path"], step=int(resume["step"]), epoch=int(resume.get("epoch") or 0),
-                           kind=str(resume.get("kind") or "")) if resume else None,
+                           kind=str(resume.get("kind") or ""), skip_batches=int(resume.get("skip_batches") or 0),
+                           lr_factor=float(resume.get("lr_factor") or 1.0),
+                           lr_until_step=int(resume.get("lr_until_step") or 0)) if resume else None,
         config=cfg.to_dict(),
         relay_token=relay_token,
+        task=task,
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mindpulse.aggregator.rule_changes import changes_in
 from mindpulse.config import RunConfig
 
 from .rundir import write_json
@@ -29,6 +30,21 @@ class RunHistory:
     """Rank → Ray node id, of the last attempt whose ranks were started."""
     dropped_packets: int = 0
     aggregator_lost: bool = False
+
+    def add_losses(self, snap: dict[str, Any]) -> None:
+        """An attempt's loss totals: the run's first loss is the first attempt's that has
+        one; its best the lowest of all attempts' (each attempt's aggregator sees its own)."""
+        if "first_loss" not in self.losses and snap.get("first_loss") is not None:
+            self.losses["first_loss"] = snap["first_loss"]
+        best = snap.get("best_loss")
+        if best is not None and ("best_loss" not in self.losses or best < self.losses["best_loss"]):
+            self.losses.update(best_loss=best, best_loss_step=snap.get("best_loss_step"))
+    losses: dict[str, Any] = field(default_factory=dict)
+    """The run's loss totals across attempts: the first attempt's first loss, the lowest best."""
+    clocks: list[dict[str, Any] | None] = field(default_factory=list)
+    """Each attempt's goodput clock (the aggregator's `GoodputClock`; None: no step reduced)."""
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    """summary.json `rollbacks`: rule, anomaly_step, from_step, to_step, skipped_batches, lr_factor."""
 
 
 def final_status(result: RunResult, snap: dict[str, Any]) -> RunStatus:
@@ -91,14 +107,16 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "best_checkpoint": snap.get("best_checkpoint"),
         "anomalies": snap.get("anomalies", 0),
         "rule_errors": snap.get("rule_errors", []),
+        "rule_changes": snap["rule_changes"] if "rule_changes" in snap else changes_in(run_dir),  # mindpulse rules
         "resumed_from": history.resume,
         "attempts": history.attempts,
+        "rollbacks": history.rollbacks,
         "aggregator_lost": history.aggregator_lost,
         "message": result.message,
-        "first_loss": snap.get("first_loss"),
+        "first_loss": history.losses.get("first_loss", snap.get("first_loss")),
         "last_loss": snap.get("last_loss"),
-        "best_loss": snap.get("best_loss"),
-        "best_loss_step": snap.get("best_loss_step"),
+        "best_loss": history.losses.get("best_loss", snap.get("best_loss")),
+        "best_loss_step": history.losses.get("best_loss_step", snap.get("best_loss_step")),
         "fingerprints_equal": snap.get("fingerprints_equal"),
         "monitor_wait_s": snap.get("monitor_wait_s", 0.0),
         "monitor_errors": snap.get("monitor_errors", 0),
@@ -108,6 +126,12 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "started": started,
         "wall_time_s": time.time() - started,
     }
+    from mindpulse.aggregator.goodput import combine
+
+    # each attempt's clock as the controller kept it; a summary written without them (the
+    # launcher lost its history) falls back to the final snapshot's
+    clocks = history.clocks or [snap.get("goodput")]
+    summary["goodput"] = combine(clocks, started, time.time(), history.attempts)
     summary["failure"] = None
     if status is RunStatus.FAILED:
         from .failures import FailureKind, describe_failure, format_failure

@@ -214,7 +214,7 @@ class AnomalyRuleConfig:
     rule: RuleKind = RuleKind.THRESHOLD
     """Which test: nonfinite, grad_explosion, loss_spike, card_overload, threshold, desync, straggler."""
     action: RuleAction | None = None
-    """warn, stop or save_and_stop (empty: the rule's default)."""
+    """warn, stop, save_and_stop or rollback (empty: the rule's default)."""
     enabled: bool = True
     """false turns a default rule off."""
     name: str = ""
@@ -243,7 +243,18 @@ class AnomalyRuleConfig:
     """card_overload: seconds the card must stay past the limit (-1: the rule's default)."""
     tolerance: float = 0.0
     """desync: relative tolerance on parameter norms (0: fingerprints must be bit-equal)."""
+    skip_batches: bool = True
+    """rollback: skip the data batches from the checkpoint resumed to the anomaly step."""
+    lr_factor: float = 0.5
+    """rollback: the learning rate is multiplied by this after the rollback..."""
+    lr_steps: int = 100
+    """rollback: ...for this many steps."""
+    max_rollbacks: int = 2
+    """rollback: rollbacks this rule may make in one launch; past them it stops the job as `stop` does."""
 
+
+ROLLBACK_RULES = (RuleKind.LOSS_SPIKE, RuleKind.NONFINITE, RuleKind.GRAD_EXPLOSION, RuleKind.THRESHOLD)
+"""The rules whose cause a rollback can undo (a bad batch, a numerical blow-up)."""
 
 RULE_DEFAULTS: dict[RuleKind, dict[str, Any]] = {
     RuleKind.NONFINITE: {"action": Action.STOP},
@@ -367,6 +378,33 @@ class OutputConfig:
     the newest segments is thinned (docs/run_directory.md). 0: one file, never thinned."""
 
 
+class PreflightAction(str, enum.Enum):
+    STOP = "stop"
+    WARN = "warn"
+
+
+@dataclass
+class PreflightConfig:
+    enabled: bool | None = None
+    """Run the pre-flight card check at the start of `launch`: true, false, or `auto` / empty
+    (true when world.nodes > 1). `mindpulse preflight` runs it whatever this says."""
+    action: PreflightAction = PreflightAction.STOP
+    """What a slow or failed card does to `launch`: `stop` refuses it before training (status
+    preflight_failed, exit code 4) or `warn` reports it and trains."""
+    min_ratio: float = 0.8
+    """A rank whose matmul GFLOP/s or all-reduce GB/s is below this x the median over ranks is slow."""
+    matmul_size: int = 0
+    """Side of the float32 square matrices each rank multiplies (0: 512 on CPU, 4096 on Ascend and GPU)."""
+    matmul_seconds: float = 2.0
+    """Seconds each rank times its matmuls, after a warm-up."""
+    allreduce_mb: float = 4.0
+    """Size of the all-reduced float32 buffer in MiB."""
+    allreduce_iters: int = 10
+    """Timed all-reduces of that buffer, after a warm-up (every rank runs the same number)."""
+    timeout_s: float = 600.0
+    """Seconds the whole check may take, start-up included; ranks without a result by then failed."""
+
+
 @dataclass
 class RunConfig:
     name: str = "run"
@@ -391,8 +429,10 @@ class RunConfig:
     mindpulse sets or relies on (MS_ROLE, MS_SCHED_*, RANK_*, DEVICE_ID, *_VISIBLE_DEVICES,
     GLOG_v, ...: the README lists them) are refused, naming the config key to use instead."""
     faults: list[str] = field(default_factory=list)
-    """Faults to inject, `KIND@RANK:STEP` (see docs/faults.md); --inject adds more."""
+    """Faults to inject, `KIND@RANK:STEP` (`slow_card@RANK` for the pre-flight card check; see
+    docs/faults.md); --inject adds more."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
@@ -430,7 +470,7 @@ def _coerce(path: str, tp: Any, raw: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw is None:
+        if raw is None or (raw == "auto" and args == [bool]):  # an optional switch: auto is its default
             return None
         return _coerce(path, args[0], raw)
     if origin is dict:
@@ -621,7 +661,20 @@ def validate(cfg: RunConfig) -> RunConfig:
                           "least 1048576 (1 MiB: a segment must hold more than a few steps)")
     if job.args and not job.script:
         raise ConfigError("job.args: only allowed together with job.script")
+    _validate_preflight(cfg.preflight)
     return cfg
+
+
+def _validate_preflight(pf: PreflightConfig) -> None:
+    if not 0 < pf.min_ratio <= 1:
+        raise ConfigError(f"preflight.min_ratio: {pf.min_ratio!r} is not allowed; use a number in (0, 1]")
+    if pf.matmul_size < 0 or pf.matmul_size > 16384:
+        raise ConfigError(f"preflight.matmul_size: {pf.matmul_size} is not allowed; use 0 (by device) or 1-16384")
+    _positive("preflight.matmul_seconds", pf.matmul_seconds)
+    if not 0 < pf.allreduce_mb <= 1024:
+        raise ConfigError(f"preflight.allreduce_mb: {pf.allreduce_mb!r} is not allowed; use a number in (0, 1024]")
+    _positive("preflight.allreduce_iters", pf.allreduce_iters)
+    _positive("preflight.timeout_s", pf.timeout_s)
 
 
 RECIPES = ("llama_finetune",)
@@ -632,7 +685,7 @@ REDUCED_METRICS = (
     "step", "epoch", "world_size", "loss_mean", "loss_min", "loss_min_rank", "loss_max", "loss_max_rank",
     "loss_std", "grad_norm", "grad_norm_local_max", "grad_norm_local_max_rank", "step_time_min",
     "step_time_min_rank", "step_time_max", "step_time_max_rank", "samples_per_s", "lr", "nan_count", "inf_count",
-    "ts", "monitor_wait_max", "monitor_wait_sum", "ranks_reported",
+    "ts", "monitor_wait_max", "monitor_wait_sum", "ranks_reported", "data_wait_max", "checkpoint_s_max", "eval_s_max",
     "monitor_errors",
 )
 """The numeric fields of the aggregator's `ReducedStep`, which rules and the best checkpoint can
@@ -746,6 +799,14 @@ def _validate_rule(path: str, rc: AnomalyRuleConfig, known: tuple[str, ...] | No
     if rc.action is not None and rc.action not in RULE_ACTIONS:
         raise ConfigError(f"{path}.action: {rc.action.value!r} is not allowed; use one of "
                           + ", ".join(a.value for a in RULE_ACTIONS))
+    if rc.action is Action.ROLLBACK and rc.rule not in ROLLBACK_RULES:
+        raise ConfigError(f"{path}.action: rollback is for " + ", ".join(k.value for k in ROLLBACK_RULES)
+                          + f" rules, not {rc.rule.value}; use stop, save_and_stop or warn")
+    if not 0 < rc.lr_factor <= 1:
+        raise ConfigError(f"{path}.lr_factor: {rc.lr_factor} is not allowed; use a factor in (0, 1]")
+    if rc.lr_steps < 0 or rc.max_rollbacks < 0:
+        bad = "lr_steps" if rc.lr_steps < 0 else "max_rollbacks"
+        raise ConfigError(f"{path}.{bad}: {getattr(rc, bad)} is not allowed; use 0 or more")
     if rc.op not in _OPS:
         raise ConfigError(f"{path}.op: {rc.op!r} is not allowed; use one of " + ", ".join(_OPS))
     if rc.for_steps < 1:
@@ -765,6 +826,15 @@ def _validate_rule(path: str, rc: AnomalyRuleConfig, known: tuple[str, ...] | No
     if rc.rule is RuleKind.CARD_OVERLOAD and rc.metric and rc.metric not in _CARD_METRICS:
         raise ConfigError(f"{path}.metric: {rc.metric!r} is not allowed for card_overload; use one of "
                           + ", ".join(_CARD_METRICS))
+
+
+def check_rule(raw: Any, cfg: RunConfig | None, path: str) -> AnomalyRuleConfig:
+    """One `anomalies` entry typed and checked exactly as a config's are, errors naming
+    `path.FIELD` (`mindpulse rules` changes rules of a running job with it); `cfg`: the run's
+    config, for the metrics a threshold rule may name (None: not checked)."""
+    rc = _coerce(path, AnomalyRuleConfig, raw)
+    _validate_rule(path, rc, known_metrics(cfg) if cfg is not None else None, cfg)
+    return rc
 
 
 def sections_of(raw: dict[str, Any]) -> RunConfig:

@@ -59,6 +59,9 @@ class EventKind(str, enum.Enum):
     """The model's structure as text (rank 0, once)."""
     MONITOR_ERROR = "monitor_error"
     """An error inside the rank's monitor (training went on); the first few per rank."""
+    CARD_CHECK = "card_check"
+    """The rank's pre-flight card check result: `message` is JSON (matmul GFLOP/s, all-reduce
+    GB/s, errors), sent after the matmul and again after the all-reduce."""
 
 
 class CheckpointKind(str, enum.Enum):
@@ -77,13 +80,16 @@ class Action(str, enum.Enum):
     WARN = "warn"
     STOP = "stop"
     SAVE_AND_STOP = "save_and_stop"
+    ROLLBACK = "rollback"
+    """Every rank stops after the same step; the launch resumes from the newest valid
+    checkpoint before the anomaly (skipping its batches, the learning rate lowered)."""
 
     @property
     def stops(self) -> bool:
-        return self in (Action.STOP, Action.SAVE_AND_STOP)
+        return self in (Action.STOP, Action.SAVE_AND_STOP, Action.ROLLBACK)
 
 
-RULE_ACTIONS = (Action.WARN, Action.STOP, Action.SAVE_AND_STOP)
+RULE_ACTIONS = (Action.WARN, Action.STOP, Action.SAVE_AND_STOP, Action.ROLLBACK)
 """The actions a rule may take."""
 
 
@@ -146,6 +152,10 @@ class StepPacket(Packet):
     """Seconds this rank blocked on the aggregator before this step (0.0 when it did not)."""
     monitor_errors: int = 0
     """Errors inside this rank's monitor so far (logged and counted; training went on)."""
+    checkpoint_s: float = 0.0
+    """Seconds this rank spent writing checkpoints since its previous step packet (goodput)."""
+    eval_s: float = 0.0
+    """Seconds this rank spent evaluating at this step, before shipping it (goodput)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Additional named scalars (user metrics); reduced like the loss."""
     weights: dict[str, Any] = field(default_factory=dict)
@@ -172,6 +182,8 @@ class StepPacket(Packet):
         "decision": (bool,),
         "monitor_wait_s": _NUM,
         "monitor_errors": (int,),
+        "checkpoint_s": _NUM,
+        "eval_s": _NUM,
         "extra": (dict,),
         "weights": (dict,),
     }
@@ -748,9 +760,25 @@ class ProfileSettings:
 @dataclass(frozen=True)
 class ResumePoint:
     path: str
+    """The checkpoint to load ("" after a rollback to the start: fresh weights)."""
     step: int
     epoch: int = 0
     kind: str = ""
+    skip_batches: int = 0
+    """Batches the data stream skips past (rollbacks with `skip_batches`): step k trains on
+    the batch of step k + skip_batches."""
+    lr_factor: float = 1.0
+    """The learning rate is multiplied by this for steps step+1 .. lr_until_step (a rollback)."""
+    lr_until_step: int = 0
+
+    def scaled_lrs(self, lrs: list[float]) -> list[float]:
+        """A per-step learning-rate list (entry i for step i+1) with the rollback's factor
+        applied to steps step+1 .. lr_until_step. The recipe builds its optimizer from it; a
+        script with its own schedule can do the same (`load_settings().resume`)."""
+        out = list(lrs)
+        for i in range(max(0, self.step), min(len(out), self.lr_until_step)):
+            out[i] *= self.lr_factor
+        return out
 
 
 @dataclass(frozen=True)
@@ -785,6 +813,9 @@ class RankSettings:
     relay_token: str = ""
     """This attempt's secret: a rank's first frame to its relay carries it, and the relay
     drops connections without it (job.json is private to the run's user)."""
+    task: str = "train"
+    """What the ranks run: `train` (the recipe or the job's script) or `card_check` (the
+    pre-flight card check only, then exit)."""
 
     def node_of(self, rank: int) -> int:
         return rank // max(1, self.ranks_per_node)
@@ -841,9 +872,14 @@ class FaultKind(str, enum.Enum):
     HANG = "hang"
     SLOW = "slow"
     DESYNC = "desync"
+    SLOW_CARD = "slow_card"
+    """The pre-flight card check's matmul of the rank repeats its work (`slow_card@RANK`:
+    no step, the check runs before training)."""
 
 
-_FAULT_SPEC = re.compile(r"^\s*([a-z_]+)@(\d+):(\d+)\s*$")
+CHECK_FAULTS = frozenset({FaultKind.SLOW_CARD})
+"""Faults of the pre-flight card check: written `KIND@RANK`, without a step."""
+_FAULT_SPEC = re.compile(r"^\s*([a-z_]+)@(\d+)(?::(\d+))?\s*$")
 
 
 @dataclass(frozen=True)
@@ -853,20 +889,29 @@ class Fault:
     step: int
 
     def __str__(self) -> str:
+        if self.kind in CHECK_FAULTS:
+            return f"{self.kind.value}@{self.rank}"
         return f"{self.kind.value}@{self.rank}:{self.step}"
 
 
 def parse_fault(spec: str, world_size: int | None = None) -> Fault:
-    """`nan_grad@1:5` → Fault; ValueError saying what is allowed otherwise."""
+    """`nan_grad@1:5` (or `slow_card@1`: the card check's faults have no step) → Fault;
+    ValueError saying what is allowed otherwise."""
     m = _FAULT_SPEC.match(spec or "")
     if not m:
-        raise ValueError(f"{spec!r} is not a fault; use KIND@RANK:STEP, e.g. nan_grad@1:5")
-    kind, rank, step = m.group(1), int(m.group(2)), int(m.group(3))
+        raise ValueError(f"{spec!r} is not a fault; use KIND@RANK:STEP, e.g. nan_grad@1:5 (slow_card@RANK)")
+    kind, rank, step = m.group(1), int(m.group(2)), m.group(3)
     try:
         fk = FaultKind(kind)
     except ValueError:
         raise ValueError(f"{spec!r}: unknown kind {kind!r}; use one of "
                          + ", ".join(k.value for k in FaultKind)) from None
+    if fk in CHECK_FAULTS and step is not None:
+        raise ValueError(f"{spec!r}: {kind} acts in the pre-flight card check, before any step; "
+                         f"write {kind}@{rank}")
+    if fk not in CHECK_FAULTS and step is None:
+        raise ValueError(f"{spec!r}: {kind} needs the step it acts at; use {kind}@{rank}:STEP")
+    step = int(step or 0)
     if world_size is not None and rank >= world_size:
         raise ValueError(f"{spec!r}: rank {rank} does not exist in a world of {world_size} ranks")
     return Fault(fk, rank, step)

@@ -111,7 +111,7 @@ def run_cli(tmp_path):
     def _run(*args: str, timeout: float = 600, env: dict | None = None) -> CliRun:
         out_root = tmp_path / "runs"
         cmd = mindpulse_cmd() + list(args)
-        if args and args[0] == "launch":
+        if args and args[0] in ("launch", "preflight"):
             cmd += ["--set", f"output.root={out_root}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env=dict(os.environ, **(env or {})))

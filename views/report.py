@@ -606,6 +606,8 @@ def _why(data: RunData, steps_done: int | None, steps_total: int | None, last_st
         after_step = f"; every rank stopped after step {stop['step']}" if stop and stop.get("step") is not None else ""
         saved = ", a last checkpoint was saved" if stop and stop.get("save_last") else ""
         return f"interrupted (Ctrl-C or a signal){after_step}{saved}", _first_line(s.get("message"))
+    if status == "preflight_failed":  # launcher/card_check.py: refused before any step
+        return "refused by the pre-flight card check (preflight.json): no step ran", _first_line(s.get("message"))
     if status == "failed":
         f = s.get("failure") if isinstance(s.get("failure"), dict) else None
         if f is None:

@@ -2,7 +2,8 @@
 
 `KIND@RANK:STEP` (e.g. `nan_grad@1:5`) corrupts the real computation of that rank at that
 step: the loss or the local gradients through the train cell's fault scalars, or the
-process itself (crash, hang, slow, desync). Given with `--inject` or `faults:`.
+process itself (crash, hang, slow, desync). `slow_card@RANK` (no step) slows the rank's
+pre-flight card check instead (workers/card_check.py). Given with `--inject` or `faults:`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ SLOW_DELAY_S = 1.5
 """Delay added to every step's data path from the fault's step on."""
 DESYNC_DELTA = 1e-3
 """Added to one weight tensor of the rank: small, but every fingerprint sees it."""
+SLOW_CARD_FACTOR = 4
+"""slow_card@R: rank R's card-check matmul does each product's work this many times over
+(the product is counted once), so its GFLOP/s drop to about 1/this."""
 
 
 def faults_for(rank: int, specs: tuple[str, ...] | list[str] | None = None) -> list[Fault]:
@@ -43,6 +47,16 @@ def cell_faults_armed(rank: int) -> bool:
     """True when this rank will need the train cell's fault scalars (decided at build time:
     in GRAPH mode they must be in the compiled graph from the start)."""
     return any(f.kind in _CELL_KINDS for f in faults_for(rank))
+
+
+def card_check_repeats(rank: int, faults: list[Fault] | None = None) -> int:
+    """How many times the pre-flight card check's matmul repeats each product on this rank
+    (SLOW_CARD_FACTOR under slow_card@RANK, else 1)."""
+    for f in faults if faults is not None else faults_for(rank):
+        if f.kind is FaultKind.SLOW_CARD:
+            print(f"[rank {rank}] injecting fault {f}: each matmul's work x{SLOW_CARD_FACTOR}", flush=True)
+            return SLOW_CARD_FACTOR
+    return 1
 
 
 class FaultInjector:

@@ -1,11 +1,21 @@
 """A parameter fingerprint that is equal on all ranks when their weights are equal.
 
-Computed on the device with two reductions per parameter (sum and sum of squares, in
-float32 on the device, then gathered into one small vector); only that vector — two
-numbers per parameter — is copied to the host and hashed. In data parallel the
-parameters are bit-identical across ranks, and the same reduction over identical data on
-identical hardware is deterministic, so equal weights give equal fingerprints to the last
-bit; any difference, however small, changes the hash.
+Two numbers per parameter, its sum and its sum of squares in float32, gathered into one
+small vector that is hashed. In data parallel the parameters are bit-identical across
+ranks, and the same reduction over identical data on identical hardware is
+deterministic, so equal weights give equal fingerprints to the last bit; a difference
+that moves any parameter's float32 sum or sum of squares changes the hash.
+
+Where the reductions run:
+
+- on a CPU target the weights already live in host memory (`Tensor.asnumpy()` shares
+  their storage), so numpy reduces them in place: pairwise summation, single-threaded,
+  fixed by the array's length alone (never by its address or a thread count), about 2 ms
+  for 2.75 M values here against 30 ms for the same reductions as MindSpore CPU kernels;
+- on a device (Ascend, GPU) they stay there: one compiled graph of two reductions per
+  parameter, and only the small vector is copied to the host.
+
+Every rank of a job has the same device target, so every rank takes the same path.
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ from mindspore import ops
 
 from .model_params import model_parameters
 
-__all__ = ["model_parameters", "param_sums", "fingerprint_of", "param_fingerprint"]
+__all__ = ["model_parameters", "param_sums", "fingerprint_of", "param_fingerprint", "weights_on_host"]
+
+HOST_DTYPES = (ms.float16, ms.float32, ms.float64)
 
 
 @ms.jit
@@ -33,10 +45,42 @@ def _sums(params):
     return ops.stack(parts)
 
 
-def param_sums(params) -> np.ndarray:
-    """[sum, sum of squares] per parameter, reduced on the device, as one host vector."""
+def weights_on_host(params) -> bool:
+    """Whether `params` are read on the host: a CPU target (their memory is the host's)
+    and float weights numpy holds as they are."""
+    try:
+        if ms.get_context("device_target") != "CPU":
+            return False
+        return all(p.dtype in HOST_DTYPES for p in params)
+    except Exception:
+        return False
+
+
+def host_array(p) -> np.ndarray:
+    """A CPU parameter's values as a flat numpy view of its storage (no copy)."""
+    return p.asnumpy().reshape(-1)
+
+
+def _host_sums(params) -> np.ndarray:
+    out = np.empty(2 * len(params), np.float32)
+    for i, p in enumerate(params):
+        x = host_array(p)
+        if x.dtype != np.float32:
+            x = x.astype(np.float32)
+        out[2 * i] = np.add.reduce(x)
+        out[2 * i + 1] = np.add.reduce(x * x)
+    return out
+
+
+def param_sums(params, on_host: bool | None = None) -> np.ndarray:
+    """[sum, sum of squares] per parameter (float32) as one host vector; `on_host`: reduce
+    on the host (None: where the weights live, `weights_on_host`)."""
     if not params:
         return np.zeros(0, np.float32)
+    if on_host is None:
+        on_host = weights_on_host(params)
+    if on_host:
+        return _host_sums(params)
     return _sums(ms.mutable(tuple(p.value() for p in params))).asnumpy().astype(np.float32)
 
 

@@ -41,6 +41,13 @@ def lr_of_step(optimizer: Any, step_index: int) -> float | None:
         return None
     try:
         lr = optimizer.learning_rate
+        table = _lr_table(lr)
+        if table is not None:
+            # a Tensor of rates (MindSpore wraps it in a schedule that gathers entry
+            # `step`): read the entry on the host instead of running the schedule's graph
+            # (~0.4 ms a step on CPU); an index outside the table has no rate, as the
+            # gather raises there
+            return float(table[step_index]) if 0 <= step_index < table.size else None
         if isinstance(lr, nn.learning_rate_schedule.LearningRateSchedule):
             import mindspore as ms
 
@@ -53,6 +60,17 @@ def lr_of_step(optimizer: Any, step_index: int) -> float | None:
         return float(lr)
     except Exception:  # a group learning rate or an exotic schedule: report none
         return None
+
+
+def _lr_table(lr: Any) -> Any:
+    """The rates of a learning rate given as a Tensor of one rate per step, as a numpy
+    vector (read each time: a script may change them); None for any other kind."""
+    if type(lr).__name__ != "_IteratorLearningRate":  # MindSpore's wrapper of a Tensor of rates
+        return None
+    table = getattr(lr, "learning_rate", None)
+    if not isinstance(table, Tensor) or len(table.shape) != 1:
+        return None
+    return table.asnumpy()
 
 
 class Monitor(Callback):

@@ -41,7 +41,11 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
         if settings is None:
             raise SettingsError(f"{SETTINGS_ENV} names no settings: this process was not launched by mindpulse")
         job = from_dict(settings.config, source="job.json config").job
-        if job.script:
+        if settings.task == "card_check":  # the pre-flight card check only (launcher/card_check.py)
+            from mindpulse.workers.card_check import main as card_check
+
+            card_check(settings)
+        elif job.script:
             sys.argv = [job.script] + list(job.args)
             sys.path.insert(0, os.path.dirname(os.path.abspath(job.script)))
             runpy.run_path(job.script, run_name="__main__")

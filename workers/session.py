@@ -33,6 +33,7 @@ import abc
 import dataclasses
 import logging
 import os
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -116,12 +117,15 @@ class Channel(abc.ABC):
     def lease(self, need: int) -> tuple[Lease | None, float]:
         """The lease once step `need` is reduced or a stop is decided: (lease, seconds this
         rank was blocked). None when no lease could be had (the rank goes on)."""
+        self._poll_lease()
         cached = self._lease
-        if cached is not None and (cached.reduced_through >= need or cached.stopping):
+        if _grants(cached, need):
+            self._prefetch_lease(need + 1)
             return cached, 0.0
         lease, waited = self._fetch_lease(need)
         if lease is not None:
             self._lease = lease
+            self._prefetch_lease(need + 1)
         return lease, waited
 
     def close(self) -> None:
@@ -168,27 +172,56 @@ class Channel(abc.ABC):
     def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
         """Ask the peer for the lease covering `need`; never raises."""
 
+    def _poll_lease(self) -> None:
+        """Take, without waiting, a lease the peer already sent for an earlier request
+        (none by default: only a channel that asks ahead has one)."""
+        return None
+
+    def _prefetch_lease(self, need: int) -> None:
+        """Ask ahead, without waiting, for the lease the next step will need (a channel
+        whose peer answers leases as they come may; by default nothing is asked)."""
+        return None
+
+
+def _grants(lease: Lease | None, need: int) -> bool:
+    return lease is not None and (lease.reduced_through >= need or lease.stopping)
+
 
 class RelayChannel(Channel):
-    """Frames (protocol's `encode_frame`) to the node agent's relay on this machine."""
+    """Frames (protocol's `encode_frame`) to the node agent's relay on this machine.
+
+    Two connections: packets and decisions on one, leases on the other. The lease
+    connection asks one step ahead: once a lease covers step k, the request for k+1 goes
+    out at once and its answer (sent by the relay when k+1 is reduced, most often while
+    this rank computes its next step) is already waiting when the rank needs it, so in
+    steady state taking the lease costs no round trip. A request in flight never holds a
+    packet or a decision back: those travel on the other connection."""
 
     def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0, token: str = ""):
         super().__init__(decision_timeout_s)
         self.addr = (host, port)
         self.token = token
         self.sock: socket.socket | None = None
+        self.lease_sock: socket.socket | None = None
+        self._asked: int | None = None
+        """The step of the lease request in flight on `lease_sock` (its answer is read
+        before anything else is asked there)."""
         self._connect()
 
-    def _connect(self) -> None:
+    def _open(self, what: str) -> socket.socket | None:
         try:
-            self.sock = socket.create_connection(self.addr, timeout=CONNECT_TIMEOUT_S)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = socket.create_connection(self.addr, timeout=CONNECT_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.token:  # the relay drops a connection whose first frame is not this
-                self.sock.sendall(encode_frame({"op": "hello", "token": self.token}))
+                sock.sendall(encode_frame({"op": "hello", "token": self.token}))
+            return sock
         except OSError as exc:
-            self.sock = None
             self.failures += 1
-            log.warning("cannot reach the node's packet relay at %s:%d: %s", *self.addr, exc)
+            log.warning("cannot reach the node's packet relay at %s:%d (%s): %s", *self.addr, what, exc)
+            return None
+
+    def _connect(self) -> None:
+        self.sock = self._open("packets")
 
     def _write(self, obj: dict[str, Any]) -> bool:
         if self.sock is None:
@@ -211,30 +244,84 @@ class RelayChannel(Channel):
             frame["step"] = step
         self._write(frame)
 
-    def _reply(self) -> dict[str, Any]:
+    def _reply(self, sock: socket.socket | None = None) -> dict[str, Any]:
         """The relay's answer to the request just written (it answers within the timeout
         it was handed)."""
-        assert self.sock is not None
-        self.sock.settimeout(self.decision_timeout_s + REPLY_GRACE_S)
-        n = frame_length(_recv_exact(self.sock, FRAME_HEADER_BYTES))
+        sock = sock or self.sock
+        assert sock is not None
+        sock.settimeout(self.decision_timeout_s + REPLY_GRACE_S)
+        n = frame_length(_recv_exact(sock, FRAME_HEADER_BYTES))
         if n > MAX_FRAME:
             raise ValueError(f"a {n}-byte frame from the relay")
-        return decode_frame_body(_recv_exact(self.sock, n))
+        return decode_frame_body(_recv_exact(sock, n))
+
+    # ---- leases: one request in flight on a connection of their own ---------------------------
+    def _ask(self, need: int) -> None:
+        """Send the lease request for `need` (raises OSError when the relay is unreachable)."""
+        if self.lease_sock is None:
+            self.lease_sock = self._open("leases")
+            if self.lease_sock is None:
+                raise OSError("relay unreachable")
+        self.lease_sock.settimeout(WRITE_TIMEOUT_S)
+        self.lease_sock.sendall(encode_frame({"op": "lease", "need": need, "timeout": self.decision_timeout_s}))
+        self._asked = need
+
+    def _answer(self) -> tuple[Lease | None, bool]:
+        """The answer to the request in flight: (lease, whether the relay waited for it)."""
+        reply = self._reply(self.lease_sock)
+        self._asked = None
+        self._answered()
+        raw = reply.get("lease")
+        return (Lease.decode(raw) if raw is not None else None), bool(reply.get("waited_s"))
+
+    def _poll_lease(self) -> None:
+        if self._asked is None or self.lease_sock is None:
+            return
+        try:
+            if not select.select([self.lease_sock], [], [], 0)[0]:
+                return  # not answered yet
+            lease, _ = self._answer()
+        except Exception:
+            self._drop_leases()  # the next fetch asks again (and reports what failed)
+            return
+        if lease is not None:
+            self._lease = lease
+
+    def _prefetch_lease(self, need: int) -> None:
+        if self._asked is not None or self._lease is None or _grants(self._lease, need):
+            return  # one request at a time; no lease service; or already covered
+        try:
+            self._ask(need)
+        except Exception:
+            self._drop_leases()
 
     def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
         t0 = time.monotonic()
-        if not self._write({"op": "lease", "need": need, "timeout": self.decision_timeout_s}):
-            return self._no_lease(need, "relay unreachable")
+        relay_waited = False
         try:
-            reply = self._reply()
-            self._answered()
-            raw = reply.get("lease")
-            lease = Lease.decode(raw) if raw is not None else None
+            if self._asked is not None and self._asked > need:
+                self._drop_leases()  # its answer may come a step later than this rank may go on
+            lease: Lease | None = None
+            for _ in range(2):  # the request in flight (perhaps for an earlier step), then this one
+                if self._asked is None:
+                    self._ask(need)
+                lease, waited = self._answer()
+                relay_waited = relay_waited or waited
+                if lease is None or _grants(lease, need):
+                    break
             # a lease the relay had at hand cost a loopback round trip, not a wait
-            return lease, (time.monotonic() - t0) if reply.get("waited_s") else 0.0
+            return lease, (time.monotonic() - t0) if relay_waited else 0.0
         except Exception as exc:
-            self._disconnect()
+            self._drop_leases()
             return self._no_lease(need, exc)
+
+    def _drop_leases(self) -> None:
+        self._asked = None
+        if self.lease_sock is not None:
+            try:
+                self.lease_sock.close()
+            finally:
+                self.lease_sock = None
 
     def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
         frame: dict[str, Any] = {"op": "decide", "packets": batch, "step": step, "timeout": self.decision_timeout_s}
@@ -251,6 +338,7 @@ class RelayChannel(Channel):
     def close(self) -> None:
         super().close()
         self._disconnect()
+        self._drop_leases()
 
     def _disconnect(self) -> None:
         if self.sock is not None:
@@ -449,6 +537,8 @@ class RankSession:
                                    connect=lambda: connect(settings, self.rank)) if settings else None
         self.weight_stats: WeightStats | None = None
         self._last_sums: Any = None
+        self._params: tuple[Any, list] | None = None
+        """(network, its parameters) as last listed for the fingerprint."""
         self.started = False
         self.stopped: Directive | None = None
         """The directive that stopped every rank (None while training goes on)."""
@@ -549,7 +639,9 @@ class RankSession:
         # rank 0 waits for the verdict on a checkpoint candidate (the checkpoint must hold
         # exactly this step's weights); nobody else ever waits for a directive
         decision = self.rank == 0 and self.schedule.is_candidate(s, evaluates, self.epoch_steps)
+        eval_s = 0.0
         if evaluates and self.schedule.eval_due(s, self.epoch_steps):
+            t_eval = time.perf_counter()
             try:
                 results = self.evaluate()
                 undeclared = sorted(set(results) - self.metrics) if self.metrics is not None else []
@@ -560,6 +652,7 @@ class RankSession:
                 extra = dict(extra or {}, **results)
             except Exception as exc:
                 log.error("[rank %d] evaluation at step %d failed: %s", self.rank, s, exc)
+            eval_s = time.perf_counter() - t_eval
         self._ship(StepPacket(
             rank=self.rank,
             step=s,
@@ -579,6 +672,8 @@ class RankSession:
             param_norm=norm,
             decision=bool(decision),
             monitor_wait_s=self._take_wait(),
+            checkpoint_s=self._take_checkpoint_s(),
+            eval_s=eval_s,
             extra={str(k): float(as_number(v)) for k, v in (extra or {}).items() if as_number(v) is not None},
             monitor_errors=self.errors,
             weights=weights,
@@ -623,6 +718,13 @@ class RankSession:
         wait, self.wait_s = self.wait_s, 0.0
         return wait
 
+    checkpoint_s = 0.0
+    """Seconds spent writing checkpoints since the last step packet (it carries them)."""
+
+    def _take_checkpoint_s(self) -> float:
+        spent, self.checkpoint_s = self.checkpoint_s, 0.0
+        return spent
+
     def _ship(self, pkt: StepPacket) -> None:
         """Ship a step, then make sure the next one may start (the lease)."""
         if self.channel is None:
@@ -665,7 +767,11 @@ class RankSession:
 
     def _follow(self, d: Directive, pkt: StepPacket) -> None:
         if d.save_kinds and self.rank == 0:
-            self._save(d, pkt)
+            t_save = time.perf_counter()
+            try:
+                self._save(d, pkt)
+            finally:
+                self.checkpoint_s += time.perf_counter() - t_save
         if d.action.stops:
             self.stopped = d
         if self.on_directive:
@@ -683,7 +789,9 @@ class RankSession:
         if self.network is None:
             return None, None
         try:
-            self._last_sums = param_sums(model_parameters(self.network))
+            if self._params is None or self._params[0] is not self.network:
+                self._params = (self.network, model_parameters(self.network))  # the same tensors every step
+            self._last_sums = param_sums(self._params[1])
             return fingerprint_of(self._last_sums)
         except Exception as exc:
             log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)

@@ -1,9 +1,10 @@
 """What SummaryCollector collected for the weights, computed in the rank and shipped in
 the step packet every `collect_freq` steps (kept small: the packet limit is 1 MiB):
 
-- per-layer weight norms (from the same on-device reductions as the fingerprint);
+- per-layer weight norms (from the same reductions as the fingerprint);
 - per-layer update ratios: norm of the step's change over the norm of the weights
-  (the weights of the step before are kept on the device for that one step only);
+  (the weights of the step before are kept where the weights live, host memory on a CPU
+  target and the device otherwise, for that one step only);
 - weight histograms (64 bins) of the layers chosen by `monitor.histogram_regex`, and
   gradient histograms of the same layers where the mode shows the gradients (PYNATIVE:
   read by the gradient reducer's pre-hook; GRAPH compiles them away);
@@ -16,7 +17,9 @@ import math
 import re
 from typing import Any
 
+import mindspore as ms
 import numpy as np
+from mindspore import ops
 
 DEFAULT_HIST_REGEX = (r"(?:^|\.)(?:tok_embeddings\.embedding_weight|tok_embeddings\.weight|lm_head\.weight"
                       r"|layers\.0\.attention\.wq\.weight)$")
@@ -54,30 +57,70 @@ def structure_text(params) -> str:
     return "\n".join(head + rows)
 
 
-class WeightStats:
-    """Collects the statistics around collect steps; call `before(step)` at the end of the
-    step before a collect step and `collect(step, sums)` at the collect step."""
+@ms.jit
+def _change_squares(params, prev):
+    """Sum of squares of each parameter's change (float32), in one compiled graph."""
+    parts = []
+    for p, q in zip(params, prev):
+        d = ops.cast(p - q, ms.float32)
+        parts.append(ops.reduce_sum(d * d))
+    return ops.stack(parts)
 
-    def __init__(self, params, histogram_regex: str = "", grads_source: Any = None):
+
+class WeightStats:
+    """Collects the statistics around collect steps; call `keep_previous()` at the end of
+    the step before a collect step and `collect(sums)` at the collect step.
+
+    On a CPU target the weights are read on the host where they live (numpy views of
+    their storage: the copy kept for the update ratio is one memcpy, the change's norm a
+    pass of numpy); on a device the copy stays on the device and the change's norms are
+    one compiled graph, whose small result alone comes to the host."""
+
+    def __init__(self, params, histogram_regex: str = "", grads_source: Any = None, on_host: bool | None = None):
+        from .fingerprint import weights_on_host
+
         self.params = list(params)
         self.names = [p.name for p in self.params]
         self.pattern = re.compile(histogram_regex) if histogram_regex else None
         self.hist_idx = [i for i, n in enumerate(self.names) if self.pattern and self.pattern.search(n)][:8]
         self.prev: dict[int, Any] | None = None
         self.grads_source = grads_source  # a MonitoredTrainOneStepCell with captured grads (PYNATIVE)
+        self.on_host = weights_on_host(self.params) if on_host is None else on_host
+        """Read the weights on the host (a CPU target) rather than reduce them on the device."""
 
     def keep_previous(self) -> None:
-        """Copy the weights (on the device) so the next step's change can be measured."""
+        """Copy the weights (on the host for a CPU target, else on the device) so the next
+        step's change can be measured."""
         from mindspore import ops
 
-        self.prev = {i: ops.stop_gradient(p.value()).copy() for i, p in enumerate(self.params)}
+        limit = self.params[:MAX_LAYERS]
+        if self.on_host:
+            from .fingerprint import host_array
+
+            self.prev = {i: host_array(p).copy() for i, p in enumerate(limit)}
+        else:
+            self.prev = {i: ops.stop_gradient(p.value()).copy() for i, p in enumerate(limit)}
         if self.grads_source is not None and self.hist_idx:
             self.grads_source.capture_grads = {self.names[i] for i in self.hist_idx}
 
+    def _change_norms(self) -> list[float]:
+        """Norm of each kept parameter's change since `keep_previous` (in parameter order)."""
+        assert self.prev is not None
+        idx = sorted(self.prev)
+        if self.on_host:
+            from .fingerprint import host_array
+
+            out = []
+            for i in idx:
+                d = np.subtract(host_array(self.params[i]), self.prev[i], dtype=np.float32)
+                out.append(math.sqrt(float(np.add.reduce(d * d))))
+            return out
+        sq = _change_squares(ms.mutable(tuple(self.params[i].value() for i in idx)),
+                             ms.mutable(tuple(self.prev[i] for i in idx))).asnumpy()
+        return [math.sqrt(float(x)) if x >= 0 else float("nan") for x in sq]
+
     def collect(self, sums: np.ndarray | None) -> dict[str, Any]:
         """`sums`: the fingerprint's vector [sum, sum of squares] per parameter."""
-        from mindspore import ops
-
         out: dict[str, Any] = {}
         if sums is not None and len(sums) == 2 * len(self.params):
             sq = np.asarray(sums[1::2], dtype=np.float64)
@@ -85,17 +128,14 @@ class WeightStats:
             out["norms"] = {n: float(v) for n, v in list(zip(self.names, norms))[:MAX_LAYERS]}
             if self.prev is not None:
                 ratios = {}
-                for i, p in list(enumerate(self.params))[:MAX_LAYERS]:
-                    if i not in self.prev:
-                        continue
-                    d = ops.sqrt(ops.reduce_sum(ops.square(ops.cast(p.value() - self.prev[i], p.dtype))))
-                    dn = float(d.asnumpy())
+                for i, dn in zip(sorted(self.prev), self._change_norms()):
                     ratios[self.names[i]] = dn / norms[i] if norms[i] > 0 and math.isfinite(dn) else 0.0
                 out["update_ratio"] = ratios
         self.prev = None
         hists = {}
         for i in self.hist_idx:
-            hists[self.names[i]] = histogram(self.params[i].value().asnumpy())
+            p = self.params[i]
+            hists[self.names[i]] = histogram(p.asnumpy() if self.on_host else p.value().asnumpy())
         if hists:
             out["hist"] = hists
         grads = getattr(self.grads_source, "captured_grads", None) if self.grads_source is not None else None

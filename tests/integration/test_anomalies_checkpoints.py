@@ -12,7 +12,7 @@ import psutil
 import pytest
 from conftest import ROOT, last_steps, mindpulse_cmd
 
-from mindpulse.aggregator.metrics_store import read_wire
+from mindpulse.aggregator.metrics_store import read_records, read_wire, with_attempts
 from mindpulse.aggregator.reducer import reduce_all
 from mindpulse.protocol import from_wire
 
@@ -57,6 +57,42 @@ def test_spikes_trip_their_rules(run_cli):
     stop = r.summary["stop"]
     assert stop["rule"] == "grad_explosion" and stop["rank"] == 0, stop
     assert stop["decided_at"] == 9 and stop["step"] == 10, stop
+
+
+def test_a_loss_spike_rolls_back_to_the_checkpoint_before_it_and_the_run_finishes(run_cli):
+    """Periodic checkpoints every 4 steps, a loss spike on rank 1 at step 9 and a rollback
+    rule: every rank stops after step 10, the launch resumes from step 8 past the batch of
+    step 9 with the learning rate halved, and finishes."""
+    r = run_cli("launch", "--set", "train.steps=14", "--set", "checkpoint.save_checkpoint_steps=4",
+                "--inject", "loss_spike@1:9",
+                "--set", "anomalies=[{rule: loss_spike, action: rollback, warmup: 4, z: 6}]", *FAST, timeout=500)
+    assert r.returncode == 0, r.output
+    s = r.summary
+    assert s["status"] == "succeeded" and s["steps_completed"] == 14, s["status"]
+    assert s["rollbacks"] == [{"rule": "loss_spike", "anomaly_step": 9, "from_step": 10, "to_step": 8,
+                               "skipped_batches": 1, "lr_factor": 0.5}], s["rollbacks"]
+    att = s["attempts"]
+    assert len(att) == 2 and att[0]["rollback"]["anomaly_step"] == 9, att
+    resumed = att[1]["resumed_from"]
+    assert (resumed["step"], resumed["skip_batches"], resumed["lr_until_step"]) == (8, 1, 108), resumed
+    assert "rollback 1 (loss_spike at step 9)" in r.stdout, r.output
+    log1 = (r.run_dir / "logs" / "attempt_1" / "rank_0.log").read_text()
+    assert "skipping 1 batch" in log1 and "learning rate x0.5" in log1, log1[-2000:]
+    # the loss curve after the rollback: steps 9..14 of attempt 1, no spike (attempt 0's step 9 had one)
+    recs = list(with_attempts(read_records(r.run_dir / "metrics.msgpack")))
+    first = reduce_all([from_wire(o) for a, o in recs if a == 0 and o.get("t") == "step"], 2)
+    after = reduce_all([from_wire(o) for a, o in recs if a == 1 and o.get("t") == "step" and o["step"] > 8], 2)
+    spiked = {x.step: x.loss_mean for x in first}
+    losses = {x.step: x.loss_mean for x in after}
+    assert sorted(losses) == list(range(9, 15)), sorted(losses)
+    assert spiked[9] > 2 * spiked[8], f"premise: the injected spike at step 9 ({spiked})"
+    assert max(losses.values()) < 1.5 * spiked[8], f"a spike after the rollback: {losses} (step 8: {spiked[8]})"
+    # goodput across both attempts: the redone steps 9, 10 and the rollback's downtime are badput
+    g = s["goodput"]
+    bad = g["badput_s"]
+    assert bad["recomputed"] > 0 and bad["restart"] > 0 and bad["startup"] > 0 and 0 < g["ettr"] < 1, g
+    accounted = g["productive_s"] + sum(bad.values())
+    assert abs(accounted - g["wall_s"]) <= 0.05 * g["wall_s"], f"goodput leaves time unexplained: {g}"
 
 
 @pytest.fixture(scope="module")

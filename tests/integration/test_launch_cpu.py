@@ -91,10 +91,26 @@ def test_recipe_two_ranks_data_parallel(run_cli):
         f"a normal run must trip no rule but the user's warn rule: {recs}")
     check_telemetry(r)
     check_tensorboard_and_report(r.run_dir, pk)
+    check_goodput(s)
     traces = list((r.run_dir / "profile" / "rank_1").rglob("trace_view.json"))
     assert traces, "MindSpore's profiler output is missing under profile/rank_1"
     assert not (r.run_dir / "profile" / "rank_0").exists()
     assert "profile/rank_1" in (r.run_dir / "report" / "report.html").read_text()
+
+
+def check_goodput(s: dict) -> None:
+    """Where the run's wall time went: productive plus badput within 5% of the wall time;
+    start-up and the best checkpoints' writing are among the causes."""
+    g = s["goodput"]
+    bad = g["badput_s"]
+    assert set(bad) == {"startup", "checkpoint", "eval", "monitor_wait", "data_wait", "restart", "recomputed",
+                        "hang", "teardown"}, bad
+    assert 0 < g["ettr"] < 1 and g["productive_s"] > 0, g
+    assert bad["startup"] > 0 and bad["checkpoint"] > 0 and bad["teardown"] > 0, g
+    assert bad["restart"] == bad["recomputed"] == bad["hang"] == 0, g
+    accounted = g["productive_s"] + sum(bad.values())
+    assert abs(accounted - g["wall_s"]) <= 0.05 * g["wall_s"], f"goodput leaves time unexplained: {g}"
+    assert abs(g["wall_s"] - s["wall_time_s"]) < 2.0, (g["wall_s"], s["wall_time_s"])
 
 
 def check_telemetry(r) -> None:
@@ -113,7 +129,7 @@ def check_tensorboard_and_report(run_dir: Path, pk: list[dict]) -> None:
     acc.Reload()
     tags = acc.Tags()["scalars"]
     for tag in ("loss/mean", "loss/max", "loss/min", "grad_norm/global", "lr", "throughput/samples_per_s",
-                "step_time/max", "rank_0/loss", "rank_1/grad_norm_local", "rank_1/step_time"):
+                "step_time/max", "rank_0/loss", "rank_1/grad_norm_local", "rank_1/step_time", "goodput/ettr"):
         assert tag in tags, f"TensorBoard tag {tag} missing; have {tags}"
     assert any(t.startswith("card_") and t.endswith("/memory_used_mb") for t in tags), tags
     by_step = {}

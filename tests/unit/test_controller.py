@@ -64,7 +64,7 @@ class FakeAttempt:
     script: list[Any] = []
     made: list[FakeAttempt] = []
 
-    def __init__(self, cfg, *, index, run_dir, run_id, session, resume, pids, console):
+    def __init__(self, cfg, *, index, run_dir, run_id, session, resume, pids, console, goodput=None):
         self.index, self.resume = index, resume
         self.group = FakeGroup()
         self.dropped_packets, self.aggregator_lost = 1, False

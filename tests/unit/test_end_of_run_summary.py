@@ -59,8 +59,8 @@ def test_the_console_summary_starts_with_status_and_why_and_shows_dates(tmp_path
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "succeeded"
     start = out.index("run eor: succeeded — completed all 8 steps")
     block = out[start:]
-    labels = [ln.strip().split("  ")[0] for ln in block[1:] if ln.startswith("  ")][:6]
-    assert labels == ["wall time", "steps", "loss (mean)", "throughput", "world", "best checkpoint"], block
+    labels = [ln.strip().split("  ")[0] for ln in block[1:] if ln.startswith("  ")][:7]
+    assert labels == ["wall time", "steps", "loss (mean)", "throughput", "world", "goodput", "best checkpoint"], block
     wall = next(ln for ln in block if ln.strip().startswith("wall time"))
     began = dt.datetime.fromtimestamp(summary["started"]).astimezone()
     assert f"{began:%Y-%m-%d %H:%M:%S}" in wall and "→" in wall, wall

@@ -249,3 +249,69 @@ def test_a_rank_whose_relay_is_gone_stops_after_the_decision_timeout(tmp_path):
     time.sleep(0.25)
     out = s.record(1.0)
     assert out.stop and "no relay for" in out.reason and "monitor.decision_timeout_s" in out.reason
+
+
+def test_the_relay_channel_asks_one_lease_ahead_and_never_holds_a_packet_behind_it():
+    """Once a lease covers step k the request for k+1 is in flight; its answer, sent when
+    k+1 is reduced, is read without a round trip. Packets and decisions go on meanwhile."""
+    import threading
+    import time
+
+    from mindpulse.node.relay import RelayServer
+
+    class Up:
+        def __init__(self):
+            self.reduced, self.sent, self.decided = 2, [], []
+            self.changed = threading.Condition()
+
+        def send(self, batch):
+            self.sent.extend(batch)
+
+        def decide(self, batch, step, timeout):
+            self.decided.append(step)
+            return Directive(step=step, reason="ok").encode()
+
+        def advance(self, reduced):
+            with self.changed:
+                self.reduced = reduced
+                self.changed.notify_all()
+
+        def lease(self, after, timeout):
+            with self.changed:
+                self.changed.wait_for(lambda: self.reduced > after, timeout)
+                return Lease(reduced_through=self.reduced).encode()
+
+    up = Up()
+    srv = RelayServer(up.send, up.decide, local_ranks=1, forward_lease=up.lease)
+    c = RelayChannel("127.0.0.1", srv.start(), decision_timeout_s=5.0)
+    try:
+        lease, waited = c.lease(2)
+        assert lease.reduced_through == 2 and waited == 0.0
+        assert c._asked == 3, "the next step's lease is asked for at once"
+        # with the request for step 3 in flight, a step's packet and a decision get through
+        c.send_step(StepPacket(rank=0, step=4, loss=1.0).encode(), 4)
+        assert c.decide(StepPacket(rank=0, step=5, loss=1.0, decision=True).encode(), 5, expect=1).reason == "ok"
+        assert up.decided == [5] and c._asked == 3
+        asked = []
+        ask = c._ask
+        c._ask = lambda need: (asked.append(need), ask(need))[1]
+        up.advance(3)
+        deadline = time.time() + 5
+        while not select_ready(c.lease_sock) and time.time() < deadline:
+            time.sleep(0.005)
+        lease, waited = c.lease(3)
+        assert lease.reduced_through == 3 and waited == 0.0, "answered ahead: nothing to wait for"
+        assert asked == [4] and c._asked == 4, "taking it cost no request: only the next one went out"
+        # a lease not yet there is waited for, and the wait is counted
+        threading.Timer(0.3, up.advance, args=(4,)).start()
+        lease, waited = c.lease(4)
+        assert lease.reduced_through == 4 and waited >= 0.25, waited
+    finally:
+        c.close()
+        srv.stop()
+
+
+def select_ready(sock) -> bool:
+    import select
+
+    return sock is not None and bool(select.select([sock], [], [], 0)[0])

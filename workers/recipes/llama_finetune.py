@@ -56,7 +56,9 @@ class ByteWindows:
     """
 
     def __init__(self, tokens: np.ndarray, seq_length: int, rank: int, world: int, seed: int,
-                 batch_size: int, start_step: int = 0, stop_step: int | None = None):
+                 batch_size: int, start_step: int = 0, stop_step: int | None = None, skip_batches: int = 0):
+        """`skip_batches`: step k trains on the batch of step k + skip_batches (a rollback
+        skipped the batches from its checkpoint to the anomaly)."""
         self.tokens = tokens
         self.seq_length = seq_length
         self.rank, self.world, self.seed = rank, world, seed
@@ -73,6 +75,7 @@ class ByteWindows:
         self.samples_per_epoch = self.steps_per_epoch * batch_size
         self.start_step = start_step
         self.stop_step = stop_step if stop_step is not None else self.steps_per_epoch
+        self.skip_batches = max(0, skip_batches)
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -92,8 +95,9 @@ class ByteWindows:
         return self.tokens[w * L : w * L + L + 1].copy()
 
     def __iter__(self) -> Iterator[tuple[np.ndarray]]:
+        skip = self.skip_batches * self.batch_size
         for i in range(self.start_step * self.batch_size, self.stop_step * self.batch_size):
-            yield (self.window(i),)
+            yield (self.window(i + skip),)
 
 
 def eval_windows(tokens: np.ndarray, seq_length: int, rank: int, world: int) -> np.ndarray:
@@ -239,7 +243,11 @@ def main(settings: RankSettings) -> None:
     total = train.steps or source.steps_per_epoch * train.epochs
     if start >= total:
         raise ValueError(f"resume: the checkpoint is at step {start}, the run has {total} steps; raise train.steps")
-    source = ByteWindows(tokens, shape.seq_length, rank, size, train.seed, bs, start_step=start, stop_step=total)
+    skip = resume.skip_batches if resume is not None else 0
+    if skip:
+        log.info("[rank %d] rollback: skipping %d batch(es) of the data stream", rank, skip)
+    source = ByteWindows(tokens, shape.seq_length, rank, size, train.seed, bs, start_step=start, stop_step=total,
+                         skip_batches=skip)
     dataset = ms.dataset.GeneratorDataset(source, ["input_ids"], shuffle=False, num_parallel_workers=1,
                                           python_multiprocessing=False)
     dataset = dataset.batch(bs, drop_remainder=True)
@@ -250,6 +258,10 @@ def main(settings: RankSettings) -> None:
     if recipe.init_from:
         load_base(model, Path(recipe.init_from))
     lrs = lr_schedule(train.lr, train.warmup_steps, total)
+    if resume is not None and resume.lr_factor != 1.0:  # after a rollback, for `lr_steps` steps
+        lrs = resume.scaled_lrs(lrs)
+        log.info("[rank %d] rollback: learning rate x%g for steps %d..%d", rank, resume.lr_factor, start + 1,
+                 resume.lr_until_step)
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=ms.Tensor(np.array(lrs, np.float32)),
                                    weight_decay=0.0)
     train_net = MonitoredTrainOneStepCell(model, optimizer)
