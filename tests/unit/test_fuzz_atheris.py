@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("atheris", reason="atheris did not install on this machine (hypothesis fuzzing still runs)")
 
 
+@pytest.mark.slow  # 20,000 fuzzing runs take seconds; the hypothesis fuzzing runs in the quick suite
 def test_atheris_finds_no_crash_in_the_aggregator_input(tmp_path):
     script = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_aggregator.py"
     seeds = tmp_path / "corpus"

@@ -87,6 +87,7 @@ class WatchedAgent:
         return Agent(0, None, "cpu", {0: 0}, interval_s=0, driver=driver)
 
 
+@pytest.mark.slow  # real processes killed and reaped: seconds each
 def test_the_agents_watchdog_ends_the_nodes_run_processes_when_the_driver_dies():
     from mindpulse.node.agent import host_identity
 
@@ -161,6 +162,7 @@ def _fake_launcher(*args: str) -> tuple[subprocess.Popen, str, list[int]]:
     return proc, tag, [int(p) for p in pids]
 
 
+@pytest.mark.slow  # real processes killed and reaped: seconds each
 def test_the_reaper_kills_the_run_when_the_launcher_is_killed():
     launcher, tag, (reaper, tagged, plain) = _fake_launcher()
     try:
@@ -174,6 +176,7 @@ def test_the_reaper_kills_the_run_when_the_launcher_is_killed():
         _kill(reaper, tagged, plain)
 
 
+@pytest.mark.slow  # real processes killed and reaped: seconds each
 def test_after_a_normal_end_the_reaper_only_sweeps_tagged_stragglers():
     launcher, tag, (reaper, tagged, plain) = _fake_launcher("done")
     try:
