@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mindpulse.config import PreflightAction, RunConfig
-from mindpulse.protocol import CHECK_FAULTS, EventKind, parse_fault
+from mindpulse.config import RunConfig
+from mindpulse.protocol import CHECK_FAULTS, Action, EventKind, parse_fault
 
 from .preflight import LaunchRefused
 
@@ -293,7 +293,7 @@ def gate(cfg: RunConfig, *, run_dir: Path, run_id: str, session: Any, pids: Any,
     if report["ok"]:
         console.say(f"mindpulse: {report['message']}; starting the training")
         return None
-    if cfg.preflight.action is PreflightAction.WARN:
+    if cfg.preflight.action is Action.WARN:
         console.say(f"mindpulse: WARNING {report['message']} (preflight.action: warn: training anyway)")
         return None
     return RunResult(status=RunStatus.PREFLIGHT_FAILED,

@@ -378,17 +378,12 @@ class OutputConfig:
     the newest segments is thinned (docs/run_directory.md). 0: one file, never thinned."""
 
 
-class PreflightAction(str, enum.Enum):
-    STOP = "stop"
-    WARN = "warn"
-
-
 @dataclass
 class PreflightConfig:
     enabled: bool | None = None
     """Run the pre-flight card check at the start of `launch`: true, false, or `auto` / empty
     (true when world.nodes > 1). `mindpulse preflight` runs it whatever this says."""
-    action: PreflightAction = PreflightAction.STOP
+    action: Action = Action.STOP
     """What a slow or failed card does to `launch`: `stop` refuses it before training (status
     preflight_failed, exit code 4) or `warn` reports it and trains."""
     min_ratio: float = 0.8
@@ -498,10 +493,15 @@ def _coerce(path: str, tp: Any, raw: Any) -> Any:
             raise ConfigError(f"{path or '<top>'}: expected a mapping of fields, got {raw!r}")
         return _build(tp, raw, path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        allowed = _ACTION_CHOICES.get(path.rsplit(".", 1)[0].split("[")[0]) if tp is Action else None
         try:
-            return tp(raw)
+            value = tp(raw)
         except ValueError:
-            raise ConfigError(f"{path}: {raw!r} is not allowed; use {_describe(tp)}") from None
+            value = None
+        if value is None or (allowed is not None and value not in allowed):
+            choices = ", ".join(repr(a.value) for a in allowed) if allowed else _describe(tp)
+            raise ConfigError(f"{path}: {raw!r} is not allowed; use {'one of ' if allowed else ''}{choices}") from None
+        return value
     if tp is bool:
         if isinstance(raw, bool):
             return raw
@@ -663,6 +663,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("job.args: only allowed together with job.script")
     _validate_preflight(cfg.preflight)
     return cfg
+
+
+_ACTION_CHOICES = {"preflight": (Action.STOP, Action.WARN), "anomalies": RULE_ACTIONS}
+"""The one `Action` enum, narrowed per section: what a config may ask for there."""
 
 
 def _validate_preflight(pf: PreflightConfig) -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.config import ConfigError, PreflightAction, from_dict
+from mindpulse.config import ConfigError, from_dict
 from mindpulse.launcher import card_check
 from mindpulse.launcher.card_check import build_report, format_table, judge, verdict_message
 from mindpulse.launcher.preflight import LaunchRefused
 from mindpulse.launcher.spec import ExitCode, RunStatus
-from mindpulse.protocol import Fault, FaultKind, RankSettings, parse_fault
+from mindpulse.protocol import Action, Fault, FaultKind, RankSettings, parse_fault
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,7 +136,7 @@ def test_enabled_is_auto_by_nodes_unless_set():
     assert card_check.enabled(from_dict({"preflight": {"enabled": True}})) is True
     assert card_check.enabled(from_dict({"world": {"nodes": 2}, "preflight": {"enabled": False}})) is False
     cfg = from_dict({"preflight": {"enabled": "auto", "action": "warn"}})
-    assert cfg.preflight.enabled is None and cfg.preflight.action is PreflightAction.WARN
+    assert cfg.preflight.enabled is None and cfg.preflight.action is Action.WARN
     assert cfg.to_dict()["preflight"]["enabled"] is None  # round-trips through config.yaml and job.json
     assert from_dict(cfg.to_dict()).preflight.enabled is None
 
