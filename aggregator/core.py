@@ -33,6 +33,8 @@ from mindpulse.protocol import (
 
 from . import tables
 from .anomaly_log import AnomalyLog
+from .card_peaks import peak_dtype
+from .compute import ComputeWatch, compute_drop_window
 from .goodput import GoodputClock, StepTimes
 from .metrics_store import MetricsWriter
 from .policies import Firing, PolicyEngine, build_rules
@@ -79,6 +81,10 @@ class AggregatorCore:
         """The step this attempt starts after (a resumed run): the step window counts from it."""
         self.collect_freq = cfg.monitor.collect_freq
         self.stragglers = StragglerTracker(cfg.monitor.straggler_window)
+        self.console: deque[str] = deque(maxlen=1000)
+        self.compute = ComputeWatch(self.run_dir, cfg.world.peak_tflops,
+                                    str(settings.get("peak_dtype") or peak_dtype()),
+                                    compute_drop_window(settings.get("anomalies")), say=self.console.append)
         self.policies = PolicyEngine(build_rules([dict(c) for c in settings.get("anomalies") or []],
                                                  extra_kinds=settings.get("extra_rules"),
                                                  straggler_threshold=self.straggler_threshold))
@@ -116,7 +122,6 @@ class AggregatorCore:
         self.rejected: Counter[str] = Counter()
         self.directives: OrderedDict[int, Directive] = OrderedDict()
         self.recent: deque[ReducedStep] = deque(maxlen=_KEEP_HISTORY)
-        self.console: deque[str] = deque(maxlen=1000)
         self.stop_request: tuple[str, dict[str, Any]] | None = None
         self.stop: dict[str, Any] | None = None
         self.rank_info: dict[int, dict[str, Any]] = {}
@@ -347,6 +352,7 @@ class AggregatorCore:
                     rec = dict(card, node=pkt.node, ts=pkt.ts)
                     self.telemetry_latest[(pkt.node, card.get("card"))] = rec
                     cards.append(rec)
+            self.compute.on_cards(cards)
             step = self.last_reduced.step if self.last_reduced else 0
             if self.tb is not None and not self.replaying:
                 self.tb.on_telemetry(pkt.node, cards, pkt.ts, step)
@@ -440,6 +446,7 @@ class AggregatorCore:
         if self.steps_reduced == 1:
             self.milestone("first step", red.step)
         self.steps_reduced += 1
+        self.compute.on_step(red)  # MFU, and the compute-drop flags where no node judged the step
         if self.tb is not None and not self.replaying:
             self.tb.on_reduced(red)
             w = next((p.weights for p in red.per_rank.values() if p.weights), None)
@@ -487,7 +494,7 @@ class AggregatorCore:
             try:  # a table is a view: it must never cost a stop or a save decided above
                 text = tables.cluster_table(red, self.total_steps, self.straggler_threshold)
                 if self.telemetry_latest:
-                    text += "\n" + tables.card_table(self.telemetry_latest.values())
+                    text += "\n" + tables.card_table(self.telemetry_latest.values(), self.compute.card_tflops)
             except Exception as exc:
                 self.rejected["table_error"] += 1
                 text = f"step {red.step}: the cluster table could not be drawn ({type(exc).__name__}: {exc})"
@@ -603,6 +610,7 @@ class AggregatorCore:
             },
             "aggregator_restarts": self.restarts,
             "goodput": self.goodput.to_dict(),
+            "compute": self.compute.summary(),
             "rule_changes": list(self.live_rules.changes),
             "last_step": self.last_reduced.to_record() if self.last_reduced else None,
         }

@@ -324,9 +324,53 @@ class StragglerRule(Rule):
                          f"{self.threshold:g}) at step {red.step}{wait}")
 
 
+class ComputeDropRule(Rule):
+    """A rank whose achieved TFLOPS (so its MFU) stay below `factor` x its own rolling median
+    for `for_steps` consecutive steps: a throttled or failing card, or its data path. The
+    medians are kept where the packets are (`NodeComputeDrops`: on the nodes, or in the
+    aggregator on the flat path); the step carries only the ranks below 0.95 x their median.
+    Fires once per excursion, naming the rank and its card."""
+
+    kind = "compute_drop"
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        cfg = self.cfg
+        self.factor = float(cfg["factor"])
+        self.for_steps = int(cfg["for_steps"])
+        self.hits: dict[int, int] = {}
+        self.flagged: set[int] = set()
+
+    def check(self, red: ReducedStep) -> Firing | None:
+        flags = {int(r): (float(v), float(m)) for r, v, m in red.compute_flags or () if m > 0}
+        below = {r for r, (v, m) in flags.items() if v < self.factor * m}
+        self.hits = {r: self.hits.get(r, 0) + 1 for r in below}  # consecutive steps below
+        self.flagged &= below
+        new = sorted((r for r in below if self.hits[r] >= self.for_steps and r not in self.flagged),
+                     key=lambda r: flags[r][0] / flags[r][1])
+        if not new:
+            return None
+        r = new[0]
+        self.flagged.add(r)
+        v, m = flags[r]
+        card = red.rank_cards.get(r)
+        on = f" on {card}" if card else ""
+        peak = red.peak_tflops
+        if peak:
+            what, value, limit = "MFU", v / peak, self.factor * m / peak
+            nums = f"MFU {value:.3g} ({v:.3g} TFLOPS) against its median {m / peak:.3g} ({m:.3g} TFLOPS)"
+        else:
+            what, value, limit = "achieved TFLOPS", v, self.factor * m
+            nums = f"{v:.3g} TFLOPS against its median {m:.3g}"
+        return self.fire(red.step, r, value, limit,
+                         f"compute drop: rank {r}{on}: {nums}, below {self.factor:g} x its median for "
+                         f"{self.hits[r]} steps at step {red.step} ({what} falls while the others hold: a "
+                         "throttled or failing card, or its data path)")
+
+
 RULES: dict[str, type[Rule]] = {
     r.kind: r for r in (NonFiniteRule, GradExplosionRule, LossSpikeRule, ThresholdRule, CardOverloadRule,
-                        DesyncRule, StragglerRule)
+                        DesyncRule, StragglerRule, ComputeDropRule)
 }
 
 

@@ -111,6 +111,7 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
     finite = [v for _, v in losses if math.isfinite(v)]
     gns = [p.grad_norm for p in packets.values() if p.grad_norm is not None]
     lrs = [(r, p.lr) for r, p in packets.items() if p.lr is not None]
+    tfs = [(r, p.tflops) for r, p in packets.items() if _rate(p.tflops)]
     extra: dict[str, list] = {}
     for p in packets.values():
         for k, v in p.extra.items():
@@ -140,6 +141,11 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         "st_min": _argext(((r, p.step_time_s) for r, p in packets.items()), False),
         "st_max": _argext(((r, p.step_time_s) for r, p in packets.items()), True),
         "samples": sum(p.samples for p in packets.values()),
+        "tok": sum(p.tokens for p in packets.values()),
+        "tf_n": len(tfs),
+        "tf_s": sum(exact(v) for _, v in tfs),
+        "tf_min": _argext(tfs, False),
+        "tf_max": _argext(tfs, True),
         "lr": list(min(lrs)) if lrs else None,
         "nan": sum(p.nan_count for p in packets.values()),
         "inf": sum(p.inf_count for p in packets.values()),
@@ -167,6 +173,11 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
     keep = sorted(set(packets) if keep_all else _worth_keeping(part, packets) | collect)
     part["packets"] = {r: (wires[r] if wires is not None else packets[r]) for r in keep}
     return part
+
+
+def _rate(x: float | None) -> bool:
+    """A figure of achieved TFLOPS worth reducing: a finite number, not negative."""
+    return x is not None and math.isfinite(x) and x >= 0
 
 
 def _hist(values: Iterable[float | None]) -> list[int]:
@@ -202,8 +213,8 @@ def has_weights(p: StepPacket | dict[str, Any]) -> bool:
 
 def _worth_keeping(part: Partial, packets: Mapping[int, StepPacket]) -> set[int]:
     """The node's extremes, its non-finite ranks, and a packet with weight statistics."""
-    keep = {x[1] for x in (part["loss_min"], part["loss_max"], part["gl_max"], part["st_min"], part["st_max"])
-            if x is not None}
+    keep = {x[1] for x in (part["loss_min"], part["loss_max"], part["gl_max"], part["st_min"], part["st_max"],
+                           part["tf_min"], part["tf_max"]) if x is not None}
     keep.update(part["nonfinite"])
     keep.update(r for r, p in packets.items() if p.weights)
     return keep
@@ -238,7 +249,7 @@ def _kept(part: Partial) -> dict[int, Any]:
     if part.get("all"):
         return packets
     wanted = {x[1] for x in (part["loss_min"], part["loss_max"], part["gl_max"], part["st_min"],
-                             part["st_max"]) if x is not None}
+                             part["st_max"], part.get("tf_min"), part.get("tf_max")) if x is not None}
     wanted.update(part["nonfinite"])
     wanted.update(part.get("keep", ()))
     wanted.update(r for r, p in packets.items() if has_weights(p))
@@ -266,6 +277,11 @@ def merge(a: Partial, b: Partial) -> Partial:
         "st_min": _merge_ext(a["st_min"], b["st_min"], False),
         "st_max": _merge_ext(a["st_max"], b["st_max"], True),
         "samples": a["samples"] + b["samples"],
+        "tok": a.get("tok", 0) + b.get("tok", 0),
+        "tf_n": a.get("tf_n", 0) + b.get("tf_n", 0),
+        "tf_s": a.get("tf_s", 0) + b.get("tf_s", 0),
+        "tf_min": _merge_ext(a.get("tf_min"), b.get("tf_min"), False),
+        "tf_max": _merge_ext(a.get("tf_max"), b.get("tf_max"), True),
         "lr": min((x for x in (a["lr"], b["lr"]) if x is not None), default=None),
         "nan": a["nan"] + b["nan"],
         "inf": a["inf"] + b["inf"],
@@ -288,6 +304,8 @@ def merge(a: Partial, b: Partial) -> Partial:
         "keep": sorted(a.get("keep", []) + b.get("keep", [])),
         "strag": a.get("strag", []) + b.get("strag", []),
     }
+    if "cdrop" in a or "cdrop" in b:  # the nodes' compute-drop flags (NodeComputeDrops)
+        out["cdrop"] = a.get("cdrop", []) + b.get("cdrop", [])
     for k in a["extra"].keys() | b["extra"].keys():
         xa, xb = a["extra"].get(k, [0, 0]), b["extra"].get(k, [0, 0])
         out["extra"][k] = [xa[0] + xb[0], xa[1] + xb[1]] + xa[2:] + xb[2:]
@@ -297,7 +315,7 @@ def merge(a: Partial, b: Partial) -> Partial:
     return out
 
 
-_EXACT = ("loss_s", "loss_q", "wait_s", "st_s", "st_q")
+_EXACT = ("loss_s", "loss_q", "wait_s", "st_s", "st_q", "tf_s")
 
 
 # ---- the wire -------------------------------------------------------------------------------------
@@ -315,6 +333,7 @@ def to_wire(part: Partial) -> dict[str, Any]:
 
 def from_wire(w: dict[str, Any]) -> Partial:
     """Raises ValueError (or PacketError) on anything malformed."""
+    w = {"tok": 0, "tf_n": 0, "tf_s": b"\x00", "tf_min": None, "tf_max": None, **w}  # older nodes send none
     part = dict(w)
     for k in _EXACT:
         if not isinstance(w[k], (bytes, bytearray)):
@@ -342,7 +361,19 @@ def from_wire(w: dict[str, Any]) -> Partial:
         if not (isinstance(w[k], list) and len(w[k]) == len(HIST_EDGES) + 1
                 and all(type(c) is int for c in w[k]) and min(w[k]) >= 0):
             raise ValueError(f"partial field {k!r} is not a histogram")
-    for k in ("step", "n", "epoch", "loss_n", "loss_f", "gn_n", "samples", "nan", "inf", "errors"):
+    for k in ("tf_min", "tf_max"):
+        x = w[k]
+        if x is not None and not (isinstance(x, list) and len(x) == 2 and _rate(x[0]) and not isinstance(x[0], bool)
+                                  and type(x[1]) is int and x[1] >= 0):
+            raise ValueError(f"partial field {k!r} is not [TFLOPS, rank]")
+    if "cdrop" in w:
+        cd = w["cdrop"]
+        if not (isinstance(cd, list) and all(
+                isinstance(x, list) and len(x) == 3 and type(x[0]) is int and x[0] >= 0
+                and all(_rate(v) and not isinstance(v, bool) for v in x[1:]) for x in cd)):
+            raise ValueError("partial field 'cdrop' is not a list of [rank, TFLOPS, median]")
+        part["cdrop"] = [[x[0], float(x[1]), float(x[2])] for x in cd]
+    for k in ("step", "n", "epoch", "loss_n", "loss_f", "gn_n", "samples", "nan", "inf", "errors", "tok", "tf_n"):
         if not isinstance(part[k], int) or isinstance(part[k], bool) or part[k] < 0:
             raise ValueError(f"partial field {k!r} is not a count")
     return part
@@ -383,6 +414,42 @@ class NodeStragglers:
         if not meds:
             return None
         return {"fast": meds[-1][0], "med": [[r, m] for m, r in meds]}
+
+
+# ---- compute drops, judged where the packets are --------------------------------------------------
+FLAG_RATIO = 0.95
+"""A rank whose achieved TFLOPS fall below this x its own rolling median is flagged (the
+`compute_drop` rule's factor, at most this, decides what fires)."""
+
+
+class NodeComputeDrops:
+    """Each rank's achieved TFLOPS over a rolling window, kept where its packets are: on its
+    node (node/relay.py), or in the aggregator on the flat path (no relays, replays). Only the
+    ranks below FLAG_RATIO x their own median travel on, so the aggregator's work per step
+    follows the nodes and the flagged ranks, not the world."""
+
+    def __init__(self, window: int = 20, min_steps: int | None = None):
+        self.window = max(1, window)
+        # a quarter window of history before judging (at least 3 steps): the first steps
+        # compile graphs and warm caches
+        self.min_steps = max(1, min(min_steps if min_steps is not None else max(3, self.window // 4), self.window))
+        self.history: dict[int, deque[float]] = {}
+
+    def update(self, step: int, packets: Mapping[int, StepPacket | Any]) -> list[list[Any]]:
+        """[[rank, TFLOPS, median before this step], ...] of the ranks below FLAG_RATIO x median."""
+        out: list[list[Any]] = []
+        for r in sorted(packets):
+            p = packets[r]
+            v = p.tflops if isinstance(p, StepPacket) else (p.get("tflops") if isinstance(p, dict) else None)
+            if step == 0 or not _rate(v):
+                continue
+            h = self.history.setdefault(r, deque(maxlen=self.window))
+            if len(h) >= self.min_steps:
+                med = statistics.median(h)
+                if med > 0 and v < FLAG_RATIO * med:
+                    out.append([int(r), float(v), float(med)])
+            h.append(float(v))
+        return out
 
 
 def straggler_scores(inputs: Iterable[dict[str, Any]], threshold: float, every_rank: bool = False,
@@ -466,10 +533,47 @@ class ReducedStep:
     fields (min, max, num, sum, sum_squares, bucket_limits, bucket_counts)."""
     straggler_inputs: list[dict[str, Any]] = field(default_factory=list)
     """The nodes' straggler medians (merged node partials; see partial.NodeStragglers)."""
+    tokens: int = 0
+    """Tokens trained in this step, summed over ranks (0: no rank knows its tokens)."""
+    tokens_per_s: float | None = None
+    """Cluster token throughput: all ranks' tokens over the slowest rank's step time."""
+    tflops_mean: float | None = None
+    """Achieved model TFLOPS per card, mean over the ranks that reported it."""
+    tflops_min: float | None = None
+    tflops_min_rank: int | None = None
+    tflops_max: float | None = None
+    tflops_max_rank: int | None = None
+    peak_tflops: float | None = None
+    """The card's peak TFLOPS the MFU is measured against (the aggregator's `set_peak`)."""
+    mfu_mean: float | None = None
+    """Model FLOPs utilisation: achieved / peak TFLOPS (0-1), mean over ranks; None without a peak."""
+    mfu_min: float | None = None
+    mfu_min_rank: int | None = None
+    mfu_max: float | None = None
+    mfu_max_rank: int | None = None
+    rank_cards: dict[int, str] = field(default_factory=dict)
+    """The card of each flagged rank (the aggregator's telemetry), for the compute_drop message."""
+    compute_flags: list[list[Any]] | None = None
+    """[rank, TFLOPS, its rolling median] of the ranks whose TFLOPS fell below 0.95 x their own
+    median (NodeComputeDrops): from the nodes' partials, or the aggregator's own tracker on the
+    flat path (None until one of them set it)."""
+
+    def set_peak(self, peak: float | None) -> None:
+        """MFU from the achieved TFLOPS and the card's peak (None or not positive: no MFU)."""
+        self.peak_tflops = peak if peak and peak > 0 else None
+        if self.peak_tflops is None:
+            self.mfu_mean = self.mfu_min = self.mfu_max = self.mfu_min_rank = self.mfu_max_rank = None
+            return
+        def mfu(x: float | None) -> float | None:
+            return None if x is None else x / peak
+
+        self.mfu_mean, self.mfu_min, self.mfu_max = mfu(self.tflops_mean), mfu(self.tflops_min), mfu(self.tflops_max)
+        self.mfu_min_rank, self.mfu_max_rank = self.tflops_min_rank, self.tflops_max_rank
 
     def metric(self, name: str) -> float | None:
         """A reduced metric by name, for rules and best-checkpoint choice."""
-        aliases = {"loss": "loss_mean", "grad_norm_global": "grad_norm", "throughput": "samples_per_s"}
+        aliases = {"loss": "loss_mean", "grad_norm_global": "grad_norm", "throughput": "samples_per_s",
+                   "mfu": "mfu_mean", "tflops": "tflops_mean"}
         key = aliases.get(name, name)
         if key in self.extra:
             return self.extra[key]
@@ -480,7 +584,9 @@ class ReducedStep:
         """The ranks whose detail is worth a look every step: the extremes, the non-finite
         ranks, the stragglers."""
         out = {r for r in (self.loss_min_rank, self.loss_max_rank, self.grad_norm_local_max_rank,
-                           self.step_time_min_rank, self.step_time_max_rank) if r is not None}
+                           self.step_time_min_rank, self.step_time_max_rank, self.tflops_min_rank,
+                           self.tflops_max_rank) if r is not None}
+        out.update(int(x[0]) for x in self.compute_flags or ())
         out.update(self.nonfinite_ranks)
         out.update(r for r, sc in self.straggler_scores.items() if sc < straggler_threshold)
         return out
@@ -491,6 +597,7 @@ class ReducedStep:
         d["fingerprints"] = {str(k): v for k, v in self.fingerprints.items()}
         d["straggler_scores"] = {str(k): v for k, v in self.straggler_scores.items()}
         d["param_norms"] = {str(k): v for k, v in self.param_norms.items()}
+        d["rank_cards"] = {str(k): v for k, v in self.rank_cards.items()}
         return d
 
 
@@ -511,6 +618,10 @@ def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedS
     tmax = st_max[0] if st_max else None
     samples = part["samples"]
     sps = samples / tmax if (tmax and math.isfinite(tmax) and tmax > 0 and samples) else None
+    tokens = part.get("tok", 0)
+    tps = tokens / tmax if (tmax and math.isfinite(tmax) and tmax > 0 and tokens) else None
+    tf_n = part.get("tf_n", 0)
+    (tfmin, tfmin_r), (tfmax, tfmax_r) = (tuple(part.get(k) or (None, None)) for k in ("tf_min", "tf_max"))
     extra = {}
     for k in sorted(part["extra"]):
         cnt, total, *bad = part["extra"][k]
@@ -563,6 +674,14 @@ def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedS
                                             ("step_time", _histogram(part["h_st"], tmin, tmax, part["st_s"],
                                                                      part["st_q"]))) if h},
         straggler_inputs=list(part.get("strag", [])),
+        tokens=tokens,
+        tokens_per_s=tps,
+        tflops_mean=mean_of(part["tf_s"], tf_n) if tf_n else None,
+        tflops_min=tfmin,
+        tflops_min_rank=tfmin_r,
+        tflops_max=tfmax,
+        tflops_max_rank=tfmax_r,
+        compute_flags=[list(x) for x in part["cdrop"]] if "cdrop" in part else None,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tabulate import tabulate
@@ -40,6 +40,7 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
         shown = {r: p for r, p in red.per_rank.items() if r in matter}
     for r, p in shown.items():
         sps = p.samples / p.step_time_s if p.step_time_s else None
+        tps = p.tokens / p.step_time_s if p.step_time_s and p.tokens else None
         mark = []
         if r in red.nonfinite_ranks:
             mark.append("NONFINITE")
@@ -54,6 +55,8 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
                 _num(p.grad_norm_local, ".3f"),
                 _ms(p.step_time_s),
                 _num(sps, ".1f"),
+                _num(tps, ".0f"),
+                _mfu(p.tflops, red.peak_tflops),
                 (p.fingerprint or "")[:12],
                 " ".join(mark),
             ]
@@ -63,7 +66,7 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
         what = "other ranks, within the ranges of the row below"
         if ranks is not None and shown:
             what = f"other ranks (shown: {min(shown)}..{max(shown)})"
-        rows.append([f"+{hidden}", red.step, "", "", "", "", "", what])
+        rows.append([f"+{hidden}", red.step, "", "", "", "", "", "", "", what])
     note = f"lr {_num(red.lr, '.2e')}"
     if red.extra:
         note += "  " + "  ".join(f"{k} {_num(v)}" for k, v in red.extra.items())
@@ -75,6 +78,8 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
             _num(red.grad_norm, ".3f"),
             _ms(red.step_time_max),
             _num(red.samples_per_s, ".1f"),
+            _num(red.tokens_per_s, ".0f"),
+            _cluster_mfu(red),
             "",
             note,
         ]
@@ -83,11 +88,29 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
     head = f"step {red.step}{of}  epoch {red.epoch}  ranks {red.world_size}"
     table = tabulate(
         rows,
-        headers=["rank", "step", "loss", "grad norm", "step ms", "samples/s", "fingerprint", "note"],
+        headers=["rank", "step", "loss", "grad norm", "step ms", "samples/s", "tokens/s", "MFU", "fingerprint",
+                 "note"],
         tablefmt="simple",
         disable_numparse=True,
     )
     return head + "\n" + table
+
+
+def _mfu(tflops: float | None, peak: float | None) -> str:
+    """A rank's MFU (achieved / peak TFLOPS), "-" without a peak or a figure."""
+    if tflops is None or not peak:
+        return "-"
+    return _num(tflops / peak, ".3f")
+
+
+def _cluster_mfu(red: ReducedStep) -> str:
+    """Mean MFU over ranks with its range and the ranks at its ends: `0.412 (0.301 r1..0.455 r0)`."""
+    if red.mfu_mean is None:
+        return "-"
+    if red.mfu_min is None or red.mfu_max is None or red.world_size < 2:
+        return _num(red.mfu_mean, ".3f")
+    return (f"{_num(red.mfu_mean, '.3f')} ({_num(red.mfu_min, '.3f')} r{red.mfu_min_rank}.."
+            f"{_num(red.mfu_max, '.3f')} r{red.mfu_max_rank})")
 
 
 def summary_table(ranks: Iterable[dict[str, Any]]) -> str:
@@ -124,8 +147,11 @@ def totals_table(summary: dict[str, Any]) -> str:
     return tabulate(rows, tablefmt="simple")
 
 
-def card_table(cards: Iterable[dict[str, Any]]) -> str:
-    """Latest sample per card: node, card, ranks, util, memory, power, temp, health."""
+def card_table(cards: Iterable[dict[str, Any]], tflops_of: Callable[[dict[str, Any]], float | None] | None = None
+               ) -> str:
+    """Latest sample per card: node, card, ranks, util, memory, power, temp, health; with
+    `tflops_of` (the aggregator's newest achieved TFLOPS of the card's ranks) a `TFLOPS`
+    column beside the utilisation."""
     rows = []
     for c in sorted(cards, key=lambda c: (str(c.get("node")), c.get("card") if isinstance(c.get("card"), int) else -9)):
         used, total = c.get("memory_used_mb"), c.get("memory_total_mb")
@@ -136,10 +162,12 @@ def card_table(cards: Iterable[dict[str, Any]]) -> str:
             c.get("name") if card == -1 else card,
             ",".join(str(r) for r in c.get("ranks") or []) or "-",
             _num(c.get("util_pct"), ".0f") + ("%" if c.get("util_pct") is not None else ""),
+            *([_num(tflops_of(c), ".3g")] if tflops_of is not None else []),
             mem,
             _num(c.get("power_w"), ".1f"),
             _num(c.get("temp_c"), ".0f"),
             c.get("health") or "-",
         ])
-    return tabulate(rows, headers=["node", "card", "ranks", "util", "memory", "power W", "temp C", "health"],
-                    tablefmt="simple", disable_numparse=True)
+    headers = ["node", "card", "ranks", "util", *(["TFLOPS"] if tflops_of is not None else []), "memory", "power W",
+               "temp C", "health"]
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)

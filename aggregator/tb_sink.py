@@ -40,6 +40,11 @@ _CLUSTER_SCALARS: tuple[tuple[str, str], ...] = (
     ("grad_norm/global", "grad_norm"),
     ("lr", "lr"),
     ("throughput/samples_per_s", "samples_per_s"),
+    ("throughput/tokens_per_s", "tokens_per_s"),
+    ("compute/tflops/mean", "tflops_mean"),
+    ("compute/mfu/mean", "mfu_mean"),
+    ("compute/mfu/min", "mfu_min"),
+    ("compute/mfu/max", "mfu_max"),
     ("step_time/max", "step_time_max"),
     ("monitor/wait_s", "monitor_wait_max"),
 )
@@ -184,6 +189,12 @@ class TensorBoardSink:
             if pkt is None:
                 continue
             scalars += [(f"rank_{rank}/{suffix}", getattr(pkt, attr, None)) for suffix, attr in _RANK_SCALARS]
+            tf = _number(getattr(pkt, "tflops", None))
+            if tf is not None:
+                scalars.append((f"rank_{rank}/tflops", tf))
+                peak = _number(getattr(red, "peak_tflops", None))
+                if peak:
+                    scalars.append((f"rank_{rank}/mfu", tf / peak))
             g = _number(getattr(pkt, "grad_norm_local", None))
             if g is not None:
                 local_norms.append(g)

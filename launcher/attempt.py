@@ -61,6 +61,7 @@ class Attempt:
     def start(self) -> dict[Any, RefOwner]:
         import ray
 
+        from mindpulse.aggregator.card_peaks import peak_dtype
         from mindpulse.aggregator.core import actor_name, start_aggregator
 
         from .preflight import check_cluster
@@ -74,6 +75,7 @@ class Attempt:
                         "start_step": int((self.resume or {}).get("step") or 0),
                         "rollbacks": dict((self.resume or {}).get("rollbacks") or {}),  # per rule, this launch
                         "goodput": self.goodput,
+                        "peak_dtype": peak_dtype(cfg.job.script),  # MFU's peak from the table of known cards
                         "msrun": plain["msrun"],  # msrun.cluster_time_out: the default start-up limit
                         "attempt": self.index, "output": plain["output"],  # metrics.msgpack's markers, segments
                         "config_yaml": (self.run_dir / "config.yaml").read_text(),

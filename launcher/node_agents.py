@@ -44,6 +44,7 @@ class NodeAgents:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from mindpulse.aggregator.compute import compute_drop_window
         from mindpulse.node.agent import WORKER_ENV, NodeAgent, driver_identity
 
         w = self.cfg.world
@@ -70,7 +71,9 @@ class NodeAgents:
                      # its watchdog ends the node's processes of the run when the launcher is gone
                      driver=driver_identity(), straggler_window=self.cfg.monitor.straggler_window,
                      collect_freq=self.cfg.monitor.collect_freq, relay_token=relay_token,
-                     world_size=w.world_size))
+                     world_size=w.world_size,
+                     # the compute_drop rule's window: the node keeps each rank's TFLOPS median
+                     compute_window=compute_drop_window(self.cfg.to_dict()["anomalies"])))
         self.infos = ray.get([a.info.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
         self.leaders: set[int] = set()
         if group > 1:  # the tree's second level (node/group.py)

@@ -132,6 +132,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
     # launcher lost its history) falls back to the final snapshot's
     clocks = history.clocks or [snap.get("goodput")]
     summary["goodput"] = combine(clocks, started, time.time(), history.attempts)
+    summary["compute"] = snap.get("compute")  # tokens/s, TFLOPS per card, MFU and its peak
     summary["failure"] = None
     if status is RunStatus.FAILED:
         from .failures import FailureKind, describe_failure, format_failure

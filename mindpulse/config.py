@@ -69,6 +69,9 @@ class WorldConfig:
     devices: list[int] = field(default_factory=list)
     """Physical card ids each node uses, in local-rank order (empty: 0 .. ranks_per_node-1).
     They become ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES; DEVICE_ID is the local rank."""
+    peak_tflops: float = 0.0
+    """Peak TFLOPS of one card that MFU is measured against (0: the pre-flight check's measured
+    matmul figure when it ran, else the known-card table by the card's name, else no MFU)."""
 
     @property
     def world_size(self) -> int:
@@ -200,6 +203,7 @@ class RuleKind(str, enum.Enum):
     THRESHOLD = "threshold"
     DESYNC = "desync"
     STRAGGLER = "straggler"
+    COMPUTE_DROP = "compute_drop"
 
 
 RuleAction = Action
@@ -212,7 +216,8 @@ class AnomalyRuleConfig:
     default; `threshold` rules are always added. Fields a rule does not use are ignored."""
 
     rule: RuleKind = RuleKind.THRESHOLD
-    """Which test: nonfinite, grad_explosion, loss_spike, card_overload, threshold, desync, straggler."""
+    """Which test: nonfinite, grad_explosion, loss_spike, card_overload, threshold, desync, straggler,
+    compute_drop."""
     action: RuleAction | None = None
     """warn, stop, save_and_stop or rollback (empty: the rule's default)."""
     enabled: bool = True
@@ -228,13 +233,16 @@ class AnomalyRuleConfig:
     threshold: float | None = None
     """threshold / card_overload: the limit; grad_explosion: absolute grad-norm limit."""
     for_steps: int = 1
-    """threshold: fire only after this many consecutive steps past the limit."""
+    """threshold / compute_drop: fire only after this many consecutive steps past the limit."""
     factor: float = 0.0
-    """grad_explosion: fire when the global grad norm exceeds factor x its rolling median."""
+    """grad_explosion: fire when the global grad norm exceeds factor x its rolling median;
+    compute_drop: when a rank's achieved TFLOPS (its MFU) fall below factor x its own rolling median
+    (at most 0.95)."""
     z: float = 0.0
     """loss_spike: robust z-score limit ((loss - median) / (1.4826 MAD))."""
     window: int = 0
-    """grad_explosion / loss_spike / straggler: rolling window in steps."""
+    """grad_explosion / loss_spike / straggler / compute_drop: rolling window in steps (compute_drop's
+    is fixed at launch: the nodes keep it)."""
     warmup: int = -1
     """grad_explosion / loss_spike: steps before the rule may fire (-1: the rule's default)."""
     patience: int = 0
@@ -264,13 +272,14 @@ RULE_DEFAULTS: dict[RuleKind, dict[str, Any]] = {
     RuleKind.CARD_OVERLOAD: {"action": Action.WARN, "metric": "temp_c", "for_s": 30.0},
     RuleKind.DESYNC: {"action": Action.STOP, "tolerance": 0.0},
     RuleKind.STRAGGLER: {"action": Action.WARN, "patience": 2},
+    RuleKind.COMPUTE_DROP: {"action": Action.WARN, "factor": 0.7, "for_steps": 3, "window": 20},
 }
 """Each rule's real defaults, filling the fields an entry leaves at their placeholder
 (None, 0, -1 or empty); the straggler threshold comes from `monitor.straggler_threshold`."""
 CARD_LIMITS: dict[str, float | None] = {"temp_c": 95.0, "memory_pct": 98.0, "power_w": None}
 """card_overload's default limit per metric (power has none: it depends on the card)."""
 DEFAULT_RULES = (RuleKind.NONFINITE, RuleKind.GRAD_EXPLOSION, RuleKind.LOSS_SPIKE, RuleKind.CARD_OVERLOAD,
-                 RuleKind.DESYNC, RuleKind.STRAGGLER)
+                 RuleKind.DESYNC, RuleKind.STRAGGLER, RuleKind.COMPUTE_DROP)
 """On unless turned off with `{rule: NAME, enabled: false}`."""
 
 
@@ -585,6 +594,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("max_restarts", cfg.max_restarts, allow_zero=True)
     _positive("world.nodes", cfg.world.nodes)
     _positive("world.ranks_per_node", cfg.world.ranks_per_node)
+    _positive("world.peak_tflops", cfg.world.peak_tflops, allow_zero=True)
     if cfg.profile.steps and (len(cfg.profile.steps) != 2 or not 1 <= cfg.profile.steps[0] <= cfg.profile.steps[1]):
         raise ConfigError(f"profile.steps: {cfg.profile.steps} is not allowed; use [START, END] with 1 <= START <= END")
     bad = [r for r in cfg.profile.ranks if not 0 <= r < cfg.world.world_size]
@@ -690,13 +700,14 @@ REDUCED_METRICS = (
     "loss_std", "grad_norm", "grad_norm_local_max", "grad_norm_local_max_rank", "step_time_min",
     "step_time_min_rank", "step_time_max", "step_time_max_rank", "samples_per_s", "lr", "nan_count", "inf_count",
     "ts", "monitor_wait_max", "monitor_wait_sum", "ranks_reported", "data_wait_max", "checkpoint_s_max", "eval_s_max",
-    "monitor_errors",
+    "monitor_errors", "tokens", "tokens_per_s", "tflops_mean", "tflops_min", "tflops_min_rank", "tflops_max",
+    "tflops_max_rank", "peak_tflops", "mfu_mean", "mfu_min", "mfu_min_rank", "mfu_max", "mfu_max_rank",
 )
 """The numeric fields of the aggregator's `ReducedStep`, which rules and the best checkpoint can
 name. Listed here because config sits below the aggregator (it must not import it);
 tests/unit/test_config.py fails when this drifts from `ReducedStep`."""
-METRIC_ALIASES = ("loss", "grad_norm_global", "throughput")
-"""`ReducedStep.metric`'s other names: loss_mean, grad_norm and samples_per_s."""
+METRIC_ALIASES = ("loss", "grad_norm_global", "throughput", "mfu", "tflops")
+"""`ReducedStep.metric`'s other names: loss_mean, grad_norm, samples_per_s, mfu_mean and tflops_mean."""
 RECIPE_METRICS: dict[str, tuple[str, ...]] = {"llama_finetune": ("eval_loss", "eval_ppl")}
 """What each built-in recipe reports (as extra metrics) when evaluation is on."""
 
@@ -820,6 +831,9 @@ def _validate_rule(path: str, rc: AnomalyRuleConfig, known: tuple[str, ...] | No
             raise ConfigError(f"{path}.{fname}: {getattr(rc, fname)} is not allowed; use 0 or more")
     if rc.window < 0:
         raise ConfigError(f"{path}.window: {rc.window} is not allowed; use 0 (default) or more")
+    if rc.rule is RuleKind.COMPUTE_DROP and not rc.factor <= 0.95:
+        raise ConfigError(f"{path}.factor: {rc.factor} is not allowed for compute_drop; use a factor in (0, 0.95] "
+                          "(0: the default 0.7)")
     if rc.rule is RuleKind.THRESHOLD and rc.enabled:
         if not rc.metric:
             raise ConfigError(f"{path}.metric: a threshold rule needs a reduced metric, e.g. loss or grad_norm")

@@ -141,6 +141,12 @@ class StepPacket(Packet):
     """PYNATIVE: time from the step's start until the local gradients were ready (before
     the all-reduce); None where the mode does not allow measuring it."""
     samples: int = 0
+    tokens: int = 0
+    """Tokens this rank trained on in this step (0: not known)."""
+    tflops: float | None = None
+    """This rank's achieved model TFLOPS in this step: tokens x flops per token / its own
+    time of the step (data wait + compute before the collective where measured, else the
+    step time) / 1e12; None when tokens or flops per token are not known."""
     ts: float = 0.0
     fingerprint: str | None = None
     """Hash of the parameters, every `collect_freq` steps (and step 0)."""
@@ -176,6 +182,8 @@ class StepPacket(Packet):
         "data_wait_s": _OPT_NUM,
         "compute_s": _OPT_NUM,
         "samples": (int,),
+        "tokens": (int,),
+        "tflops": _OPT_NUM,
         "ts": _NUM,
         "fingerprint": (str, type(None)),
         "param_norm": _OPT_NUM,

@@ -148,7 +148,7 @@ class NodeAgent:
     def __init__(self, node: int, aggregator: Any, device: str, rank_devices: dict[int, int],
                  interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0,
                  driver: dict[str, Any] | None = None, straggler_window: int = 10, collect_freq: int = 10,
-                 relay_token: str = "", world_size: int | None = None):
+                 relay_token: str = "", world_size: int | None = None, compute_window: int = 20):
         """`driver`: the launcher's `driver_identity()`; while it is given, a watchdog ends this
         node's processes of the run once that process is gone."""
         from mindpulse.node.relay import NodePreReducer, RelayServer
@@ -183,7 +183,7 @@ class NodeAgent:
         ranks = sorted(self.rank_devices)
         self.prereduce = NodePreReducer(node, range(ranks[0], ranks[-1] + 1) if ranks else range(0),
                                         straggler_window=straggler_window, collect_freq=collect_freq,
-                                        world_size=world_size)
+                                        world_size=world_size, compute_window=compute_window)
         self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks,
                                  forward_lease=self._forward_lease, prereduce=self.prereduce, token=relay_token)
         self.relay_port = self.relay.start()

@@ -36,7 +36,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.aggregator.reducer import NodeStragglers, collect_ranks, partial_of, to_wire
+from mindpulse.aggregator.reducer import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
 from mindpulse.protocol import (
     FRAME_HEADER_BYTES,
     MAX_FRAME,
@@ -65,7 +65,7 @@ class NodePreReducer:
     """One node's steps: `add(raw)` files a packet; complete steps come out as partials."""
 
     def __init__(self, node: int, ranks: range, straggler_window: int = 10, collect_freq: int = 10,
-                 world_size: int | None = None):
+                 world_size: int | None = None, compute_window: int = 20):
         """`world_size`: which of this node's ranks a collect step keeps whole follows from
         it (`collect_ranks`); None keeps every rank of the node whole at a collect step."""
         self.node = node
@@ -73,6 +73,7 @@ class NodePreReducer:
         self.world_size = world_size
         self.collect_freq = max(1, collect_freq)
         self.stragglers = NodeStragglers(straggler_window)
+        self.compute_drops = NodeComputeDrops(compute_window)
         self._pending: OrderedDict[int, dict[int, StepPacket]] = OrderedDict()
         self._wires: dict[int, dict[int, dict[str, Any]]] = {}
         self._done_through = -1
@@ -125,6 +126,7 @@ class NodePreReducer:
             self.ranks if step % self.collect_freq == 0 else ())
         part = partial_of(step, packets, wires=wires, collect=collect)
         part["strag"] = [x] if (x := self.stragglers.update(step, packets)) else []
+        part["cdrop"] = self.compute_drops.update(step, packets)  # only the ranks whose TFLOPS fell
         return to_wire(part)
 
     def _reject(self, reason: str) -> None:

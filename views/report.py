@@ -66,7 +66,7 @@ from mindpulse.views.run_reader import (
 log = logging.getLogger(__name__)
 
 PLOT_NAMES: tuple[str, ...] = ("loss.png", "grad_norm.png", "step_time.png", "throughput.png", "telemetry.png",
-                               "straggler.png")
+                               "straggler.png", "mfu.png")
 _MAX_POINTS = 4000
 """Longest line drawn per series; longer series are thinned by a stride."""
 _MAX_MARKERS = 200
@@ -1181,6 +1181,49 @@ def _plot_straggler(data: RunData, path: Path, marks: _Markers) -> Plot:
                                     f"steps){note}", marks)
 
 
+def _peak_of(data: RunData) -> tuple[float | None, str]:
+    """The peak the run's MFU was measured against: summary.json's `compute`, else the
+    run's own sources again (world.peak_tflops, preflight.json: a run without a summary)."""
+    from mindpulse.aggregator.card_peaks import resolve_peak
+
+    comp = (data.summary or {}).get("compute") or {}
+    peak = comp.get("peak_tflops")
+    if isinstance(peak, (int, float)) and not isinstance(peak, bool) and peak > 0:
+        return float(peak), str(comp.get("peak_source") or "")
+    return resolve_peak(data.config.world.peak_tflops, data.run_dir, [])
+
+
+def _plot_mfu(data: RunData, path: Path, marks: _Markers) -> Plot:
+    """Per-rank MFU (achieved / peak TFLOPS) over steps, or the achieved TFLOPS when the run
+    had no peak; above 16 ranks the range over ranks and the mean."""
+    peak, source = _peak_of(data)
+    scale = 1.0 / peak if peak else 1.0
+    what = "MFU" if peak else "achieved TFLOPS"
+    fig, axes = _figure()
+    ax = axes[0, 0]
+    drawn = False
+    if _many_ranks(data):
+        red = [x for x in data.reduced if x.tflops_mean is not None]
+        drawn |= _band(ax, [x.step for x in red], [x.tflops_min * scale for x in red],
+                       [x.tflops_max * scale for x in red], f"lowest..highest of {data.world_size} ranks", "tab:blue")
+        drawn |= _plot(ax, [x.step for x in red], _clean(x.tflops_mean * scale for x in red), "mean over ranks",
+                       color="black", linewidth=1.2)
+    else:
+        for r, pkts in data.per_rank.items():
+            pkts = [p for p in pkts if p.tflops is not None and p.step > 0]
+            drawn |= _plot(ax, [p.step for p in pkts], _clean(p.tflops * scale for p in pkts), f"rank {r}",
+                           linewidth=0.9, alpha=0.8)
+    if not drawn:
+        return _placeholder(path, "MFU", "no data" if not data.has_steps else
+                            "no achieved TFLOPS reported (no tokens per step: Monitor(tokens_per_step=...))")
+    marks.draw(ax)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MFU (achieved / peak TFLOPS)" if peak else "achieved TFLOPS")
+    title = f"{what} per rank" + (f" (peak {peak:.4g} TFLOPS per card: {source.split(' (')[0]})" if peak
+                                  else " (no peak: see summary.json compute.peak_source)")
+    return _finish(fig, axes, path, title, marks)
+
+
 _TELEMETRY_PANELS = (("util_pct", "utilization (%)"), ("memory_used_mb", "memory used (MB)"),
                      ("power_w", "power (W)"), ("temp_c", "temperature (°C)"))
 
@@ -1286,6 +1329,7 @@ _PLOTTERS: dict[str, tuple[str, Callable[[RunData, Path, _Markers], Plot]]] = {
     "throughput.png": ("Throughput", _plot_throughput),
     "telemetry.png": ("Card telemetry", _plot_telemetry),
     "straggler.png": ("Straggler score", _plot_straggler),
+    "mfu.png": ("MFU", _plot_mfu),
 }
 _WIDE_PLOTS = ("telemetry.png",)
 
@@ -1301,6 +1345,8 @@ def _plot_for_rule(rule: str) -> str:
         return "telemetry"
     if "throughput" in r or "samples" in r:
         return "throughput"
+    if "compute" in r or "mfu" in r or "tflops" in r:
+        return "mfu"
     return "loss"
 
 

@@ -73,6 +73,16 @@ def _lr_table(lr: Any) -> Any:
     return table.asnumpy()
 
 
+def _tokens_per_batch(ds: Any) -> int | None:
+    """Batch size x sequence length of a dataset's first column (None when it has no such
+    2-D column): the tokens of one step, for a dataset whose first column is token ids."""
+    try:
+        shape = ds.output_shapes()[0] if ds is not None else None
+        return int(shape[0]) * int(shape[1]) if shape is not None and len(shape) >= 2 else None
+    except Exception:
+        return None
+
+
 class Monitor(Callback):
     """Ships each step to the mindpulse aggregator; stops when every rank must stop.
 
@@ -96,6 +106,13 @@ class Monitor(Callback):
         metrics: the names `evaluate` (or `extra`) reports, e.g. `["eval_acc"]`; list them in
             the config's `eval.metrics` too, so rules and `checkpoint.best_metric` may use them
             (checked at launch). An evaluation reporting another name is a monitor error.
+        tokens_per_step: tokens this rank trains on per step (padding excluded), for tokens/s,
+            achieved TFLOPS and MFU; in `Model.train` found from the dataset where it can be
+            (batch size x sequence length of the batch's first column); `step(tokens=...)`
+            gives a hand loop's per step.
+        flops_per_token: model FLOPs per token (training: forward and backward); default
+            6 x the network's trainable parameters ("6N"; `mindpulse.workers.flops` has the
+            decoder estimate with the attention term).
     """
 
     def __init__(
@@ -115,6 +132,8 @@ class Monitor(Callback):
         train_cell: nn.Cell | None = None,
         settings: RankSettings | None = None,
         metrics: list[str] | None = None,
+        tokens_per_step: int | None = None,
+        flops_per_token: float | None = None,
     ):
         super().__init__()
         settings = settings if settings is not None else load_settings()
@@ -133,6 +152,8 @@ class Monitor(Callback):
             network=network,
             train_cell=train_cell,
             metrics=metrics,
+            tokens_per_step=tokens_per_step,
+            flops_per_token=flops_per_token,
         )
         self._t0: float | None = None
         self._last_end: float | None = None
@@ -174,7 +195,7 @@ class Monitor(Callback):
     def record(self, loss: Any, **fields: Any) -> StepOutcome:
         """Report one step's numbers directly (the next step unless `step=` is given): the
         fields of `RankSession.record` (step, epoch, lr, grad_norm, grad_norm_local,
-        nan_count, inf_count, step_time_s, samples, extra, data_wait_s, compute_s); numbers
+        nan_count, inf_count, step_time_s, samples, extra, data_wait_s, compute_s, tokens); numbers
         may be Python numbers, numpy scalars or MindSpore tensors."""
         return self.session.record(loss, **fields)
 
@@ -193,6 +214,7 @@ class Monitor(Callback):
         epoch: int = 0,
         samples: int | None = None,
         extra: dict[str, float] | None = None,
+        tokens: int | None = None,
         **stats: Any,
     ) -> StepOutcome:
         """Report one finished step of a hand-written loop; returns whether to stop.
@@ -220,6 +242,7 @@ class Monitor(Callback):
             lr=lr_of_step(optimizer, s.step) if optimizer is not None else stats.pop("lr", None),
             step_time_s=step_time,
             samples=samples,
+            tokens=tokens,
             extra=extra,
             **{k: stats[k] for k in ("grad_norm", "grad_norm_local", "nan_count", "inf_count") if k in stats},
         )
@@ -244,6 +267,8 @@ class Monitor(Callback):
                 s.batch_size = int(ds.get_batch_size()) if ds is not None else None
             except Exception:
                 s.batch_size = None
+        if s.tokens_per_step is None:
+            s.tokens_per_step = _tokens_per_batch(getattr(cb, "train_dataset", None))
         s.start(inner, arm_next=False)
         self._last_end = time.perf_counter()
 

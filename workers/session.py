@@ -61,6 +61,7 @@ from mindpulse.protocol import (
 from .checkpoint_writer import CheckpointWriter
 from .faults import FaultInjector, faults_for
 from .fingerprint import fingerprint_of, param_sums
+from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
 from .heartbeat import Heartbeat
 from .model_params import model_parameters
 from .profiler import ProfileWindow
@@ -500,6 +501,8 @@ class RankSession:
         network: Any = None,
         train_cell: Any = None,
         metrics: list[str] | None = None,
+        tokens_per_step: int | None = None,
+        flops_per_token: float | None = None,
     ):
         self.settings = settings
         declared = list(metrics or [])
@@ -547,6 +550,10 @@ class RankSession:
         self.errors = 0
         """Errors inside the monitor on this rank (logged and counted; training went on)."""
         self.on_directive: Callable[[Directive], None] | None = None
+        self.tokens_per_step = tokens_per_step
+        """Tokens this rank trains on per step (None: not known, no TFLOPS reported)."""
+        self.flops_per_token = flops_per_token
+        """Model FLOPs per token (None: 6 x the network's trainable parameters, once it is known)."""
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self, network: Any = None, train_cell: Any = None, arm_next: bool = True) -> None:
@@ -624,6 +631,7 @@ class RankSession:
         extra: dict[str, float] | None = None,
         data_wait_s: float | None = None,
         compute_s: float | None = None,
+        tokens: int | None = None,
     ) -> StepOutcome:
         self.step = s = step if step is not None else self.step + 1
         fp = norm = None
@@ -667,6 +675,8 @@ class RankSession:
             data_wait_s=as_number(data_wait_s),
             compute_s=as_number(compute_s),
             samples=as_count(samples or self.batch_size or 0),
+            tokens=(tok := as_count(tokens if tokens is not None else self.tokens_per_step or 0)),
+            tflops=self._tflops(tok, step_time_s, data_wait_s, compute_s),
             ts=time.time(),
             fingerprint=fp,
             param_norm=norm,
@@ -684,6 +694,24 @@ class RankSession:
             except Exception as exc:
                 log.warning("[rank %d] cannot keep the weights for the update ratio: %s", self.rank, exc)
         return self._outcome(s)
+
+    def _tflops(self, tokens: int, step_time_s: Any, data_wait_s: Any, compute_s: Any) -> float | None:
+        """This rank's achieved TFLOPS: over its own time of the step, its data wait plus its
+        compute up to the gradient all-reduce where measured (a slow card or data path shows
+        as its own drop, not as everyone's wait in the collective), else its step time plus
+        data wait."""
+        if not tokens:
+            return None
+        if self.flops_per_token is None and self.network is not None:
+            try:  # once: 6 x the trainable parameters ("6N")
+                self.flops_per_token = params_flops_per_token(trainable_parameters(self.network))
+            except Exception as exc:
+                self.flops_per_token = 0
+                log.warning("[rank %d] cannot count the model's parameters for its FLOPs: %s", self.rank, exc)
+        wait, comp = as_number(data_wait_s) or 0.0, as_number(compute_s)
+        own = comp if comp is not None else as_number(step_time_s)
+        busy = max(wait, 0.0) + own if own else None
+        return achieved_tflops(tokens, self.flops_per_token or 0, busy)
 
     def _outcome(self, s: int) -> StepOutcome:
         if self.stopped is not None:

@@ -26,6 +26,7 @@ values = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, wid
                    st.floats(min_value=-1e6, max_value=1e6))
 finite_or_not = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=64),
                           st.floats(min_value=-1e6, max_value=1e6))
+tflops = st.one_of(st.none(), st.floats(min_value=0.0, max_value=1e3), st.sampled_from([math.nan, -1.0, math.inf]))
 positive = st.one_of(st.none(), st.floats(min_value=0.0, max_value=1e3), st.just(math.nan))
 
 
@@ -43,6 +44,7 @@ def a_step(draw):
             ts=draw(st.floats(0, 1e9)), fingerprint=draw(st.sampled_from([None, "aa", "bb"])),
             param_norm=draw(st.one_of(st.none(), st.floats(0, 10))),
             monitor_wait_s=draw(st.floats(0, 5)),
+            tokens=draw(st.integers(0, 4096)), tflops=draw(tflops),
             extra=draw(st.dictionaries(st.sampled_from(["acc", "eval_loss"]), finite_or_not, max_size=2)))
     return world, rpn, step, packets
 

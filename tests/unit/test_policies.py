@@ -96,13 +96,14 @@ def test_card_overload_needs_duration():
 
 def test_defaults_are_on_and_can_be_replaced_or_disabled():
     kinds = [r.kind for r in build_rules([])]
-    assert kinds == ["nonfinite", "grad_explosion", "loss_spike", "card_overload", "desync", "straggler"]
+    assert kinds == ["nonfinite", "grad_explosion", "loss_spike", "card_overload", "desync", "straggler",
+                     "compute_drop"]
     rules = build_rules([{"rule": "loss_spike", "enabled": False},
                          {"rule": "grad_explosion", "action": "warn", "factor": 5},
                          {"rule": "threshold", "metric": "loss", "op": ">", "threshold": 9}])
-    assert [r.kind for r in rules] == ["nonfinite", "card_overload", "desync", "straggler", "grad_explosion",
-                                       "threshold"]
-    assert rules[4].action is Action.WARN and rules[4].factor == 5
+    assert [r.kind for r in rules] == ["nonfinite", "card_overload", "desync", "straggler", "compute_drop",
+                                       "grad_explosion", "threshold"]
+    assert rules[5].action is Action.WARN and rules[5].factor == 5
     two = build_rules([{"rule": "card_overload", "metric": "temp_c"}, {"rule": "card_overload", "metric": "power_w",
                                                                        "threshold": 300}])
     assert [r.metric for r in two if r.kind == "card_overload"] == ["temp_c", "power_w"]

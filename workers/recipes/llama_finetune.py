@@ -39,6 +39,25 @@ class ModelShape:
     intermediate_size: int = 128
 
 
+def llama_parameters(shape: ModelShape, vocab: int = VOCAB) -> int:
+    """The recipe's LLaMA's trainable parameters: token embedding and untied output head
+    (2·V·d), per block the four attention projections (4·d², as many key/value heads as
+    query heads, no biases), the SwiGLU feed-forward's three matrices (3·d·ff) and two RMSNorm
+    weights (2·d), and the final norm (d)."""
+    d, ff = shape.hidden_size, shape.intermediate_size
+    return 2 * vocab * d + shape.num_layers * (4 * d * d + 3 * d * ff + 2 * d) + d
+
+
+def flops_per_token(shape: ModelShape, n_params: int | None = None) -> int:
+    """Training FLOPs per token of the recipe's model: 6·N + 12·L·d·s (PaLM appendix B,
+    Chinchilla appendix F: `mindpulse.workers.flops.decoder_flops_per_token`), N from
+    `llama_parameters` unless the built model's own count is given."""
+    from mindpulse.workers.flops import decoder_flops_per_token
+
+    n = llama_parameters(shape) if n_params is None else n_params
+    return decoder_flops_per_token(n, shape.num_layers, shape.hidden_size, shape.seq_length)
+
+
 def read_tokens(path: Path) -> np.ndarray:
     data = Path(path).read_bytes()
     if len(data) < 2:
@@ -275,8 +294,16 @@ def main(settings: RankSettings) -> None:
         evaluate = make_evaluator(model, eval_windows(valid, shape.seq_length, rank, size), bs, cfg.eval.max_batches)
     # batch size, resume step and schedule come from the settings; the total is the
     # recipe's own when train.steps is 0 (the epochs decide)
+    n_params = sum(int(p.size) for p in model.trainable_params())
+    if n_params != llama_parameters(shape):
+        log.warning("[rank %d] the model has %d trainable parameters, the recipe's formula says %d: FLOPs use %d",
+                    rank, n_params, llama_parameters(shape), n_params)
+    # every window is seq_length real tokens (no padding): tokens per step = seq_length x batch
     monitor = Monitor(total_steps=total, evaluate=evaluate, epoch_steps=source.steps_per_epoch, train_cell=train_net,
-                      settings=settings)
+                      settings=settings, tokens_per_step=shape.seq_length * bs,
+                      flops_per_token=flops_per_token(shape, n_params))
+    log.info("[rank %d] model FLOPs per token %d (6N + 12·L·d·s, N = %d), %d tokens per step", rank,
+             flops_per_token(shape, n_params), n_params, shape.seq_length * bs)
     log.info("[rank %d] steps %d..%d of %d (epochs of %d steps), world %d", rank, start + 1, total, total,
              source.steps_per_epoch, size)
     sink = train.dataset_sink_mode

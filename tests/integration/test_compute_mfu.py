@@ -1,0 +1,47 @@
+"""Compute end to end: tokens/s, achieved TFLOPS and MFU on a real 2-rank CPU run measured
+against the pre-flight check's peak, and a slowed rank named by the compute_drop rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mindpulse.aggregator.metrics_store import read_packets
+from mindpulse.protocol import StepPacket
+
+pytestmark = pytest.mark.slow
+
+SLOW_FROM = 10
+BATCH = 2
+"""A small batch keeps each step's compute well under the fault's 1.5 s sleep, so the drop stands
+out of the noise of a shared 2-core machine."""
+
+
+def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop(run_cli):
+    r = run_cli("launch", "--set", "train.steps=20", "--set", f"train.batch_size={BATCH}",
+                "--set", "preflight.enabled=true",
+                "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600)
+    assert r.returncode == 0, r.output
+    comp = r.summary["compute"]
+    assert 0 < comp["mfu"] <= 1, comp
+    assert comp["peak_source"].startswith("preflight"), comp
+    pre = json.loads((r.run_dir / "preflight.json").read_text())
+    assert comp["peak_tflops"] == pytest.approx(pre["median"]["matmul_gflops"] / 1000)
+    assert comp["tokens_per_s"] > 0 and comp["tflops_per_card"] > 0
+    # rank 1's own TFLOPS fall once its data path sleeps; rank 0's do not
+    tf = {0: {}, 1: {}}
+    for p in read_packets(r.run_dir / "metrics.msgpack"):
+        if isinstance(p, StepPacket) and p.tflops is not None:
+            assert p.tokens == 64 * BATCH  # seq_length x batch_size
+            tf[p.rank][p.step] = p.tflops
+    before = {k: sorted(v for s, v in tf[k].items() if 3 <= s < SLOW_FROM) for k in tf}
+    after = {k: sorted(v for s, v in tf[k].items() if s >= SLOW_FROM) for k in tf}
+    med = {k: (before[k][len(before[k]) // 2], after[k][len(after[k]) // 2]) for k in tf}
+    assert med[1][1] < 0.7 * med[1][0], med
+    assert med[0][1] > 0.7 * med[0][0], med
+    drops = [x for x in json.loads((r.run_dir / "anomalies.json").read_text()) if x["rule"] == "compute_drop"]
+    assert drops and {x["rank"] for x in drops} == {1}, drops
+    assert SLOW_FROM < drops[0]["step"] <= SLOW_FROM + 5 and "rank 1 on " in drops[0]["message"], drops
+    assert "tokens/s" in r.stdout and "MFU" in r.stdout and "ANOMALY compute_drop (rank 1)" in r.stdout
+    assert (r.run_dir / "report" / "mfu.png").stat().st_size > 0
