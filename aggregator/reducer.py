@@ -434,21 +434,33 @@ class NodeComputeDrops:
         # compile graphs and warm caches
         self.min_steps = max(1, min(min_steps if min_steps is not None else max(3, self.window // 4), self.window))
         self.history: dict[int, deque[float]] = {}
+        self.low: dict[int, deque[float]] = {}
+        """Each flagged rank's figures since its drop began: kept out of its baseline (a drop
+        must not lower the bar it is judged by) until it lasted a whole window, then its new level."""
 
     def update(self, step: int, packets: Mapping[int, StepPacket | Any]) -> list[list[Any]]:
-        """[[rank, TFLOPS, median before this step], ...] of the ranks below FLAG_RATIO x median."""
+        """[[rank, TFLOPS, its median], ...] of the ranks below FLAG_RATIO x their median."""
         out: list[list[Any]] = []
         for r in sorted(packets):
             p = packets[r]
             v = p.tflops if isinstance(p, StepPacket) else (p.get("tflops") if isinstance(p, dict) else None)
             if step == 0 or not _rate(v):
                 continue
+            v = float(v)
             h = self.history.setdefault(r, deque(maxlen=self.window))
             if len(h) >= self.min_steps:
                 med = statistics.median(h)
                 if med > 0 and v < FLAG_RATIO * med:
-                    out.append([int(r), float(v), float(med)])
-            h.append(float(v))
+                    out.append([int(r), v, float(med)])
+                    low = self.low.setdefault(r, deque(maxlen=self.window))
+                    low.append(v)
+                    if len(low) >= self.window:  # a lasting new level: the baseline from now on
+                        h.clear()
+                        h.extend(low)
+                        del self.low[r]
+                    continue
+            self.low.pop(r, None)
+            h.append(v)
         return out
 
 

@@ -1434,6 +1434,24 @@ def _checkpoint_rows(data: RunData, short_sha: bool = True) -> list[list[str]]:
     return [_checkpoint_cells(data, c, short_sha) for c in data.checkpoints]
 
 
+def compute_text(comp: dict[str, Any] | None) -> str:
+    """summary.json's `compute` in one line: `544 tokens/s, 0.000449 TFLOPS per card, MFU 0.015 of a
+    0.0299 TFLOPS peak (preflight); medians over steps`; empty when the ranks reported no tokens."""
+    if not isinstance(comp, dict) or comp.get("tokens_per_s") is None and comp.get("tflops_per_card") is None:
+        return ""
+    parts = []
+    if comp.get("tokens_per_s") is not None:
+        parts.append(f"{_rate(comp['tokens_per_s'])} tokens/s")
+    if comp.get("tflops_per_card") is not None:
+        parts.append(f"{comp['tflops_per_card']:.3g} TFLOPS per card")
+    source = str(comp.get("peak_source") or "")
+    if comp.get("mfu") is not None and comp.get("peak_tflops"):
+        parts.append(f"MFU {comp['mfu']:.3g} of a {comp['peak_tflops']:.3g} TFLOPS peak ({source.split(' (')[0]})")
+    else:
+        parts.append("MFU - (no peak: summary.json compute.peak_source)")
+    return ", ".join(parts) + "; medians over steps"
+
+
 def _headline_rows(h: Headline, data: RunData) -> list[tuple[str, str]]:
     """The headline as (label, text) rows, in the page's order."""
     rows = [("wall time", h.wall_text() + (f"  ({_span(h.started, h.ended)})" if h.started else "")
@@ -1444,6 +1462,9 @@ def _headline_rows(h: Headline, data: RunData) -> list[tuple[str, str]]:
                  + (f"  in {_plural(h.attempts, 'attempt')}" if h.attempts > 1 else "")))
     rows.append(("loss (mean)", h.loss_text()))
     rows.append(("throughput", h.throughput_text() if data.metrics_read else "-"))
+    comp = compute_text((data.summary or {}).get("compute"))
+    if comp:
+        rows.append(("compute", comp))
     world = _plural(h.world_size, "rank") + (f" ({h.world_shape})" if h.world_shape else "")
     rows.append(("world", world + ("; " + h.cards_text() if data.metrics_read else "")))
     if h.goodput is not None:

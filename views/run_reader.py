@@ -354,6 +354,7 @@ class RunReader:
         """Why summary.json could not be used, while it cannot."""
         self._config_watch = _FileWatch(self.run_dir / CONFIG)
         self._summary_watch = _FileWatch(self.run_dir / SUMMARY)
+        self._peak_found: float | None = None
         self._reset()
 
     # ---- what is known
@@ -647,7 +648,21 @@ class RunReader:
         self._info(attempt).from_records += 1
         self._take(red, attempt)
 
+    def _peak(self) -> float | None:
+        """The peak TFLOPS the run's MFU is measured against: summary.json's, else the config's
+        world.peak_tflops or the pre-flight check's figure (a running run: docs/compute.md)."""
+        peak = ((self.summary or {}).get("compute") or {}).get("peak_tflops")
+        if isinstance(peak, (int, float)) and not isinstance(peak, bool) and peak > 0:
+            return float(peak)
+        if self._peak_found is None:
+            from mindpulse.aggregator.card_peaks import resolve_peak
+
+            self._peak_found = resolve_peak(self.config.world.peak_tflops, self.run_dir, [])[0] or 0.0
+        return self._peak_found or None
+
     def _take(self, red: ReducedStep, attempt: int) -> None:
+        if red.peak_tflops is None and red.tflops_mean is not None:
+            red.set_peak(self._peak())  # MFU, as the aggregator showed it
         self._done.add(red.step)
         self._done_order.append(red.step)
         if len(self._done_order) > 4096:

@@ -52,6 +52,20 @@ _SHOW_CURSOR = "\x1b[?25h"
 # ------------------------------------------------------------------------------ the view
 
 
+def _card_tflops(red: ReducedStep):
+    """A card's achieved TFLOPS at the shown step: the sum over its ranks the step kept whole
+    (every rank at a collect step); None when no rank reported one (the column then says -)."""
+    if not any(getattr(p, "tflops", None) is not None for p in red.per_rank.values()):
+        return None
+
+    def of(card: dict[str, Any]) -> float | None:
+        vals = [p.tflops for r in card.get("ranks") or () if (p := red.per_rank.get(r)) is not None
+                and p.tflops is not None]
+        return sum(vals) if vals else None
+
+    return of
+
+
 class RunView:
     """What `top` shows of one run directory, updated by :meth:`refresh`.
 
@@ -177,7 +191,7 @@ class RunView:
         lines.append("")
         if cards:
             lines.append("cards (newest sample)")
-            lines.append(card_table(cards))
+            lines.append(card_table(cards, _card_tflops(red) if red is not None else None))
         else:
             lines.append("cards: no telemetry")
         for r, msg in sorted(self.errors.items())[:MAX_ERROR_LINES]:
