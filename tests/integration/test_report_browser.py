@@ -66,7 +66,9 @@ def _stream(steps: int = STEPS) -> list:
             loss = 3.0 * math.exp(-s / 10) + 0.05 * r + (2.0 if (s, r) == (11, 1) else 0.0)
             out.append(StepPacket(rank=r, step=s, loss=loss, lr=1e-4, grad_norm=2.0 + 0.1 * s,
                                   grad_norm_local=1.0 + r + 0.05 * s, step_time_s=0.2 + 0.03 * r + 0.01 * (s % 3),
-                                  samples=16, ts=T0 + s, fingerprint=f"fp-{s}" if s % 10 == 0 else None))
+                                  samples=16, tokens=16 * 64, ts=T0 + s,
+                                  tflops=40.0 + 5 * r - (15.0 if (s, r) == (11, 1) else 0.0),
+                                  fingerprint=f"fp-{s}" if s % 10 == 0 else None))
         if s % 2 == 0:
             out.append(TelemetryPacket(node="node-a", ts=T0 + s + 0.5, source="npu-smi", cards=[
                 {"card": c, "name": "910B", "health": "OK", "util_pct": 60.0 + 10 * c + s % 7,
