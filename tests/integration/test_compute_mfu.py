@@ -1,5 +1,6 @@
 """Compute end to end: tokens/s, achieved TFLOPS and MFU on a real 2-rank CPU run measured
-against the pre-flight check's peak, and a slowed rank named by the compute_drop rule."""
+against the pre-flight check's peak; a rank whose data path slows is named by the
+compute_drop rule and, from the same run, by the straggler rule."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ BATCH = 2
 out of the noise of a shared 2-core machine."""
 
 
-def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop(run_cli):
+def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_and_straggler(run_cli):
     r = run_cli("launch", "--set", "train.steps=20", "--set", f"train.batch_size={BATCH}",
+                "--set", "monitor.straggler_window=4",
                 "--set", "preflight.enabled=true", "--set", "preflight.action=warn",  # its figure, not its verdict
                 "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600)
     assert r.returncode == 0, r.output
@@ -47,3 +49,9 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop(ru
     assert SLOW_FROM < drops[0]["step"] <= SLOW_FROM + 5 and "rank 1 on " in drops[0]["message"], drops
     assert "tokens/s" in r.stdout and "MFU" in r.stdout and "ANOMALY compute_drop (rank 1)" in r.stdout
     assert (r.run_dir / "report" / "mfu.png").stat().st_size > 0
+    # the straggler rule names the same rank, and only it, within its window of the fault
+    recs = json.loads((r.run_dir / "anomalies.json").read_text())
+    strag = [x for x in recs if x["rule"] == "straggler"]
+    assert strag and {x["rank"] for x in strag} == {1}, recs
+    assert strag[0]["step"] <= SLOW_FROM + 4, strag
+    assert "STRAGGLER" in r.stdout

@@ -1,5 +1,7 @@
-"""A rule changed on a running 2-rank job with `mindpulse rules`: the aggregator applies it
-from the next reduced step, and a lowered loss threshold fires there."""
+"""One running 2-rank job, two things a user does to it: a rule changed with `mindpulse
+rules` (the aggregator applies it from the next reduced step, and a lowered loss threshold
+fires there), then Ctrl-C (every rank stops after the same step, rank 0 saves `last`, exit
+130, nothing left running)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from conftest import ROOT, _run_processes, last_steps, mindpulse_cmd, run_leftov
 
 pytestmark = pytest.mark.slow
 
-RULE = "anomalies=[{rule: threshold, name: loss_high, metric: loss, op: '>', threshold: 100.0, action: stop}]"
+RULE = "anomalies=[{rule: threshold, name: loss_high, metric: loss, op: '>', threshold: 100.0, action: warn}]"
 
 
 def rules_cmd(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -24,10 +26,10 @@ def rules_cmd(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_a_lowered_loss_threshold_fires_at_the_next_reduced_step(tmp_path):
+def test_a_lowered_loss_threshold_fires_at_the_next_reduced_step_then_ctrl_c_stops_every_rank(tmp_path):
     out_root = tmp_path / "runs"
     before = set(_run_processes())
-    proc = subprocess.Popen(mindpulse_cmd() + ["launch", "--set", f"output.root={out_root}", "--set", "train.steps=60",
+    proc = subprocess.Popen(mindpulse_cmd() + ["launch", "--set", f"output.root={out_root}", "--set", "train.steps=200",
                                                "--set", "monitor.per_print_step=100", "--set", RULE],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -48,7 +50,7 @@ def test_a_lowered_loss_threshold_fires_at_the_next_reduced_step(tmp_path):
 
         listed = rules_cmd(run_dir)
         assert listed.returncode == 0, listed.stderr
-        assert re.search(r"loss_high\s+threshold\s+stop\s+yes\s+metric=loss op=> threshold=100.0", listed.stdout), \
+        assert re.search(r"loss_high\s+threshold\s+warn\s+yes\s+metric=loss op=> threshold=100.0", listed.stdout), \
             listed.stdout
         bad = rules_cmd(run_dir, "set", "loss_high.threshold=abc")
         assert bad.returncode == 2 and "loss_high.threshold: 'abc' is not allowed; use a number" in bad.stderr
@@ -58,18 +60,27 @@ def test_a_lowered_loss_threshold_fires_at_the_next_reduced_step(tmp_path):
         m = re.search(r"set loss_high\.threshold: 100\.0 -> 0\.01, from step (\d+) on", changed.stdout)
         assert m, changed.stdout
         applied_from = int(m.group(1))
-        assert applied_from < 60, "the job was still running"
+        assert applied_from < 200, "the job was still running"
 
+        deadline = time.time() + 120  # the warning is on record: now Ctrl-C
+        jsonl = run_dir / "anomalies.jsonl"
+        while not (jsonl.exists() and "loss_high" in jsonl.read_text()) and time.time() < deadline:
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    assert proc.returncode == 3, out[-4000:]
+    assert proc.returncode == 130, out[-4000:]
     s = json.loads((run_dir / "summary.json").read_text())
-    # the rule fired at the step the change applied from, and stopped every rank
-    assert s["status"] == "anomaly_stop" and s["stop"]["rule"] == "loss_high", s["stop"]
-    assert s["stop"]["decided_at"] == applied_from, (s["stop"], applied_from)
+    # Ctrl-C: every rank stopped after the same step, rank 0 saved `last` of that step
+    assert s["status"] == "interrupted" and s["stop"]["rule"] == "interrupt", s["stop"]
+    steps = last_steps(run_dir)
+    assert steps[0] == steps[1] < 200, steps
+    man = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
+    assert [f["step"] for f in man["files"] if f["kind"] == "last"] == [steps[0]], man["files"]
+    # the changed rule fired at the step the change applied from
     firings = [a for a in json.loads((run_dir / "anomalies.json").read_text()) if a["rule"] == "loss_high"]
     assert [(a["step"], a["threshold"]) for a in firings] == [(applied_from, 0.01)], firings
     (c,) = s["rule_changes"]
@@ -79,7 +90,7 @@ def test_a_lowered_loss_threshold_fires_at_the_next_reduced_step(tmp_path):
     assert re.search(rf"RULE CHANGE at [\d-]+ [\d:]+, from step {applied_from} on: set loss_high\.threshold", out)
     # a finished run's rules do not change
     late = rules_cmd(run_dir, "set", "loss_high.threshold=5")
-    assert late.returncode == 2 and "has finished (anomaly_stop)" in late.stderr, late.stderr
+    assert late.returncode == 2 and "has finished (interrupted)" in late.stderr, late.stderr
     time.sleep(2)
     left = run_leftovers(before, run_dir, run_pids(run_dir))
     assert not left, f"processes left running: {left}"
