@@ -192,9 +192,9 @@ class ForeignLoad:
                 try:
                     t = p.cpu_times()
                     now_cpu[p.pid] = t.user + t.system
-                    cmd = " ".join((p.info["cmdline"] or [])[:4]) or p.info["name"] or "?"
+                    cmd = " ".join((p.info.get("cmdline") or [])[:4]) or p.info.get("name") or "?"
                     names[p.pid] = cmd[:80]
-                except psutil.Error:
+                except Exception:  # a process gone or unreadable: the sampler itself goes on
                     continue
             t = time.time()
             if self._last:

@@ -61,6 +61,31 @@ def host_array(p) -> np.ndarray:
     return p.asnumpy().reshape(-1)
 
 
+CHUNK = 1 << 18
+"""Values squared at a time into one reused buffer (no temporary the size of a parameter)."""
+_buffer: np.ndarray | None = None
+
+
+def square_sum(x: np.ndarray, minus: np.ndarray | None = None) -> float:
+    """Sum of squares of the float32 vector `x` (of `x - minus` when given), chunk by chunk
+    through a reused buffer: each chunk summed pairwise in float32, the chunks' sums added
+    in float64; fixed by the values and the length alone."""
+    global _buffer
+    if _buffer is None:
+        _buffer = np.empty(CHUNK, np.float32)
+    total = 0.0
+    for a in range(0, x.size, CHUNK):
+        b = min(a + CHUNK, x.size)
+        buf = _buffer[: b - a]
+        if minus is None:
+            np.multiply(x[a:b], x[a:b], out=buf)
+        else:
+            np.subtract(x[a:b], minus[a:b], out=buf)
+            np.multiply(buf, buf, out=buf)
+        total += float(np.add.reduce(buf))
+    return total
+
+
 def _host_sums(params) -> np.ndarray:
     out = np.empty(2 * len(params), np.float32)
     for i, p in enumerate(params):
@@ -68,7 +93,7 @@ def _host_sums(params) -> np.ndarray:
         if x.dtype != np.float32:
             x = x.astype(np.float32)
         out[2 * i] = np.add.reduce(x)
-        out[2 * i + 1] = np.add.reduce(x * x)
+        out[2 * i + 1] = square_sum(x)
     return out
 
 

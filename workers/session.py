@@ -20,7 +20,9 @@ loopback (the normal case: the aggregator's load then grows with nodes, not rank
 Events are buffered and sent fire-and-forget in batches; a step's packet goes out at once
 (`send_step`), with whatever is queued. Before a step the rank asks for its `lease`: the
 answer comes from the cache without any I/O while the aggregator keeps up, and blocks
-only when the aggregator is more than `monitor.max_lag_steps` steps behind. Rank 0 at a
+only when the aggregator is more than `monitor.max_lag_steps` steps behind. The relay
+channel asks for the next step's lease as soon as one is granted, on a connection of its
+own, so the answer is most often waiting when the rank needs it (no round trip). Rank 0 at a
 checkpoint candidate sends the step in a `decide` call that returns its directive, so the
 aggregator has seen everything before it decides. A missing or dead peer never blocks
 training for longer than the decision timeout: the rank goes on (`Directive.no_directive`,
@@ -298,18 +300,19 @@ class RelayChannel(Channel):
 
     def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
         t0 = time.monotonic()
-        relay_waited = False
         try:
             if self._asked is not None and self._asked > need:
                 self._drop_leases()  # its answer may come a step later than this rank may go on
-            lease: Lease | None = None
-            for _ in range(2):  # the request in flight (perhaps for an earlier step), then this one
-                if self._asked is None:
-                    self._ask(need)
+            if self._asked is None:
+                self._ask(need)
+            asked = self._asked
+            lease, relay_waited = self._answer()
+            if asked is not None and asked < need and lease is not None and not _grants(lease, need):
+                # that was the answer for an earlier step: now ask for this one (once: an
+                # answer for `need` itself that does not grant it came after the timeout)
+                self._ask(need)
                 lease, waited = self._answer()
                 relay_waited = relay_waited or waited
-                if lease is None or _grants(lease, need):
-                    break
             # a lease the relay had at hand cost a loopback round trip, not a wait
             return lease, (time.monotonic() - t0) if relay_waited else 0.0
         except Exception as exc:

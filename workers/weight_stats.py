@@ -97,7 +97,17 @@ class WeightStats:
         if self.on_host:
             from .fingerprint import host_array
 
-            self.prev = {i: host_array(p).copy() for i, p in enumerate(limit)}
+            # one block for all of them: one allocation (a fresh one per parameter costs
+            # its page faults again every time: 10x the copy itself here)
+            views = [host_array(p) for p in limit]
+            room = [-(-v.nbytes // 8) * 8 for v in views]  # each one 8-byte aligned
+            block = np.empty(sum(room), np.uint8)
+            self.prev, at = {}, 0
+            for i, (v, n) in enumerate(zip(views, room)):
+                kept = block[at:at + v.nbytes].view(v.dtype)
+                np.copyto(kept, v)
+                self.prev[i] = kept
+                at += n
         else:
             self.prev = {i: ops.stop_gradient(p.value()).copy() for i, p in enumerate(limit)}
         if self.grads_source is not None and self.hist_idx:
@@ -108,12 +118,14 @@ class WeightStats:
         assert self.prev is not None
         idx = sorted(self.prev)
         if self.on_host:
-            from .fingerprint import host_array
+            from .fingerprint import host_array, square_sum
 
             out = []
             for i in idx:
-                d = np.subtract(host_array(self.params[i]), self.prev[i], dtype=np.float32)
-                out.append(math.sqrt(float(np.add.reduce(d * d))))
+                now, before = host_array(self.params[i]), self.prev[i]
+                if now.dtype != np.float32:
+                    now, before = now.astype(np.float32), before.astype(np.float32)
+                out.append(math.sqrt(square_sum(now, minus=before)))
             return out
         sq = _change_squares(ms.mutable(tuple(self.params[i].value() for i in idx)),
                              ms.mutable(tuple(self.prev[i] for i in idx))).asnumpy()
