@@ -279,9 +279,9 @@ NOTES = {
         "created (and GRAPH mode set again) before anything is timed; every run checks that the mode stayed GRAPH."),
     "grad_cell": (
         "Same model, batch and optimizer; the two cells alternate step by step; a step is timed until its outputs "
-        "are on the host (loss, and the statistics vector for the monitored cell). In-rank overhead above is "
-        "measured with the plain cell for every callback; with `MonitoredTrainOneStepCell` a step costs this ratio "
-        "more."),
+        "are on the host (loss, and the statistics vector for the monitored cell). The in-rank overhead above runs "
+        "the default path on this monitored cell (its row *cell alone* is the cell without the callback) and every "
+        "other callback on the plain cell."),
     "fanin": (
         "`bench/fanin.py --ranks N --ranks-per-node 8 --rate R --seconds S --json`. The real `AggregatorActor` "
         "(the options `start_aggregator` uses; TensorBoard on, default rules, `monitor.max_lag_steps` 1). Each "
