@@ -280,7 +280,8 @@ NOTES = {
     "grad_cell": (
         "Same model, batch and optimizer; the two cells alternate step by step; a step is timed until its outputs "
         "are on the host (loss, and the statistics vector for the monitored cell). The in-rank overhead above runs "
-        "the default path on this monitored cell (its row *cell alone* is the cell without the callback) and every "
+        "the default path on this monitored cell (its row 'of which: MonitoredTrainOneStepCell alone' is the cell without "
+        "the callback) and every "
         "other callback on the plain cell."),
     "fanin": (
         "`bench/fanin.py --ranks N --ranks-per-node 8 --rate R --seconds S --json`. The real `AggregatorActor` "
