@@ -87,7 +87,11 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     assert r.stdout.count("grad norm") >= steps // 4, r.output
     assert "\nall " in r.stdout and "succeeded" in r.stdout
     recs = json.loads((r.run_dir / "anomalies.json").read_text())
-    assert [(x["rule"], x["step"], x["action"]) for x in recs] == [("loss_watch", 2, "warn")], (
+    # the timing rules (straggler, compute_drop) judge the ranks' speed, which other load on a
+    # shared 2-core machine moves: they may warn; every other rule must stay silent
+    timing = [x for x in recs if x["rule"] in ("straggler", "compute_drop")]
+    assert all(x["action"] == "warn" for x in timing), timing
+    assert [(x["rule"], x["step"], x["action"]) for x in recs if x not in timing] == [("loss_watch", 2, "warn")], (
         f"a normal run must trip no rule but the user's warn rule: {recs}")
     check_telemetry(r)
     check_tensorboard_and_report(r.run_dir, pk)
