@@ -36,7 +36,8 @@ def test_spikes_warn_then_a_nan_on_rank1_stops_every_rank_after_the_same_step(ru
     s = r.summary
     assert s["status"] == "anomaly_stop"
     recs = json.loads((r.run_dir / "anomalies.json").read_text())
-    fired = [(a["rule"], a["step"], a["action"]) for a in recs]
+    # the timing rules (straggler, compute_drop) may warn on a loaded machine: not the subject here
+    fired = [(a["rule"], a["step"], a["action"]) for a in recs if a["rule"] not in ("straggler", "compute_drop")]
     assert ("loss_spike", 6, "warn") in fired and ("grad_explosion", 8, "warn") in fired, fired
     assert not any(step < 6 for _, step, _ in fired), f"a rule fired before any spike: {fired}"
     stop = s["stop"]
