@@ -30,6 +30,7 @@ from mindpulse.protocol import (
     TelemetryPacket,
     decode,
 )
+from mindpulse.uplink import UplinkServer
 
 from . import tables
 from .anomaly_log import AnomalyLog
@@ -687,10 +688,13 @@ class AggregatorCore:
             self.tb.close()
 
 
-# The aggregator as a Ray actor: one per run, named, async so decisions can wait. Ranks
-# (through their node agents) call `ingest_node` fire-and-forget, `lease` as one long poll
-# per node, and `decide` at rank 0's checkpoint candidates; `decide` returns once every rank
-# has reported that step (or after `timeout_s`, naming the missing ranks).
+# The aggregator as a Ray actor: one per run, named, async so decisions can wait. Node
+# agents stream their batches over the node uplink (mindpulse/uplink.py: its server runs in
+# this actor's event loop, its address comes from `uplink_address`), which also pushes the
+# lease down and answers rank 0's decisions at checkpoint candidates once every rank has
+# reported that step (or after the timeout, naming the missing ranks). Ray calls remain for
+# the launcher (poll, snapshot, stop) and for a rank outside a launch (`ingest`, `decide`,
+# `lease` as a long poll: workers/session.py's ActorChannel).
 
 
 def actor_name(run_id: str) -> str:
@@ -710,38 +714,48 @@ class AggregatorActor:
             pass
         self.core = AggregatorCore(Path(run_dir), world_size, per_print_step, total_steps, settings, replay=replay)
         self._reduced = asyncio.Condition()
+        self._uplink: UplinkServer | None = None
+        self._uplink_lock: asyncio.Lock | None = None
+
+    async def _moved(self, done: list[ReducedStep]) -> None:
+        """Steps were reduced: wake the waiting decisions and long polls, push the lease."""
+        if done:
+            async with self._reduced:
+                self._reduced.notify_all()
+        if self._uplink is not None:
+            self._uplink.push_lease()
 
     async def ingest(self, batch: list[bytes]) -> int:
         done = self.core.ingest(batch)
-        if done:
-            async with self._reduced:
-                self._reduced.notify_all()
-        return len(done)
-
-    async def ingest_node(self, node: int, batch: dict[str, Any]) -> int:
-        """A node agent's pre-reduced batch (node/relay.py)."""
-        done = self.core.ingest_node(node, batch)
-        if done:
-            async with self._reduced:
-                self._reduced.notify_all()
+        await self._moved(done)
         return len(done)
 
     async def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> int:
-        """A group leader's call: several nodes' batches (or partials it merged already)."""
+        """Node batches (node/relay.py), or a group leader's merged ones (node/group.py)."""
         done = self.core.ingest_nodes(batches)
-        if done:
-            async with self._reduced:
-                self._reduced.notify_all()
+        await self._moved(done)
         return len(done)
 
-    async def decide_node(self, node: int, batch: dict[str, Any], step: int, timeout_s: float) -> bytes:
-        """`decide` for a node agent's pre-reduced batch."""
-        await self.ingest_node(node, batch)
-        return await self.decide([], step, timeout_s)
+    # ---- the node uplinks (mindpulse/uplink.py): how node agents send their steps -------------
+    async def uplink_address(self) -> tuple[str, int, str]:
+        """(host, port, token) of this instance's uplink server, started on first ask."""
+        if self._uplink_lock is None:
+            self._uplink_lock = asyncio.Lock()
+        async with self._uplink_lock:
+            if self._uplink is None:
+                import ray
+
+                server = UplinkServer(self.ingest_nodes, self._directive, lambda: self.core.lease().encode())
+                await server.start(ray.util.get_node_ip_address())
+                self._uplink = server
+        return self._uplink.address
 
     async def decide(self, batch: list[bytes], step: int, timeout_s: float) -> bytes:
         """Ingest `batch` (ending with this rank's packet for `step`) and wait for the directive."""
         await self.ingest(batch)
+        return await self._directive(step, timeout_s)
+
+    async def _directive(self, step: int, timeout_s: float) -> bytes:
         directive = self.core.directive_for(step)
         if directive is None:
             try:
@@ -785,7 +799,10 @@ class AggregatorActor:
         return self.core.snapshot()
 
     async def close(self) -> dict[str, Any]:
+        if self._uplink is not None:
+            await self._uplink.close()
         snap = self.core.snapshot()
+        snap["uplink"] = dict(self._uplink.stats) if self._uplink is not None else {}
         self.core.close()
         return snap
 

@@ -41,6 +41,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -82,25 +83,34 @@ def node_batch(node: int, rpn: int, step: int, world: int) -> dict:
 class Leader:
     """Plays the group leaders of some groups: each group is the real `GroupLeader` a
     leading node agent runs (node/group.py): it merges its nodes' partials of a step into
-    one `ingest_nodes` call and keeps the group's one lease long poll."""
+    one frame, sent over the group's real node uplink (mindpulse/uplink.py) to the
+    aggregator's uplink server, which pushes the lease back down the same stream."""
 
     def __init__(self, aggregator, groups: list[list[int]], rpn: int, world: int):
+        import asyncio
+
         from mindpulse.node.group import GroupLeader
+        from mindpulse.uplink import Uplink
 
         self.groups = groups
         # a node's batch per step kind (collect or not): built once by the real pre-reducer;
         # the step number of the partial is set per step (the raw packets are stored as they are)
         self.batches = {(n, kind): node_batch(n, rpn, 20 if kind else 11, world) for g in groups for n in g
                         for kind in (0, 1)}
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="uplinks", daemon=True).start()
 
-        def poll(after: int, timeout: float) -> bytes:
-            return ray.get(aggregator.lease.remote(after, timeout), timeout=timeout + 10)
+        def resolve():
+            return tuple(ray.get(aggregator.uplink_address.remote(), timeout=60))
 
-        self.leaders = [GroupLeader(g[0], g, aggregator.ingest_nodes.remote, poll) for g in groups]
+        self.uplinks = [Uplink(g[0], resolve, lambda raw: None) for g in groups]
+        for up in self.uplinks:
+            up.start(self.loop)
+        self.leaders = [GroupLeader(g[0], g, up.send_threadsafe) for g, up in zip(groups, self.uplinks)]
 
     def send_step(self, step: int) -> float:
         """Every node of this leader's groups hands its batch of `step` to its group's leader;
-        returns when the last group's call left."""
+        returns when the last group's frame was handed to its uplink."""
         kind = 1 if step % 10 == 0 else 0
         for leader, g in zip(self.leaders, self.groups):
             for n in g:
@@ -110,12 +120,49 @@ class Leader:
         return time.time()
 
     def close(self) -> int:
-        return sum(leader.close()["calls"] for leader in self.leaders)
+        import asyncio
+
+        calls = sum(leader.close()["calls"] for leader in self.leaders)
+        for up in self.uplinks:
+            asyncio.run_coroutine_threadsafe(up.close(10), self.loop).result(15)
+        return calls
+
+
+class LeaseWatch:
+    """What every node sees come down: a node uplink that sends nothing and records when
+    each step's lease arrived (pushed by the aggregator)."""
+
+    def __init__(self, aggregator):
+        import asyncio
+
+        from mindpulse.uplink import Uplink
+
+        self.reduced_at: dict[int, float] = {}
+        self.lease = Lease()
+        self.cond = threading.Condition()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="lease-watch", daemon=True).start()
+        self.up = Uplink(-1, lambda: tuple(ray.get(aggregator.uplink_address.remote(), timeout=60)), self._on)
+        self.up.start(self.loop)
+
+    def _on(self, raw: bytes) -> None:
+        got = Lease.decode(raw)
+        now = time.time()
+        for s in range(self.lease.reduced_through + 1, got.reduced_through + 1):
+            self.reduced_at.setdefault(s, now)
+        with self.cond:
+            self.lease = got
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.up.close(1), self.loop).result(5)
 
 
 def agent_cost_per_step(rpn: int = 8, steps: int = 2000) -> float:
-    """The node agent's CPU per step for `rpn` ranks: decode and validate the packets,
-    reduce the step, encode the partial for the call."""
+    """The node agent's own Python work per step for `rpn` ranks: decode and validate the
+    packets, reduce the step, encode the partial (no transport: see `agent_process_cost`)."""
     import msgpack
 
     pkts = [[StepPacket(rank=r, step=s, loss=2.0, lr=3e-3, grad_norm=1.2, grad_norm_local=1.1, step_time_s=0.5,
@@ -127,6 +174,73 @@ def agent_cost_per_step(rpn: int = 8, steps: int = 2000) -> float:
             pre.add(raw)
         msgpack.packb(pre.take()["partials"], use_bin_type=True)
     return (time.process_time() - t0) / steps
+
+
+def agent_process_cost(rpn: int = 8, rate: float = 20.0, seconds: float = 15.0) -> dict:
+    """The whole node agent process's CPU per step for `rpn` ranks, as a launch runs it: the
+    launcher's `NodeAgents` starts the real `NodeAgent` (relay, pre-reduction, uplink, card
+    telemetry) next to a real aggregator; `rpn` ranks' channels (the rank's own
+    `RelayChannel`, with the run's token) send one step packet each per step at `rate`
+    steps/s and take the lease before the next step, as `RankSession` does. Measured over the
+    timed steps: the agent process's CPU (every thread: relay, uplink, Ray's own), and the
+    same process idle for as long before the ranks start."""
+    import secrets
+
+    import psutil
+
+    from mindpulse.aggregator.core import start_aggregator
+    from mindpulse.config import load_config
+    from mindpulse.launcher.node_agents import NodeAgents
+    from mindpulse.workers.session import RelayChannel
+
+    tmp = Path(tempfile.mkdtemp(prefix="mp-agent-"))
+    ray.init(num_cpus=rpn, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+             _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}})
+    try:
+        cfg, _ = load_config(None, ["world.nodes=1", f"world.ranks_per_node={rpn}", f"output.root={tmp}"])
+        settings = C.aggregator_settings()
+        settings["world"] = {"nodes": 1, "ranks_per_node": rpn}
+        agg = start_aggregator(f"agent-{os.getpid()}", "mindpulse-bench", tmp, rpn, 10 ** 9, None, settings=settings)
+        ray.get(agg.ping.remote(), timeout=120)
+        token = secrets.token_hex(16)
+        nodes = NodeAgents(cfg)
+        nodes.place(agg, token)
+        # the ranks' processes, for the telemetry's per-process figures (and the agent's
+        # watchdog, which ends them with the run: stand-ins, not this process)
+        stand_in = subprocess.Popen(["sleep", str(int(seconds * 3 + 120))])
+        nodes.start_telemetry({r: stand_in.pid for r in range(rpn)}, lambda m: None)
+        host, _, port = nodes.relays()[0].rpartition(":")
+        chans = [RelayChannel(host, int(port), 60.0, token=token) for _ in range(rpn)]
+        proc = psutil.Process(nodes.pids()[0])
+        steps = int(rate * seconds)
+        time.sleep(2.0)
+        c0 = sum(proc.cpu_times()[:2])
+        time.sleep(seconds)
+        idle = sum(proc.cpu_times()[:2]) - c0
+        c0, t0 = sum(proc.cpu_times()[:2]), time.time()
+        for s in range(1, steps + 1):
+            due = t0 + (s - 1) / rate
+            if time.time() < due:
+                time.sleep(due - time.time())
+            for r, ch in enumerate(chans):
+                ch.send_step(StepPacket(rank=r, step=s, loss=2.0, lr=3e-3, grad_norm=1.2, grad_norm_local=1.1,
+                                        step_time_s=1 / rate, data_wait_s=0.001, samples=8, ts=time.time()).encode(), s)
+            for ch in chans:
+                ch.lease(s - LAG)
+        busy = sum(proc.cpu_times()[:2]) - c0
+        for ch in chans:
+            ch.close()
+        nodes.flush(kill=False)
+        snap = ray.get(agg.close.remote(), timeout=60)
+        nodes.shutdown()
+        nodes.release()
+        stand_in.kill()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"ranks": rpn, "rate": rate, "steps": steps, "cpu_ms_per_step": round(busy / steps * 1000, 3),
+            "idle_cpu_ms_per_step": round(idle / steps * 1000, 3),
+            "reduced": snap.get("steps_reduced", snap.get("packets", {}).get("accepted"))}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -152,27 +266,8 @@ def run(args: argparse.Namespace) -> dict:
         leaders = [leader_cls.remote(agg, groups[i::SENDERS], rpn, ranks) for i in range(SENDERS)]
         ray.get([ldr.send_step.remote(0) for ldr in leaders])  # warm-up: step 0
 
-        reduced_at: dict[int, float] = {}
-        stop = threading.Event()
-        lease = {"v": Lease()}
-        cond = threading.Condition()
-
-        def poll() -> None:  # the leases every rank's relay would receive
-            after = -1
-            while not stop.is_set():
-                try:
-                    got = Lease.decode(ray.get(agg.lease.remote(after, 1.0)))
-                except Exception:
-                    continue
-                now = time.time()
-                for s in range(after + 1, got.reduced_through + 1):
-                    reduced_at.setdefault(s, now)
-                after = max(after, got.reduced_through)
-                with cond:
-                    lease["v"] = got
-                    cond.notify_all()
-
-        threading.Thread(target=poll, daemon=True).start()
+        watch = LeaseWatch(agg)  # the leases every node's uplink receives
+        reduced_at, lease, cond = watch.reduced_at, watch, watch.cond
         import psutil
 
         proc = psutil.Process(agg_pid)
@@ -190,9 +285,9 @@ def run(args: argparse.Namespace) -> dict:
             need = step - 1 - LAG  # the lease: step `step` may start once step-1-LAG is reduced
             w0 = time.time()
             with cond:
-                held = lease["v"].reduced_through < need
+                held = lease.lease.reduced_through < need
                 if held:
-                    cond.wait_for(lambda need=need: lease["v"].reduced_through >= need, timeout=60)
+                    cond.wait_for(lambda need=need: lease.lease.reduced_through >= need, timeout=60)
             waits.append(time.time() - w0 if held else 0.0)
             sent_at[step] = max(ray.get([ldr.send_step.remote(step) for ldr in leaders]))
         deadline = time.time() + 30
@@ -200,7 +295,7 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(0.01)
         wall = time.time() - t0
         cpu = sum(proc.cpu_times()[:2]) - cpu0
-        stop.set()
+        watch.close()
         done = [s for s in range(1, step + 1) if s in reduced_at]
         lat = sorted(max(0.0, reduced_at[s] - sent_at[s]) * 1000 for s in done)
         # steps reduced per second between the first and the last reduction
@@ -255,14 +350,25 @@ def render(out: dict) -> str:
             rows.append([f"{t['ranks']:,} ranks ({r['nodes']:,} nodes, {r['groups']} groups) at {t['rate']:g}/s", i,
                          f"{r['achieved_steps_per_s']:.3f}", f"{r['reduce_p50_ms']:.0f}", f"{r['reduce_p99_ms']:.0f}",
                          f"{r['aggregator_cpu_frac'] * 100:.0f}%", f"{r['rank_wait_p99_ms']:.1f}"])
-    agent = [r["agent_cpu_ms_per_step_8_ranks"] for j in out["targets"] for r in j["runs"]]
-    return "\n".join([
+    own = [r["agent_cpu_ms_per_step_8_ranks"] for j in out["targets"] for r in j["runs"]]
+    agent = out.get("agent") or []
+    lines = [
         C.table(["configuration", "repeat", "achieved steps/s", "reduce p50 ms", "reduce p99 ms",
                  "aggregator CPU (of a core)", "rank wait p99 ms"], rows),
         "",
-        f"Node agent's own CPU per step for 8 ranks (decode and validate 8 packets, reduce the step, encode the "
-        f"partial): {min(agent):.3f}-{max(agent):.3f} ms (target <= 1 ms).",
-    ])
+    ]
+    if agent:
+        a = agent[0]
+        lines.append(
+            f"Node agent process, as a launch runs it (`agent_process_cost`: the launcher's `NodeAgents`, {a['ranks']} "
+            f"ranks' `RelayChannel`s sending a step packet each and taking the lease at {a['rate']:g} steps/s, "
+            f"{a['steps']} steps, card telemetry on; every thread of the process counted): "
+            + ", ".join(f"{r['cpu_ms_per_step']:.3f}" for r in agent)
+            + " ms of CPU per step over the repeats (target <= 1 ms; the same process idle: "
+            + ", ".join(f"{r['idle_cpu_ms_per_step']:.3f}" for r in agent) + " ms per step's worth of time).")
+    lines.append(f"Of which its own Python work per step for 8 ranks (decode and validate 8 packets, reduce the "
+                 f"step, encode the partial; no transport): {min(own):.3f}-{max(own):.3f} ms.")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                 a = argparse.Namespace(**dict(vars(args), ranks=t["ranks"], rate=t["rate"]))
                 results[i].append(run(a))
         out = {"targets": [judge(t, results[i]) for i, t in enumerate(TARGETS)], "repeats": args.repeats,
-               "seconds_per_run": args.seconds, "machine": C.machine()}
+               "seconds_per_run": args.seconds, "machine": C.machine(),
+               "agent": [agent_process_cost(args.ranks_per_node) for _ in range(args.repeats)]}
     else:
         out = run(args)
     if args.json not in (None, "-"):

@@ -226,8 +226,9 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
             rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on: " + ", ".join(limits), got,
                          "met" if j["met"] else "missed", "all limits held" if not missed else
                          "missed: " + ", ".join(missed)])
-        agent = max(r["agent_cpu_ms_per_step_8_ranks"] for j in fi["targets"] for r in j["runs"])
-        rows.append(["node agent <= 1 ms of CPU per step for 8 ranks", f"worst {agent:.3f} ms",
+        agent = max(r["cpu_ms_per_step"] for r in fi["agent"])
+        rows.append(["node agent <= 1 ms of CPU per step for 8 ranks (the whole process, as launched)",
+                     f"worst of {len(fi['agent'])}: {agent:.3f} ms",
                      "met" if agent <= 1.0 else "missed", f"{abs(1.0 - agent):.3f} ms "
                      + ("under" if agent <= 1.0 else "over")])
     mem = res.get("memory")

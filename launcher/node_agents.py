@@ -77,13 +77,12 @@ class NodeAgents:
         self.infos = ray.get([a.info.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
         self.leaders: set[int] = set()
         if group > 1:  # the tree's second level (node/group.py)
-            calls = []
-            for first in range(0, w.nodes, group):
-                members = list(range(first, min(w.nodes, first + group)))
-                self.leaders.add(first)
-                calls.append(self.agents[first].lead.remote(members))
-                calls += [self.agents[m].follow.remote(self.agents[first]) for m in members[1:]]
-            ray.get(calls, timeout=PLACEMENT_TIMEOUT_S)
+            groups = [list(range(first, min(w.nodes, first + group))) for first in range(0, w.nodes, group)]
+            # leaders first: a member's uplink asks its leader for the address it serves
+            ray.get([self.agents[g[0]].lead.remote(g) for g in groups], timeout=PLACEMENT_TIMEOUT_S)
+            self.leaders = {g[0] for g in groups}
+            ray.get([self.agents[m].follow.remote(self.agents[g[0]]) for g in groups for m in g[1:]],
+                    timeout=PLACEMENT_TIMEOUT_S)
 
     def _members_first(self) -> list[Any]:
         """The agents, group members before their leaders: a member's last batch goes
@@ -154,13 +153,15 @@ class NodeAgents:
 
     # ---- the end ------------------------------------------------------------------------------
     def flush(self, kill: bool) -> int:
-        """Last telemetry sample, relay flushed to the aggregator; returns packets dropped."""
+        """Last telemetry sample, relay flushed to the aggregator; returns packets dropped (or
+        never acknowledged)."""
         import ray
 
         dropped = 0
         for a in self._members_first():
             try:
-                dropped += ray.get(a.stop.remote(kill=kill), timeout=20).get("dropped", 0)
+                end = ray.get(a.stop.remote(kill=kill), timeout=20)
+                dropped += end.get("dropped", 0) + end.get("lost", 0)
             except Exception:
                 pass
         return dropped

@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mindpulse.node.relay import NodeBatch, batch_size
+from mindpulse.node.relay import NodeBatch
+from mindpulse.uplink import Uplink, UplinkServer
 
 if TYPE_CHECKING:
     from mindpulse.node.group import GroupLeader
@@ -45,6 +46,8 @@ WORKER_ENV = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 PR_SET_PDEATHSIG = 1
 DRIVER_CHECK_S = 1.0
 """How often the watchdog looks for the driver (and for new processes under msrun)."""
+UPLINK_CLOSE_S = 10.0
+"""At the end, how long a node waits for its last frames to be acknowledged."""
 REMOTE_DRIVER_CHECK_S = 5.0
 """How often it asks Ray whether a driver on another machine is gone (a GCS call)."""
 
@@ -175,9 +178,6 @@ class NodeAgent:
         self._ending = threading.Event()
         """Set to stop the watchdog (tests; the agent itself ends with its process)."""
         self._watchdog: threading.Thread | None = None
-        self._inflight: list[Any] = []
-        self._inflight_lock = threading.Lock()  # the relay's thread and the group's flush thread both call up
-        self.dropped = 0
         # the node's ranks are validated and each step reduced here: the aggregator merges
         # one partial per node and step
         ranks = sorted(self.rank_devices)
@@ -185,90 +185,106 @@ class NodeAgent:
                                         straggler_window=straggler_window, collect_freq=collect_freq,
                                         world_size=world_size, compute_window=compute_window)
         self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks,
-                                 forward_lease=self._forward_lease, prereduce=self.prereduce, token=relay_token)
+                                 prereduce=self.prereduce, token=relay_token, pushed_leases=True)
         self.relay_port = self.relay.start()
+        # steps go up, and the lease comes down, over one stream (mindpulse/uplink.py): to the
+        # aggregator, or to the group's leader
+        self.uplink = Uplink(node, self._resolve_up, self._on_lease, max_unacked=self.MAX_UNACKED)
+        self.server: UplinkServer | None = None
+        """A group leader's uplink server, for its members."""
+        self._end: dict[str, Any] | None = None
+        self.uplink.start(self._loop)
         if self.driver:
             self._watchdog = threading.Thread(target=self._watch_driver, name="mindpulse-driver-watchdog",
                                               daemon=True)
             self._watchdog.start()
 
-    # ---- relay -------------------------------------------------------------------------------
-    MAX_INFLIGHT_CALLS = 2000
-    """Batches on their way to the aggregator; while it restarts they wait (Ray retries
-    them on the new instance); beyond this bound new batches are dropped and counted."""
+    # ---- relay and uplink ----------------------------------------------------------------------
+    MAX_UNACKED = 2000
+    """Frames on their way up, not yet acknowledged; while the aggregator restarts they wait
+    (and go again to the new instance); beyond this bound new batches are dropped and counted."""
 
     # ---- the group (node/group.py): a leader merges its members' batches -----------------------
     group: GroupLeader | None = None
     leader: Any = None
 
-    def lead(self, members: list[int]) -> None:
-        """Lead the group of `members` (node ids, this node's included)."""
-        import ray
+    @property
+    def _loop(self) -> Any:
+        assert self.relay.loop is not None
+        return self.relay.loop
 
+    def _in_loop(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run `coro` in the relay's loop (where the uplink and the servers live) and wait."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def lead(self, members: list[int]) -> tuple[str, int, str]:
+        """Lead the group of `members` (node ids, this node's included); returns the address
+        members send to (`uplink_address`)."""
         from mindpulse.node.group import GroupLeader
 
-        def poll(after: int, timeout: float) -> bytes:
-            return ray.get(self.aggregator.lease.remote(after, timeout), timeout=timeout + 10)
+        self.group = GroupLeader(self.node, members, self.uplink.send_threadsafe)
 
-        self.group = GroupLeader(self.node, members, lambda entries: self._call(
-            self.aggregator.ingest_nodes.remote, entries, size=sum(batch_size(b) for _, b in entries)), poll)
+        async def serve() -> tuple[str, int, str]:
+            self.server = UplinkServer(self._members_ingest, self._members_decide, lambda: self.relay.lease.encode())
+            return await self.server.start(node_ip())
+
+        return self._in_loop(serve())
+
+    def uplink_address(self) -> tuple[str, int, str]:
+        if self.server is None:
+            raise RuntimeError(f"node {self.node} does not lead a group")
+        return self.server.address
 
     def follow(self, leader: Any) -> None:
-        """Send this node's batches and lease polls through `leader` (a NodeAgent handle)."""
+        """Send this node's batches through `leader` (a NodeAgent handle), which passes the
+        lease down too."""
         self.leader = leader
+        self.uplink.redirect()
 
-    def group_send(self, node: int, batch: NodeBatch) -> None:
-        if self.group is None:  # not (or no longer) a leader: straight to the aggregator
-            self.aggregator.ingest_node.remote(node, batch)
-            return
-        self.group.add(node, batch)
-
-    def group_lease(self, after: int, timeout: float) -> bytes:
+    def _resolve_up(self) -> tuple[str, int, str]:
+        """Where the uplink connects: the group's leader, else (none, or gone) the aggregator."""
         import ray
 
-        if self.group is None:
-            return ray.get(self.aggregator.lease.remote(after, timeout), timeout=timeout + 10)
-        return self.group.lease(after, timeout)
+        if self.leader is not None:
+            try:
+                return tuple(ray.get(self.leader.uplink_address.remote(), timeout=10))  # type: ignore[return-value]
+            except Exception as exc:
+                log.warning("node %d: group leader unreachable (%s); sending to the aggregator", self.node, exc)
+                self.leader = None
+        return tuple(ray.get(self.aggregator.uplink_address.remote(), timeout=60))  # type: ignore[return-value]
+
+    def _on_lease(self, raw: bytes) -> None:
+        """A lease from above (in the loop): the node's ranks, and a leader's members, get it."""
+        self.relay.set_lease(raw)
+        if self.server is not None:
+            self.server.push_lease()
+
+    def _members_ingest(self, entries: list[tuple[Any, NodeBatch]]) -> None:
+        assert self.group is not None
+        for node, batch in entries:
+            if isinstance(node, int) and not isinstance(node, bool):
+                self.group.add(node, batch)
+            else:
+                self.group.reject("malformed_entry")
+
+    async def _members_decide(self, step: int, timeout: float) -> bytes:
+        """A member's rank waits for a verdict: the group's step goes up with the group's
+        merged partial; the directive is asked for here."""
+        return await self.uplink.decide([], step, timeout)
 
     def _forward_send(self, batch: NodeBatch) -> None:
         if self.group is not None:
             self.group.add(self.node, batch)
-            return
-        target = self.leader.group_send if self.leader is not None else self.aggregator.ingest_node
-        self._call(target.remote, self.node, batch, size=batch_size(batch))
+        else:
+            self.uplink.send([(self.node, batch)])
 
-    def _call(self, remote: Callable[..., Any], *args: Any, size: int) -> None:
-        """A fire-and-forget call up the tree, at most MAX_INFLIGHT_CALLS on their way."""
-        import ray
-
-        with self._inflight_lock:
-            if self._inflight:
-                _, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
-            if len(self._inflight) >= self.MAX_INFLIGHT_CALLS:
-                self.dropped += size
-                return
-            self._inflight.append(remote(*args))
-
-    def _forward_decide(self, batch: NodeBatch, step: int, timeout: float) -> bytes:
-        import ray
-
+    async def _forward_decide(self, batch: NodeBatch, step: int, timeout: float) -> bytes:
         if self.group is not None:  # the step goes up with the group's; the directive comes back
             self.group.add(self.node, batch)
-            return ray.get(self.aggregator.decide.remote([], step, timeout), timeout=timeout + 10)
-        return ray.get(self.aggregator.decide_node.remote(self.node, batch, step, timeout), timeout=timeout + 10)
-
-    def _forward_lease(self, after: int, timeout: float) -> bytes:
-        import ray
-
-        if self.group is not None:
-            return self.group.lease(after, timeout)
-        if self.leader is not None:
-            try:
-                return ray.get(self.leader.group_lease.remote(after, timeout), timeout=timeout + 10)
-            except Exception as exc:  # the leader is gone: ask the aggregator itself
-                log.warning("node %d: group leader unreachable (%s); polling the aggregator", self.node, exc)
-                self.leader = None
-        return ray.get(self.aggregator.lease.remote(after, timeout), timeout=timeout + 10)
+            return await self.uplink.decide([], step, timeout)
+        return await self.uplink.decide([(self.node, batch)], step, timeout)
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -348,9 +364,10 @@ class NodeAgent:
         from mindpulse.node.telemetry import telemetry_packet
 
         try:
-            self.aggregator.ingest.remote([telemetry_packet(sample).encode()])
+            batch = {"steps": [], "other": [telemetry_packet(sample).encode()], "partials": [], "rejected": {}}
+            self._loop.call_soon_threadsafe(self._forward_send, batch)
             self.sent += 1
-        except Exception as exc:  # the aggregator may be restarting: drop this sample
+        except Exception as exc:  # the relay is stopping: drop this sample
             self.errors.append(repr(exc))
             del self.errors[:-20]
 
@@ -366,19 +383,25 @@ class NodeAgent:
         for proc in (self.msrun, self.sched):
             if proc is not None and proc.poll() is None and kill:
                 _killpg(proc)
+        # the last packets reach the aggregator before it closes: the relay's queue goes up,
+        # then a leader's merged steps, then the uplink waits until all is acknowledged
+        if self._end is not None:  # stopped already (flush, then shutdown)
+            return self._end
+        lost = 0
+        try:
+            self._in_loop(self.relay.flush())
+            group = self.group.close() if self.group is not None else {}
+            lost = self._in_loop(self.uplink.close(UPLINK_CLOSE_S), UPLINK_CLOSE_S + 5)
+            if self.server is not None:
+                self._in_loop(self.server.close())
+        except Exception as exc:
+            group = {}
+            self.errors.append(f"stop: {exc!r}")
         self.relay.stop()
-        group = self.group.close() if self.group is not None else {}
-        with self._inflight_lock:
-            inflight, self._inflight = self._inflight, []
-        if inflight:  # the last packets reach the aggregator before it closes
-            import ray
-
-            try:
-                ray.wait(inflight, num_returns=len(inflight), timeout=10)
-            except Exception:
-                pass
-        return {"node": self.name, "sent": self.sent, "errors": self.errors[-5:],
-                "dropped": self.dropped, "relay": dict(self.relay.stats), "group": group}
+        self._end = {"node": self.name, "sent": self.sent, "errors": self.errors[-5:],
+                     "dropped": self.uplink.dropped, "lost": lost, "relay": dict(self.relay.stats), "group": group,
+                     "uplink": dict(self.uplink.stats), "members": dict(self.server.stats) if self.server else {}}
+        return self._end
 
     stack_ready: set[int] = set()
 

@@ -12,13 +12,15 @@ each group's first node agent leads it:
   step some member is late with goes up node by node after `STRAGGLE_S`, so a slow node
   never holds back its group's other nodes for long (the aggregator merges them as they
   come);
-- it keeps one lease long poll to the aggregator for the whole group and answers its
-  members' polls from it.
+- the lease the aggregator pushes to it, it pushes on to its members.
 
-Rank 0's decisions at checkpoint candidates still go straight to the aggregator (one
-node, a few steps in ten). We chose leaders over a cheaper single path into one process
-(shared memory, a socket server in the aggregator) because it keeps working across
-machines and puts the merging on the nodes, as MindCluster and DLRover do at scale.
+Members reach their leader, and leaders the aggregator, over the node uplink
+(mindpulse/uplink.py: one TCP stream each, frames acknowledged and sent again after a
+reconnect); the leader agent (node/agent.py) runs the server its members connect to and
+feeds this class. A member whose rank waits for a verdict asks it through the leader.
+We chose leaders, on top of the cheaper stream, because they keep the aggregator's fan-in
+bounded across machines and put the merging on the nodes, as MindCluster and DLRover do
+at scale.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from collections.abc import Callable
 from typing import Any
 
 from mindpulse.aggregator.reducer import Partial, from_wire, merge, to_wire
-from mindpulse.protocol import Lease
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +40,18 @@ STRAGGLE_S = 0.5
 """A step's partials wait this long for the group's last member before they go up apart."""
 FLUSH_S = 0.05
 """Events and late partials go up at least this often."""
-LEASE_POLL_S = 2.0
 
 
 class GroupLeader:
-    """Merges the batches of `members` (node ids, the leader's own included) per step and
-    shares one lease poll among them. Thread-safe: members call in from the actor's threads."""
+    """Merges the batches of `members` (node ids, the leader's own included) per step.
+    Thread-safe: batches come from the relay's loop, the flush from a thread of its own."""
 
-    def __init__(self, node: int, members: list[int], send: Callable[[list[tuple[Any, dict[str, Any]]]], None],
-                 poll: Callable[[int, float], bytes]):
-        """`send(entries)`: one `ingest_nodes` call to the aggregator, fire-and-forget;
-        `poll(after, timeout)`: the aggregator's lease long poll (the node agent makes both
-        Ray calls; tests hand in an `AggregatorCore`'s)."""
+    def __init__(self, node: int, members: list[int], send: Callable[[list[tuple[Any, dict[str, Any]]]], None]):
+        """`send(entries)`: one frame up (the leader's uplink; tests hand in an
+        `AggregatorCore`'s `ingest_nodes`), fire-and-forget, callable from any thread."""
         self.node = node
         self.members = frozenset(members)
         self.send = send
-        self.poll = poll
         self._lock = threading.Lock()
         self._parts: dict[int, dict[int, Partial]] = {}
         self._since: dict[int, float] = {}
@@ -64,13 +61,8 @@ class GroupLeader:
         self.calls = 0
         self.merged_steps = 0
         self._stopped = threading.Event()
-        self._lease = Lease()
-        self._lease_raw = self._lease.encode()
-        self._lease_cond = threading.Condition()
-        self._threads = [threading.Thread(target=self._flush_loop, name="mindpulse-group-flush", daemon=True),
-                         threading.Thread(target=self._poll_loop, name="mindpulse-group-lease", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._flush_loop, name="mindpulse-group-flush", daemon=True)
+        self._thread.start()
 
     # ---- packets up ------------------------------------------------------------------------
     def add(self, node: int, batch: dict[str, Any]) -> None:
@@ -100,6 +92,11 @@ class GroupLeader:
                 complete = complete or len(per) == len(self.members)
         if complete or self._stopped.is_set():
             self.flush()
+
+    def reject(self, reason: str) -> None:
+        """Count something refused before it reached `add` (it goes up with the next batch)."""
+        with self._lock:
+            self._rejected[reason] += 1
 
     def flush(self, force: bool = False) -> None:
         """Send what is ready: complete steps merged, late ones node by node, and the
@@ -143,43 +140,10 @@ class GroupLeader:
             except Exception as exc:  # the monitor never ends a run: log, go on
                 log.warning("group leader of node %d: flush failed: %s", self.node, exc)
 
-    # ---- the lease down ---------------------------------------------------------------------
-    def lease(self, after: int, timeout: float) -> bytes:
-        """A member's long poll, answered from the group's one poll of the aggregator."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        with self._lease_cond:
-            while not (self._lease.reduced_through > after or self._lease.stopping):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopped.is_set():
-                    break
-                self._lease_cond.wait(left)
-            return self._lease_raw
-
-    def _poll_loop(self) -> None:
-        while not self._stopped.is_set():
-            after = self._lease.reduced_through
-            try:
-                raw = self.poll(after, LEASE_POLL_S)
-                lease = Lease.decode(raw)
-            except Exception as exc:
-                log.debug("group leader of node %d: lease poll failed: %s", self.node, exc)
-                self._stopped.wait(0.5)
-                continue
-            changed = raw != self._lease_raw
-            with self._lease_cond:
-                self._lease, self._lease_raw = lease, raw
-                self._lease_cond.notify_all()
-            if not changed:
-                # a long poll returns unchanged only after its timeout, but a decided stop
-                # answers at once: never spin on an answer that says nothing new
-                self._stopped.wait(0.05)
-
     # ---- the end ------------------------------------------------------------------------------
     def close(self) -> dict[str, Any]:
         """Send everything left (late steps node by node); later batches go up at once."""
         self._stopped.set()
-        with self._lease_cond:
-            self._lease_cond.notify_all()
         self.flush(force=True)
         return {"calls": self.calls, "merged_steps": self.merged_steps}
 

@@ -157,16 +157,19 @@ _KEEP_STEP_COUNTS = 64
 
 
 class RelayServer:
-    """Runs an asyncio loop in a daemon thread. `forward_send(batch)` is called with
-    batches of packets (fire-and-forget); `forward_decide(batch, step, timeout)` must
-    return the directive bytes and `forward_lease(after, timeout)` the lease bytes once a
-    step beyond `after` is reduced (both may block: they run in worker threads). Without
-    `forward_lease` no lease gates the ranks."""
+    """Runs an asyncio loop in a daemon thread. `forward_send(batch)` is called in that
+    loop with batches of packets (fire-and-forget: it must not block);
+    `forward_decide(batch, step, timeout)` returns the directive bytes (a coroutine
+    function runs in the loop; a plain function may block: it runs in a worker thread).
+    Leases come either pushed (`pushed_leases`: the owner calls `set_lease` in the loop,
+    as the node's uplink does) or from `forward_lease(after, timeout)`, a blocking long
+    poll answered once a step beyond `after` is reduced. With neither, no lease gates the
+    ranks."""
 
     def __init__(self, forward_send: Callable[[Any], None],
-                 forward_decide: Callable[[Any, int, float], bytes], local_ranks: int,
+                 forward_decide: Callable[[Any, int, float], Any], local_ranks: int,
                  host: str = "127.0.0.1", forward_lease: Callable[[int, float], bytes] | None = None,
-                 prereduce: NodePreReducer | None = None, token: str = ""):
+                 prereduce: NodePreReducer | None = None, token: str = "", pushed_leases: bool = False):
         self.token = token
         """Set: a connection's first frame must be {"op": "hello", "token": token}."""
         self.prereduce = prereduce
@@ -175,6 +178,7 @@ class RelayServer:
         self.forward_send = forward_send
         self.forward_decide = forward_decide
         self.forward_lease = forward_lease
+        self.leases = pushed_leases or forward_lease is not None
         self._lease = Lease()
         self._lease_changed: asyncio.Condition | None = None
         self._lease_poller: asyncio.Future | None = None
@@ -189,7 +193,7 @@ class RelayServer:
         self._thread = threading.Thread(target=self._run, name="mindpulse-relay", daemon=True)
         self.stats = {"frames": 0, "packets": 0, "forward_calls": 0, "decide_calls": 0, "bad_frames": 0,
                       "forward_errors": 0, "lease_polls": 0, "lease_waits": 0,
-                      "refused_connections": 0}
+                      "refused_connections": 0, "bad_leases": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> int:
@@ -218,8 +222,9 @@ class RelayServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self._stop = asyncio.Event()
         flusher = asyncio.ensure_future(self._flusher())
-        if self.forward_lease is not None:  # warm from the start: a rank's first ask finds it at hand
+        if self.leases:
             self._lease_changed = asyncio.Condition()
+        if self.forward_lease is not None:  # warm from the start: a rank's first ask finds it at hand
             self._lease_poller = asyncio.ensure_future(self._poll_leases())
         self._ready.set()
         await self._stop.wait()
@@ -317,6 +322,10 @@ class RelayServer:
             return batch
         return self.prereduce.take()
 
+    async def flush(self) -> None:
+        """Send what is queued now (in the relay's loop)."""
+        await self._flush()
+
     async def _flush(self) -> None:
         if not (self._buffer if self.prereduce is None else self.prereduce.has_data()):
             return
@@ -344,7 +353,7 @@ class RelayServer:
     async def _lease_for(self, need: int, timeout: float) -> tuple[bytes | None, float]:
         """The cached lease once it lets a rank start the step after `need` (reduced through
         `need`, or a stop decided), waiting at most `timeout`; (lease, seconds waited)."""
-        if self.forward_lease is None or self._lease_changed is None:
+        if self._lease_changed is None:
             return None, 0.0
 
         def granted() -> bool:
@@ -378,10 +387,32 @@ class RelayServer:
                 log.warning("relay could not get the lease: %s", exc)
                 await asyncio.sleep(1.0)
                 continue
-            if lease != self._lease:
-                self._lease = lease
-                async with self._lease_changed:
-                    self._lease_changed.notify_all()
+            await self._new_lease(lease)
+
+    def set_lease(self, raw: bytes) -> None:
+        """A lease pushed down (call in the relay's loop); a malformed one is counted, not kept."""
+        try:
+            lease = Lease.decode(raw)
+        except Exception:
+            self.stats["bad_leases"] += 1
+            return
+        if lease != self._lease:
+            self._lease = lease  # a rank asking from now on is answered from it
+            asyncio.ensure_future(self._notify_lease())
+
+    @property
+    def lease(self) -> Lease:
+        return self._lease
+
+    async def _new_lease(self, lease: Lease) -> None:
+        if lease != self._lease:
+            self._lease = lease
+            await self._notify_lease()
+
+    async def _notify_lease(self) -> None:
+        assert self._lease_changed is not None
+        async with self._lease_changed:
+            self._lease_changed.notify_all()
 
     # ---- decisions ---------------------------------------------------------------------------
     async def _decide(self, packets: list[bytes], step: int, timeout: float, expect: int) -> bytes:
@@ -407,8 +438,11 @@ class RelayServer:
         batch = self._take()
         self.stats["decide_calls"] += 1
         try:
-            directive = await asyncio.get_running_loop().run_in_executor(
-                None, self.forward_decide, batch, step, timeout)
+            if asyncio.iscoroutinefunction(self.forward_decide):
+                directive = await self.forward_decide(batch, step, timeout)
+            else:
+                directive = await asyncio.get_running_loop().run_in_executor(
+                    None, self.forward_decide, batch, step, timeout)
         except Exception as exc:
             self.stats["forward_errors"] += 1
             directive = Directive.no_directive(step, str(exc)).encode()

@@ -1,6 +1,6 @@
 """The tree's second level: a group leader merges its members' node partials per step
-into one aggregator call, lets a late member's step go up on its own, and shares one lease
-poll; the aggregator cannot tell the result from the flat reduction."""
+into one aggregator call and lets a late member's step go up on its own; the aggregator
+cannot tell the result from the flat reduction. (The lease it passes down: test_uplink.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mindpulse.aggregator.reducer import reduce_step
 from mindpulse.node import group as group_mod
 from mindpulse.node.group import GroupLeader
 from mindpulse.node.relay import NodePreReducer
-from mindpulse.protocol import EventPacket, Lease, StepPacket
+from mindpulse.protocol import EventPacket, StepPacket
 
 NODES, RPN = 3, 2
 
@@ -33,7 +33,7 @@ def test_a_group_leader_merges_its_members_into_one_call_per_step(tmp_path, monk
         calls.append(entries)
         core.ingest_nodes(entries)
 
-    leader = GroupLeader(0, list(range(NODES)), send, lambda after, timeout: core.lease().encode())
+    leader = GroupLeader(0, list(range(NODES)), send)
     pre = [NodePreReducer(n, range(n * RPN, (n + 1) * RPN), world_size=NODES * RPN) for n in range(NODES)]
     try:
         for s in range(1, 6):
@@ -69,10 +69,6 @@ def test_a_group_leader_merges_its_members_into_one_call_per_step(tmp_path, monk
         while (core.last_reduced.step != 6) and time.time() < deadline:
             time.sleep(0.02)
         assert core.last_reduced.step == 6 and core.last_reduced.ranks_reported == 6
-
-        # the group's one lease poll answers a member's long poll
-        lease = Lease.decode(leader.lease(after=5, timeout=3))
-        assert lease.reduced_through >= 6, lease
     finally:
         leader.close()
     assert {r: i["pid"] for r, i in core.rank_info.items()} == {0: 100, 2: 101, 4: 102}, "events pass through"
@@ -84,7 +80,7 @@ def test_a_group_leader_merges_its_members_into_one_call_per_step(tmp_path, monk
 def test_a_batch_from_a_node_outside_the_group_is_refused_and_counted(tmp_path):
     core = AggregatorCore(tmp_path, world_size=4, settings={"tensorboard": False,
                                                              "world": {"nodes": 2, "ranks_per_node": 2}})
-    leader = GroupLeader(0, [0], core.ingest_nodes, lambda after, timeout: core.lease().encode())
+    leader = GroupLeader(0, [0], core.ingest_nodes)
     try:
         leader.add(1, {"steps": [packet(2, 1).encode()], "other": [], "partials": [], "rejected": {}})
         leader.flush(force=True)

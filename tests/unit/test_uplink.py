@@ -1,0 +1,213 @@
+"""The node uplink (mindpulse/uplink.py): node batches reach a real aggregator core over a
+real socket, the lease comes back pushed, nothing is lost across a server restart, and a
+peer without the token or speaking garbage is cut off."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.aggregator.metrics_store import read_wire
+from mindpulse.node.relay import NodePreReducer
+from mindpulse.protocol import Action, Directive, Lease, StepPacket, encode_frame
+from mindpulse.uplink import Uplink, UplinkServer
+
+
+class Loop:
+    """An event loop in a thread of its own (as the aggregator actor's and a relay's)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn, *args):
+        async def go():
+            return fn(*args)
+        return self.run(go())
+
+    def close(self):
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_all())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def serve(loop: Loop, core: AggregatorCore, seen: list | None = None) -> UplinkServer:
+    def ingest(entries):
+        if seen is not None:
+            seen.append(entries)
+        core.ingest_nodes(entries)
+
+    async def directive(step, timeout):
+        deadline = time.monotonic() + timeout
+        while core.directive_for(step) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        d = core.directive_for(step)
+        return (d or Directive.no_directive(step, "timeout")).encode()
+
+    server = UplinkServer(ingest, directive, lambda: core.lease().encode())
+    loop.run(server.start("127.0.0.1"))
+    return server
+
+
+def step_packet(r: int, s: int, **kw) -> StepPacket:
+    return StepPacket(rank=r, step=s, loss=1.0 + 0.01 * r, grad_norm=1.0, step_time_s=0.1, samples=4,
+                      ts=float(s), **kw)
+
+
+def wait_for(cond, what: str, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def loops():
+    made: list[Loop] = []
+
+    def make() -> Loop:
+        made.append(Loop())
+        return made[-1]
+
+    yield make
+    for lp in made:
+        lp.close()
+
+
+def test_node_batches_reach_the_core_and_the_lease_comes_back_pushed(tmp_path, loops):
+    core = AggregatorCore(tmp_path, world_size=2, settings={"tensorboard": False,
+                                                             "world": {"nodes": 1, "ranks_per_node": 2}})
+    agg, node = loops(), loops()
+    server = serve(agg, core)
+    leases: list[Lease] = []
+    up = Uplink(0, lambda: server.address, lambda raw: leases.append(Lease.decode(raw)))
+    up.start(node.loop)
+    pre = NodePreReducer(0, range(2), world_size=2)
+    for s in range(1, 6):
+        for r in range(2):
+            pre.add(step_packet(r, s).encode())
+        node.call(up.send, [(0, pre.take())])
+        wait_for(lambda s=s: leases and leases[-1].reduced_through >= s, f"the lease of step {s} pushed down")
+    assert core.last_reduced.step == 5 and core.last_reduced.ranks_reported == 2
+    wait_for(lambda: up.unacked == 0, "every frame acknowledged")
+    assert node.run(up.close(1)) == 0, "nothing lost"
+    agg.run(server.close())
+    core.close()
+    stored = sorted((o["rank"], o["step"]) for o in read_wire(tmp_path / "metrics.msgpack") if o.get("t") == "step")
+    assert stored == [(r, s) for r in range(2) for s in range(1, 6)], "every raw packet is stored once"
+
+
+def test_a_decision_is_answered_once_its_step_is_reduced(tmp_path, loops):
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False})
+    agg, node = loops(), loops()
+    server = serve(agg, core)
+    up = Uplink(0, lambda: server.address, lambda raw: None)
+    up.start(node.loop)
+    pre = NodePreReducer(0, range(1), world_size=1)
+    core.request_stop("test stop")
+    pre.add(step_packet(0, 1, decision=True).encode())
+    raw = node.run(up.decide([(0, pre.take())], 1, 5.0))
+    d = Directive.decode(raw)
+    assert d.step == 1 and d.action is Action.CONTINUE and not d.reason, f"step 1's own directive: {d}"
+    assert core.stop is not None and core.stop["step"] == 2, "the stop applies after max_lag_steps"
+    pre.add(step_packet(0, 2, decision=True).encode())
+    d = Directive.decode(node.run(up.decide([(0, pre.take())], 2, 5.0)))
+    assert d.step == 2 and d.action is Action.STOP, d
+    node.run(up.close(1))
+    agg.run(server.close())
+    core.close()
+
+
+def test_nothing_is_lost_when_the_server_restarts(tmp_path, loops):
+    """Frames sent while the server is gone wait, unacknowledged, and go to the new one in
+    order; frames the old one acknowledged are not sent again."""
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False})
+    agg, node = loops(), loops()
+    seen: list = []
+    servers = [serve(agg, core, seen)]
+    up = Uplink(0, lambda: servers[-1].address, lambda raw: None)
+    up.start(node.loop)
+    pre = NodePreReducer(0, range(1), world_size=1)
+
+    def send(s):
+        pre.add(step_packet(0, s).encode())
+        node.call(up.send, [(0, pre.take())])
+
+    for s in (1, 2):
+        send(s)
+    wait_for(lambda: up.unacked == 0, "steps 1-2 acknowledged")
+    agg.run(servers[0].close())
+    wait_for(lambda: not up.connected, "the uplink to see the server gone")
+    for s in (3, 4, 5):
+        send(s)
+    assert up.unacked == 3, "frames sent while the server is gone wait"
+    servers.append(serve(agg, core, seen))
+    wait_for(lambda: up.unacked == 0, "the waiting frames acknowledged by the new server", timeout=10)
+    steps = [p["step"] for entries in seen for _, b in entries for p in b["partials"]]
+    assert steps == [1, 2, 3, 4, 5], f"each step once, in order: {steps}"
+    assert core.last_reduced.step == 5
+    assert up.stats["connections"] == 2
+    node.run(up.close(1))
+    agg.run(servers[-1].close())
+    core.close()
+
+
+def test_a_full_queue_drops_and_counts_instead_of_growing(loops):
+    node = loops()
+    up = Uplink(0, lambda: ("127.0.0.1", 1, "x"), lambda raw: None, max_unacked=3)  # nothing listens there
+    up.start(node.loop)
+    batch = {"steps": [b"a", b"b"], "other": [b"c"], "partials": [], "rejected": {}}
+    for _ in range(5):
+        node.call(up.send, [(0, batch)])
+    assert up.unacked == 3 and up.dropped == 6, (up.unacked, up.dropped)
+    assert node.run(up.close(0.2)) == 9, "the unacknowledged packets are reported lost at close"
+
+
+def test_a_peer_without_the_token_or_speaking_garbage_is_cut_off(tmp_path, loops):
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False})
+    agg = loops()
+    server = serve(agg, core)
+    host, port, token = server.address
+
+    def closed(sock: socket.socket) -> bool:
+        sock.settimeout(5)
+        try:
+            while True:
+                data = sock.recv(4096)
+                if not data:
+                    return True
+        except OSError:
+            return True
+
+    with socket.create_connection((host, port)) as s:
+        s.sendall(encode_frame({"op": "hello", "token": "wrong", "node": 0}))
+        assert closed(s), "a wrong token must close the connection"
+    with socket.create_connection((host, port)) as s:
+        s.sendall(encode_frame({"op": "hello", "token": token, "node": 0}))
+        s.sendall(encode_frame({"op": "send", "seq": "one", "entries": []}))
+        assert closed(s), "a malformed frame must close the connection"
+    with socket.create_connection((host, port)) as s:
+        s.sendall(encode_frame({"op": "hello", "token": token, "node": 0}))
+        s.sendall(b"\xff\xff\xff\xff")  # a frame longer than the limit
+        assert closed(s), "an oversized frame must close the connection"
+    wait_for(lambda: server.stats["refused_connections"] == 1 and server.stats["bad_frames"] == 2,
+             f"the refusals counted: {dict(server.stats)}")
+    assert core.accepted == 0
+    agg.run(server.close())
+    core.close()
