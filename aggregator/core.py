@@ -261,8 +261,9 @@ class AggregatorCore:
     def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> list[ReducedStep]:
         """Several nodes' batches in one call (a group leader's), each `(node or nodes, batch)`."""
         done: list[ReducedStep] = []
-        for nodes, batch in batches:
-            done.extend(self.ingest_node(nodes, batch))
+        with self.metrics.held():  # one write to metrics.msgpack per call
+            for nodes, batch in batches:
+                done.extend(self.ingest_node(nodes, batch))
         return done
 
     def ingest_node(self, node: int | list[int], batch: dict[str, Any]) -> list[ReducedStep]:
@@ -448,17 +449,18 @@ class AggregatorCore:
             self.milestone("first step", red.step)
         self.steps_reduced += 1
         self.compute.on_step(red)  # MFU, and the compute-drop flags where no node judged the step
-        if self.tb is not None and not self.replaying:
-            self.tb.on_reduced(red)
-            w = next((p.weights for p in red.per_rank.values() if p.weights), None)
-            if w:
-                self.tb.on_weights(red.step, w)
         self.last_reduced = red
         self.recent.append(red)
         self.goodput.add(StepTimes.of(red))
-        if self.tb is not None and not self.replaying and self.launch_started and red.ts > self.launch_started:
-            ettr = (self.productive_before + self.goodput.cum["productive"]) / (red.ts - self.launch_started)
-            self.tb.on_scalars([("goodput/ettr", ettr)], red.step, red.ts)
+        if self.tb is not None and not self.replaying:
+            also = []
+            if self.launch_started and red.ts > self.launch_started:
+                ettr = (self.productive_before + self.goodput.cum["productive"]) / (red.ts - self.launch_started)
+                also.append(("goodput/ettr", ettr))
+            self.tb.on_reduced(red, also)  # one event holds the step's scalars and histograms
+            w = next((p.weights for p in red.per_rank.values() if p.weights), None)
+            if w:
+                self.tb.on_weights(red.step, w)
         self.totals.add(red)
         self._check_fingerprints(red)
         if red.straggler_inputs:  # merged node partials: the nodes scored their ranks

@@ -34,6 +34,7 @@ Damage: readers resynchronise past damaged bytes (`protocol.iter_stream`) and co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -370,6 +371,8 @@ class MetricsWriter:
         self.paused = False
         """While set (a replay), `append_reduced` writes nothing."""
         self._fd = -1
+        self._held: list[bytes] | None = None
+        """Writes waiting for the end of a `held()` block (None: outside one)."""
         self._size = 0
         self._floor = 0  # the active segment's size after its marker: below it, never close it
         self._lock = threading.Lock()
@@ -401,13 +404,38 @@ class MetricsWriter:
         return {"v": SCHEMA_VERSION, "t": ATTEMPT, "attempt": self.attempt, "reason": reason, "ts": time.time(),
                 "pid": os.getpid()}
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """What is written inside goes out in one system call at the end (a node batch's raw
+        packets and its reduced steps: one write, not two or more)."""
+        if self._held is not None:  # nested: the outer one writes
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            self._flush_held()
+            self._held = None
+
+    def _flush_held(self) -> None:
+        if self._held:
+            blob, self._held = b"".join(self._held), []
+            self._write_now(blob)
+
     def _write(self, blob: bytes) -> None:
+        self._size += len(blob)
+        self.bytes += len(blob)
+        if self._held is not None:
+            self._held.append(blob)
+        else:
+            self._write_now(blob)
+
+    def _write_now(self, blob: bytes) -> None:
         view = memoryview(blob)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
-        self._size += len(blob)
-        self.bytes += len(blob)
 
     def append(self, raw: list[bytes]) -> None:
         """Append encoded packets (as they arrived), closing the segment at the cap."""
@@ -447,6 +475,7 @@ class MetricsWriter:
         """Close metrics.msgpack as the next numbered segment; a new one begins with a marker.
         The name never disappears: the closed file gets a second name (a hard link) before a
         new file replaces `metrics.msgpack` (a rename)."""
+        self._flush_held()
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
@@ -473,6 +502,7 @@ class MetricsWriter:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, file_mode_in(self.dir))
         self._fd, self._size = fd, 0
         self._write(_pack(self._marker(reason)))
+        self._flush_held()
         self.meta_records += 1
         os.fsync(fd)
         os.replace(tmp, self.path)
@@ -551,10 +581,12 @@ class MetricsWriter:
     # ---- the end
     def sync(self) -> None:
         if self._fd >= 0:
+            self._flush_held()
             os.fsync(self._fd)
 
     def close(self) -> None:
         if self._fd >= 0:
+            self._flush_held()
             try:
                 os.fsync(self._fd)
             finally:

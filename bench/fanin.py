@@ -217,7 +217,8 @@ def agent_process_cost(rpn: int = 8, rate: float = 20.0, seconds: float = 15.0) 
         c0 = sum(proc.cpu_times()[:2])
         time.sleep(seconds)
         idle = sum(proc.cpu_times()[:2]) - c0
-        c0, t0 = sum(proc.cpu_times()[:2]), time.time()
+        u0 = proc.cpu_times()
+        c0, t0 = sum(u0[:2]), time.time()
         for s in range(1, steps + 1):
             due = t0 + (s - 1) / rate
             if time.time() < due:
@@ -227,7 +228,8 @@ def agent_process_cost(rpn: int = 8, rate: float = 20.0, seconds: float = 15.0) 
                                         step_time_s=1 / rate, data_wait_s=0.001, samples=8, ts=time.time()).encode(), s)
             for ch in chans:
                 ch.lease(s - LAG)
-        busy = sum(proc.cpu_times()[:2]) - c0
+        u1 = proc.cpu_times()
+        busy = sum(u1[:2]) - c0
         for ch in chans:
             ch.close()
         nodes.flush(kill=False)
@@ -239,6 +241,8 @@ def agent_process_cost(rpn: int = 8, rate: float = 20.0, seconds: float = 15.0) 
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"ranks": rpn, "rate": rate, "steps": steps, "cpu_ms_per_step": round(busy / steps * 1000, 3),
+            "user_ms_per_step": round((u1.user - u0.user) / steps * 1000, 3),
+            "system_ms_per_step": round((u1.system - u0.system) / steps * 1000, 3),
             "idle_cpu_ms_per_step": round(idle / steps * 1000, 3),
             "reduced": snap.get("steps_reduced", snap.get("packets", {}).get("accepted"))}
 

@@ -6,12 +6,15 @@ Wire: the protocol's relay frames, a 4-byte big-endian length and a msgpack map 
   {"op": "send", "packets": [bytes, ...], "step": s?}            no answer
   {"op": "decide", "packets": [...], "step": s, "timeout": t, "expect": n?}
                                                                  answer {"directive": bytes}
-  {"op": "lease", "need": k, "timeout": t}                       answer {"lease": bytes | None,
-                                                                         "waited_s": float}
+  {"op": "leases"}                                               answered with {"lease": bytes | None}
+                                                                 now and again whenever the lease
+                                                                 changes (None: no lease service)
 A `send` that carries a rank's packet of step s says so; once every rank of the node has
 sent step s, the batch goes out at once (the aggregator reduces a step as soon as every
-node's part is in). Leases come from one long poll per node (`forward_lease`), cached
-here: a rank asking for a lease the cache already grants gets it without waiting. At a
+node's part is in). Leases come down to the node (pushed over its uplink, or from one
+long poll, `forward_lease`) and are pushed on to every rank that subscribed: a rank never
+asks, it reads the newest lease from its socket and waits only when that does not yet
+let it start its next step. At a
 decision step the relay groups the decide calls of the `expect` ranks that make one
 (rank 0 alone at a checkpoint candidate) into one aggregator call.
 The server listens on 127.0.0.1 only: ranks are on the agent's own machine. The rank's
@@ -31,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -180,7 +182,9 @@ class RelayServer:
         self.forward_lease = forward_lease
         self.leases = pushed_leases or forward_lease is not None
         self._lease = Lease()
-        self._lease_changed: asyncio.Condition | None = None
+        self._lease_frame = encode_frame({"lease": self._lease.encode() if self.leases else None})
+        self._lease_subs: set[asyncio.StreamWriter] = set()
+        """The ranks' lease connections: each lease is written to all of them."""
         self._lease_poller: asyncio.Future | None = None
         self._step_counts: dict[int, int] = {}
         self.local_ranks = max(1, local_ranks)
@@ -192,7 +196,7 @@ class RelayServer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mindpulse-relay", daemon=True)
         self.stats = {"frames": 0, "packets": 0, "forward_calls": 0, "decide_calls": 0, "bad_frames": 0,
-                      "forward_errors": 0, "lease_polls": 0, "lease_waits": 0,
+                      "forward_errors": 0, "lease_polls": 0, "lease_pushes": 0,
                       "refused_connections": 0, "bad_leases": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -222,8 +226,6 @@ class RelayServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self._stop = asyncio.Event()
         flusher = asyncio.ensure_future(self._flusher())
-        if self.leases:
-            self._lease_changed = asyncio.Condition()
         if self.forward_lease is not None:  # warm from the start: a rank's first ask finds it at hand
             self._lease_poller = asyncio.ensure_future(self._poll_leases())
         self._ready.set()
@@ -270,10 +272,9 @@ class RelayServer:
                     directive = await self._decide(packets, step, timeout, expect)
                     writer.write(encode_frame({"directive": directive}))
                     await writer.drain()
-                elif op == "lease":
-                    lease, waited = await self._lease_for(_int(msg.get("need"), -1), _timeout(msg.get("timeout")))
-                    writer.write(encode_frame({"lease": lease, "waited_s": waited}))
-                    await writer.drain()
+                elif op == "leases":
+                    self._lease_subs.add(writer)
+                    writer.write(self._lease_frame)
                 else:
                     complete = self._file(packets)
                     if complete or self._queued() >= FLUSH_PACKETS or self._step_complete(msg.get("step")):
@@ -281,6 +282,7 @@ class RelayServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._lease_subs.discard(writer)
             writer.close()
 
     async def _flusher(self) -> None:
@@ -350,29 +352,9 @@ class RelayServer:
         return True
 
     # ---- leases ------------------------------------------------------------------------------
-    async def _lease_for(self, need: int, timeout: float) -> tuple[bytes | None, float]:
-        """The cached lease once it lets a rank start the step after `need` (reduced through
-        `need`, or a stop decided), waiting at most `timeout`; (lease, seconds waited)."""
-        if self._lease_changed is None:
-            return None, 0.0
-
-        def granted() -> bool:
-            return self._lease.reduced_through >= need or self._lease.stopping
-
-        if granted():
-            return self._lease.encode(), 0.0
-        self.stats["lease_waits"] += 1
-        t0 = time.monotonic()
-        try:
-            async with self._lease_changed:
-                await asyncio.wait_for(self._lease_changed.wait_for(granted), timeout)
-        except TimeoutError:
-            pass
-        return self._lease.encode(), time.monotonic() - t0
-
     async def _poll_leases(self) -> None:
         """One long poll at a time per node: the aggregator answers when a step is reduced."""
-        assert self.forward_lease is not None and self._lease_changed is not None
+        assert self.forward_lease is not None
         loop = asyncio.get_running_loop()
         while True:
             self.stats["lease_polls"] += 1
@@ -387,7 +369,7 @@ class RelayServer:
                 log.warning("relay could not get the lease: %s", exc)
                 await asyncio.sleep(1.0)
                 continue
-            await self._new_lease(lease)
+            self._new_lease(lease)
 
     def set_lease(self, raw: bytes) -> None:
         """A lease pushed down (call in the relay's loop); a malformed one is counted, not kept."""
@@ -396,23 +378,24 @@ class RelayServer:
         except Exception:
             self.stats["bad_leases"] += 1
             return
-        if lease != self._lease:
-            self._lease = lease  # a rank asking from now on is answered from it
-            asyncio.ensure_future(self._notify_lease())
+        self._new_lease(lease)
 
     @property
     def lease(self) -> Lease:
         return self._lease
 
-    async def _new_lease(self, lease: Lease) -> None:
-        if lease != self._lease:
-            self._lease = lease
-            await self._notify_lease()
-
-    async def _notify_lease(self) -> None:
-        assert self._lease_changed is not None
-        async with self._lease_changed:
-            self._lease_changed.notify_all()
+    def _new_lease(self, lease: Lease) -> None:
+        """Keep it and push it to every subscribed rank (one frame, encoded once)."""
+        if lease == self._lease:
+            return
+        self._lease = lease
+        self._lease_frame = encode_frame({"lease": lease.encode()})
+        self.stats["lease_pushes"] += 1
+        for w in list(self._lease_subs):
+            if w.is_closing():
+                self._lease_subs.discard(w)
+            else:
+                w.write(self._lease_frame)
 
     # ---- decisions ---------------------------------------------------------------------------
     async def _decide(self, packets: list[bytes], step: int, timeout: float, expect: int) -> bytes:

@@ -123,12 +123,10 @@ class Channel(abc.ABC):
         self._poll_lease()
         cached = self._lease
         if _grants(cached, need):
-            self._prefetch_lease(need + 1)
             return cached, 0.0
         lease, waited = self._fetch_lease(need)
         if lease is not None:
             self._lease = lease
-            self._prefetch_lease(need + 1)
         return lease, waited
 
     def close(self) -> None:
@@ -176,13 +174,8 @@ class Channel(abc.ABC):
         """Ask the peer for the lease covering `need`; never raises."""
 
     def _poll_lease(self) -> None:
-        """Take, without waiting, a lease the peer already sent for an earlier request
-        (none by default: only a channel that asks ahead has one)."""
-        return None
-
-    def _prefetch_lease(self, need: int) -> None:
-        """Ask ahead, without waiting, for the lease the next step will need (a channel
-        whose peer answers leases as they come may; by default nothing is asked)."""
+        """Take, without waiting, a lease the peer already sent (none by default: only a
+        channel whose peer pushes leases has one)."""
         return None
 
 
@@ -193,12 +186,11 @@ def _grants(lease: Lease | None, need: int) -> bool:
 class RelayChannel(Channel):
     """Frames (protocol's `encode_frame`) to the node agent's relay on this machine.
 
-    Two connections: packets and decisions on one, leases on the other. The lease
-    connection asks one step ahead: once a lease covers step k, the request for k+1 goes
-    out at once and its answer (sent by the relay when k+1 is reduced, most often while
-    this rank computes its next step) is already waiting when the rank needs it, so in
-    steady state taking the lease costs no round trip. A request in flight never holds a
-    packet or a decision back: those travel on the other connection."""
+    Two connections: packets and decisions on one; on the other the relay pushes every new
+    lease (the rank subscribes once and never asks). Taking the lease is reading what is
+    already in the socket's buffer: in steady state, the lease for the next step arrived
+    while this rank computed, so it costs no round trip and no wait. A rank blocks only
+    while the newest lease does not let it start its next step."""
 
     def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0, token: str = ""):
         super().__init__(decision_timeout_s)
@@ -206,10 +198,15 @@ class RelayChannel(Channel):
         self.token = token
         self.sock: socket.socket | None = None
         self.lease_sock: socket.socket | None = None
-        self._asked: int | None = None
-        """The step of the lease request in flight on `lease_sock` (its answer is read
-        before anything else is asked there)."""
+        self._lease_buf = bytearray()
+        self._no_service = False
+        """The relay has no lease to give (no aggregator behind it): nothing holds the rank."""
         self._connect()
+        if self.sock is not None:  # subscribed from the start: the first lease is at hand when needed
+            try:
+                self._subscribe()
+            except OSError:
+                self._drop_leases()
 
     def _open(self, what: str) -> socket.socket | None:
         try:
@@ -258,69 +255,83 @@ class RelayChannel(Channel):
             raise ValueError(f"a {n}-byte frame from the relay")
         return decode_frame_body(_recv_exact(sock, n))
 
-    # ---- leases: one request in flight on a connection of their own ---------------------------
-    def _ask(self, need: int) -> None:
-        """Send the lease request for `need` (raises OSError when the relay is unreachable)."""
+    # ---- leases: pushed by the relay on a connection of their own ----------------------------
+    def _subscribe(self) -> socket.socket:
+        """The lease connection (raises OSError when the relay is unreachable)."""
         if self.lease_sock is None:
-            self.lease_sock = self._open("leases")
-            if self.lease_sock is None:
+            sock = self._open("leases")
+            if sock is None:
                 raise OSError("relay unreachable")
-        self.lease_sock.settimeout(WRITE_TIMEOUT_S)
-        self.lease_sock.sendall(encode_frame({"op": "lease", "need": need, "timeout": self.decision_timeout_s}))
-        self._asked = need
+            sock.settimeout(WRITE_TIMEOUT_S)
+            sock.sendall(encode_frame({"op": "leases"}))
+            sock.setblocking(False)  # from here on it is only read, after select says so
+            self.lease_sock, self._lease_buf = sock, bytearray()
+        return self.lease_sock
 
-    def _answer(self) -> tuple[Lease | None, bool]:
-        """The answer to the request in flight: (lease, whether the relay waited for it)."""
-        reply = self._reply(self.lease_sock)
-        self._asked = None
-        self._answered()
-        raw = reply.get("lease")
-        return (Lease.decode(raw) if raw is not None else None), bool(reply.get("waited_s"))
+    def _read_leases(self, timeout: float) -> None:
+        """Take every lease frame that arrives within `timeout` (0: only those already
+        there); the newest is kept. Raises OSError or ValueError when the connection broke."""
+        sock = self._subscribe()
+        if not select.select([sock], [], [], max(0.0, timeout))[0]:
+            return
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                raise ConnectionError("relay closed the lease connection")
+            self._lease_buf += chunk
+            if len(chunk) < 65536:
+                break
+        buf = self._lease_buf
+        while len(buf) >= FRAME_HEADER_BYTES:
+            n = frame_length(bytes(buf[:FRAME_HEADER_BYTES]))
+            if n > MAX_FRAME:
+                raise ValueError(f"a {n}-byte frame from the relay")
+            if len(buf) < FRAME_HEADER_BYTES + n:
+                break
+            raw = decode_frame_body(bytes(buf[FRAME_HEADER_BYTES:FRAME_HEADER_BYTES + n])).get("lease")
+            del buf[:FRAME_HEADER_BYTES + n]
+            self._answered()
+            if raw is None:
+                self._no_service = True
+            else:
+                self._lease = Lease.decode(raw)
 
     def _poll_lease(self) -> None:
-        if self._asked is None or self.lease_sock is None:
+        if self.lease_sock is None:
             return
         try:
-            if not select.select([self.lease_sock], [], [], 0)[0]:
-                return  # not answered yet
-            lease, _ = self._answer()
+            self._read_leases(0.0)
         except Exception:
-            self._drop_leases()  # the next fetch asks again (and reports what failed)
-            return
-        if lease is not None:
-            self._lease = lease
-
-    def _prefetch_lease(self, need: int) -> None:
-        if self._asked is not None or self._lease is None or _grants(self._lease, need):
-            return  # one request at a time; no lease service; or already covered
-        try:
-            self._ask(need)
-        except Exception:
-            self._drop_leases()
+            self._drop_leases()  # the next fetch connects again (and reports what failed)
 
     def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
-        t0 = time.monotonic()
+        deadline = time.monotonic() + self.decision_timeout_s
+        waited = False
         try:
-            if self._asked is not None and self._asked > need:
-                self._drop_leases()  # its answer may come a step later than this rank may go on
-            if self._asked is None:
-                self._ask(need)
-            asked = self._asked
-            lease, relay_waited = self._answer()
-            if asked is not None and asked < need and lease is not None and not _grants(lease, need):
-                # that was the answer for an earlier step: now ask for this one (once: an
-                # answer for `need` itself that does not grant it came after the timeout)
-                self._ask(need)
-                lease, waited = self._answer()
-                relay_waited = relay_waited or waited
-            # a lease the relay had at hand cost a loopback round trip, not a wait
-            return lease, (time.monotonic() - t0) if relay_waited else 0.0
+            self._read_leases(0.0)
+            while self._lease is None and not self._no_service and time.monotonic() < deadline:
+                self._read_leases(deadline - time.monotonic())  # the relay's first push: not a wait
+            t0 = time.monotonic()
+            while not self._no_service and not _grants(self._lease, need):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                waited = True
+                self._read_leases(left)
         except Exception as exc:
             self._drop_leases()
             return self._no_lease(need, exc)
+        if self._no_service:
+            return None, 0.0
+        if self._lease is None:
+            return self._no_lease(need, "no lease from the relay")
+        return self._lease, (time.monotonic() - t0) if waited else 0.0
 
     def _drop_leases(self) -> None:
-        self._asked = None
+        self._lease_buf = bytearray()
         if self.lease_sock is not None:
             try:
                 self.lease_sock.close()
