@@ -13,7 +13,7 @@ weights, optimizer and fixed random byte tokens shared by every configuration):
                 weight statistics on, `checkpoint.best_every_steps` 10, so rank 0 waits for
                 the verdict every 10th step), its `RelayChannel` to a real node relay (the
                 launcher's `NodeAgents` starting a `NodeAgent` actor: `RelayServer` +
-                `NodePreReducer`, card telemetry on) forwarding to a real aggregator actor
+                `NodePreReducer`, card telemetry on) streaming over its node uplink to a real aggregator actor
                 (`start_aggregator` with the settings a launch passes; TensorBoard on) in a
                 local Ray cluster; heartbeat thread on. Checkpoint *writing* is off (it is
                 not monitoring): the aggregator still judges every 10th step and rank 0

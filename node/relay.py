@@ -1,6 +1,6 @@
 """Per-node packet relay: the node's ranks talk to their NodeAgent over loopback, the
-agent talks to the aggregator in batches, so the aggregator's load grows with nodes,
-not ranks (one actor drains ~2,000 calls/s; batched records reach ~50,000/s).
+agent sends the aggregator one batch per step over its uplink (mindpulse/uplink.py), so
+the aggregator's load grows with nodes, not ranks.
 
 Wire: the protocol's relay frames, a 4-byte big-endian length and a msgpack map (no pickle):
   {"op": "send", "packets": [bytes, ...], "step": s?}            no answer
