@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import re
 import struct
@@ -105,12 +106,20 @@ class Packet:
     REQUIRED: ClassVar[tuple[str, ...]]
 
     def to_wire(self) -> dict[str, Any]:
+        # the fields as they are (every one a plain value, list or dict): `dataclasses.asdict`
+        # deep-copies each of them, ~0.4 ms a step packet on the rank's hot path
         d = {"v": SCHEMA_VERSION, "t": self.TYPE.value}
-        d.update(dataclasses.asdict(self))
+        for name in _field_names(type(self)):
+            d[name] = getattr(self, name)
         return d
 
     def encode(self) -> bytes:
         return msgpack.packb(self.to_wire(), use_bin_type=True)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 _NUM = (int, float)
