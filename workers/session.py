@@ -202,11 +202,8 @@ class RelayChannel(Channel):
         self._no_service = False
         """The relay has no lease to give (no aggregator behind it): nothing holds the rank."""
         self._connect()
-        if self.sock is not None:  # subscribed from the start: the first lease is at hand when needed
-            try:
-                self._subscribe()
-            except OSError:
-                self._drop_leases()
+        # the lease connection opens at the first lease asked for: a channel that never asks
+        # (the heartbeat's) gets no lease pushed to it
 
     def _open(self, what: str) -> socket.socket | None:
         try:
