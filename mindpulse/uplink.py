@@ -89,8 +89,15 @@ def _entries(x: Any) -> Entries:
     for e in x:
         if not (isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[1], dict)):
             raise ValueError("an entry is not [node, batch]")
-        out.append((e[0], e[1]))
+        node = e[0]
+        if not (_node_id(node) or (isinstance(node, list) and node and all(_node_id(n) for n in node))):
+            raise ValueError(f"an entry's node is {node!r}, not a node id or a list of them")
+        out.append((node, e[1]))
     return out
+
+
+def _node_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 # ---- the server: in the aggregator actor's event loop, or a group leader's relay loop ----------

@@ -206,7 +206,11 @@ def test_a_peer_without_the_token_or_speaking_garbage_is_cut_off(tmp_path, loops
         s.sendall(encode_frame({"op": "hello", "token": token, "node": 0}))
         s.sendall(b"\xff\xff\xff\xff")  # a frame longer than the limit
         assert closed(s), "an oversized frame must close the connection"
-    wait_for(lambda: server.stats["refused_connections"] == 1 and server.stats["bad_frames"] == 2,
+    with socket.create_connection((host, port)) as s:
+        s.sendall(encode_frame({"op": "hello", "token": token, "node": 0}))
+        s.sendall(encode_frame({"op": "send", "seq": 1, "entries": [["node0", {"steps": []}]]}))
+        assert closed(s), "an entry whose node is not a node id must close the connection"
+    wait_for(lambda: server.stats["refused_connections"] == 1 and server.stats["bad_frames"] == 3,
              f"the refusals counted: {dict(server.stats)}")
     assert core.accepted == 0
     agg.run(server.close())
