@@ -80,6 +80,20 @@ def node_batch(node: int, rpn: int, step: int, world: int) -> dict:
     return pre.take()
 
 
+def loop_thread(name: str):
+    """An event loop running in a daemon thread (where uplinks live, as in a node agent's relay)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name=name, daemon=True).start()
+    return loop
+
+
+def resolver(aggregator):
+    """An uplink's `resolve`: the aggregator's uplink address, asked through Ray."""
+    return lambda: tuple(ray.get(aggregator.uplink_address.remote(), timeout=60))
+
+
 class Leader:
     """Plays the group leaders of some groups: each group is the real `GroupLeader` a
     leading node agent runs (node/group.py): it merges its nodes' partials of a step into
@@ -87,8 +101,6 @@ class Leader:
     aggregator's uplink server, which pushes the lease back down the same stream."""
 
     def __init__(self, aggregator, groups: list[list[int]], rpn: int, world: int):
-        import asyncio
-
         from mindpulse.node.group import GroupLeader
         from mindpulse.uplink import Uplink
 
@@ -97,13 +109,8 @@ class Leader:
         # the step number of the partial is set per step (the raw packets are stored as they are)
         self.batches = {(n, kind): node_batch(n, rpn, 20 if kind else 11, world) for g in groups for n in g
                         for kind in (0, 1)}
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="uplinks", daemon=True).start()
-
-        def resolve():
-            return tuple(ray.get(aggregator.uplink_address.remote(), timeout=60))
-
-        self.uplinks = [Uplink(g[0], resolve, lambda raw: None) for g in groups]
+        self.loop = loop_thread("uplinks")
+        self.uplinks = [Uplink(g[0], resolver(aggregator), lambda raw: None) for g in groups]
         for up in self.uplinks:
             up.start(self.loop)
         self.leaders = [GroupLeader(g[0], g, up.send_threadsafe) for g, up in zip(groups, self.uplinks)]
@@ -133,16 +140,13 @@ class LeaseWatch:
     each step's lease arrived (pushed by the aggregator)."""
 
     def __init__(self, aggregator):
-        import asyncio
-
         from mindpulse.uplink import Uplink
 
         self.reduced_at: dict[int, float] = {}
         self.lease = Lease()
         self.cond = threading.Condition()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="lease-watch", daemon=True).start()
-        self.up = Uplink(-1, lambda: tuple(ray.get(aggregator.uplink_address.remote(), timeout=60)), self._on)
+        self.loop = loop_thread("lease-watch")
+        self.up = Uplink(-1, resolver(aggregator), self._on)
         self.up.start(self.loop)
 
     def _on(self, raw: bytes) -> None:

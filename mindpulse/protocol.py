@@ -618,6 +618,8 @@ __all__ = [
     "CheckpointKind",
     "encode_frame",
     "decode_frame_body",
+    "frame_int",
+    "frame_timeout",
     "RankSettings",
     "Schedule",
 ]
@@ -682,6 +684,17 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
 
 def frame_length(header: bytes) -> int:
     return _LEN.unpack(header)[0]
+
+
+def frame_int(x: Any, default: int) -> int:
+    """An integer field of a frame (a bool or anything else: `default`)."""
+    return x if isinstance(x, int) and not isinstance(x, bool) else default
+
+
+def frame_timeout(x: Any) -> float:
+    """A wait a frame asks for, bounded: a frame cannot hold its receiver's tasks forever
+    (NaN or anything not a number: 60 s)."""
+    return min(max(float(x), 0.0), 3600.0) if isinstance(x, (int, float)) and x == x else 60.0
 
 
 def decode_frame_body(body: bytes) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from typing import Any
 
 import msgpack
 
-from mindpulse.protocol import FRAME_HEADER_BYTES, Directive, encode_frame, frame_length
+from mindpulse.protocol import FRAME_HEADER_BYTES, Directive, encode_frame, frame_int, frame_length, frame_timeout
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _entries(x: Any) -> Entries:
 
 
 def _node_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return frame_int(x, -1) >= 0
 
 
 # ---- the server: in the aggregator actor's event loop, or a group leader's relay loop ----------
@@ -107,8 +107,8 @@ class UplinkServer:
     `ingest(entries)` files a frame's batches, in frame order (a coroutine function is
     awaited before the next frame is read);
     `directive(step, timeout)` waits for a step's directive bytes; `lease()` is the current
-    lease's bytes, pushed to every connection when it changes (`push_lease`, called after
-    every frame and by the owner whenever something else may have moved it)."""
+    lease's bytes, sent on every new connection and pushed to all of them when the owner
+    calls `push_lease` (after it reduced a step, or received a new lease from above)."""
 
     def __init__(self, ingest: Callable[[Entries], Any],
                  directive: Callable[[int, float], Awaitable[bytes]], lease: Callable[[], bytes]):
@@ -197,7 +197,6 @@ class UplinkServer:
                     t = asyncio.ensure_future(self._answer(writer, seq, msg.get("step"), msg.get("timeout")))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
-                self.push_lease()
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -208,8 +207,7 @@ class UplinkServer:
             writer.close()
 
     async def _answer(self, writer: asyncio.StreamWriter, seq: int, step: Any, timeout: Any) -> None:
-        step = step if isinstance(step, int) and not isinstance(step, bool) else -1
-        timeout = min(max(float(timeout), 0.0), 3600.0) if isinstance(timeout, (int, float)) else 60.0
+        step, timeout = frame_int(step, -1), frame_timeout(timeout)
         try:
             raw = await self.directive(step, timeout)
         except Exception as exc:
@@ -238,8 +236,10 @@ class Uplink:
         self._decides: dict[int, tuple[int, float, asyncio.Future]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task | None = None
-        self._redirect = asyncio.Event()
-        self._drained: asyncio.Event | None = None
+        self._redirect = asyncio.Event()  # (an asyncio primitive binds to the loop that first waits on it)
+        self._drained = asyncio.Event()
+        """Set while every frame is acknowledged."""
+        self._drained.set()
         self.dropped = 0
         """Packets dropped because `max_unacked` frames were waiting."""
         self.stats: Counter[str] = Counter()
@@ -251,9 +251,6 @@ class Uplink:
         loop.call_soon_threadsafe(self._begin)
 
     def _begin(self) -> None:
-        self._redirect = asyncio.Event()
-        self._drained = asyncio.Event()
-        self._drained.set()
         self._task = asyncio.ensure_future(self._run())
 
     def redirect(self) -> None:
@@ -269,7 +266,7 @@ class Uplink:
     async def close(self, timeout: float = 10.0) -> int:
         """Wait up to `timeout` for every frame to be acknowledged, then close; returns the
         number of packets still unacknowledged (lost)."""
-        if self._drained is not None and self._unacked:
+        if self._unacked:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), timeout)
         if self._task is not None:
@@ -323,8 +320,7 @@ class Uplink:
         self._seq += 1
         raw = encode_frame(dict(frame, seq=self._seq))
         self._unacked[self._seq] = (raw, packets)
-        if self._drained is not None:
-            self._drained.clear()
+        self._drained.clear()
         self.stats["frames"] += 1
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(raw)
@@ -376,7 +372,7 @@ class Uplink:
             ack = msg["ack"]
             while self._unacked and next(iter(self._unacked)) <= ack:
                 self._unacked.popitem(last=False)
-            if not self._unacked and self._drained is not None:
+            if not self._unacked:
                 self._drained.set()
         if "directive" in msg:
             entry = self._decides.get(msg.get("seq"))  # type: ignore[arg-type]

@@ -11,8 +11,8 @@ Wire: the protocol's relay frames, a 4-byte big-endian length and a msgpack map 
                                                                  changes (None: no lease service)
 A `send` that carries a rank's packet of step s says so; once every rank of the node has
 sent step s, the batch goes out at once (the aggregator reduces a step as soon as every
-node's part is in). Leases come down to the node (pushed over its uplink, or from one
-long poll, `forward_lease`) and are pushed on to every rank that subscribed: a rank never
+node's part is in). Leases come down to the node (pushed over its uplink) and are pushed
+on to every rank that subscribed: a rank never
 asks, it reads the newest lease from its socket and waits only when that does not yet
 let it start its next step. At a
 decision step the relay groups the decide calls of the `expect` ranks that make one
@@ -35,7 +35,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mindpulse.aggregator.reducer import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
@@ -49,7 +49,9 @@ from mindpulse.protocol import (
     decode_frame_body,
     decode_wire,
     encode_frame,
+    frame_int,
     frame_length,
+    frame_timeout,
 )
 
 NodeBatch = dict[str, Any]
@@ -153,25 +155,21 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.05
 FLUSH_PACKETS = 256
 GROUP_WAIT_S = 0.02
-LEASE_POLL_S = 2.0
-"""One long poll for the lease lasts at most this long (then it is asked again)."""
 _KEEP_STEP_COUNTS = 64
 
 
 class RelayServer:
     """Runs an asyncio loop in a daemon thread. `forward_send(batch)` is called in that
     loop with batches of packets (fire-and-forget: it must not block);
-    `forward_decide(batch, step, timeout)` returns the directive bytes (a coroutine
-    function runs in the loop; a plain function may block: it runs in a worker thread).
-    Leases come either pushed (`pushed_leases`: the owner calls `set_lease` in the loop,
-    as the node's uplink does) or from `forward_lease(after, timeout)`, a blocking long
-    poll answered once a step beyond `after` is reduced. With neither, no lease gates the
-    ranks."""
+    `forward_decide(batch, step, timeout)`, a coroutine function run in the loop, returns
+    the directive bytes. With `pushed_leases` the owner hands each new lease to
+    `set_lease` (in the loop, as the node's uplink does) and the relay pushes it on to its
+    ranks; without, no lease gates the ranks."""
 
     def __init__(self, forward_send: Callable[[Any], None],
-                 forward_decide: Callable[[Any, int, float], Any], local_ranks: int,
-                 host: str = "127.0.0.1", forward_lease: Callable[[int, float], bytes] | None = None,
-                 prereduce: NodePreReducer | None = None, token: str = "", pushed_leases: bool = False):
+                 forward_decide: Callable[[Any, int, float], Awaitable[bytes]], local_ranks: int,
+                 host: str = "127.0.0.1", prereduce: NodePreReducer | None = None, token: str = "",
+                 pushed_leases: bool = False):
         self.token = token
         """Set: a connection's first frame must be {"op": "hello", "token": token}."""
         self.prereduce = prereduce
@@ -179,13 +177,10 @@ class RelayServer:
         `NodeBatch` (see `NodePreReducer` above); unset: batches of raw packets."""
         self.forward_send = forward_send
         self.forward_decide = forward_decide
-        self.forward_lease = forward_lease
-        self.leases = pushed_leases or forward_lease is not None
         self._lease = Lease()
-        self._lease_frame = encode_frame({"lease": self._lease.encode() if self.leases else None})
+        self._lease_frame = encode_frame({"lease": self._lease.encode() if pushed_leases else None})
         self._lease_subs: set[asyncio.StreamWriter] = set()
         """The ranks' lease connections: each lease is written to all of them."""
-        self._lease_poller: asyncio.Future | None = None
         self._step_counts: dict[int, int] = {}
         self.local_ranks = max(1, local_ranks)
         self.host = host
@@ -196,7 +191,7 @@ class RelayServer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mindpulse-relay", daemon=True)
         self.stats = {"frames": 0, "packets": 0, "forward_calls": 0, "decide_calls": 0, "bad_frames": 0,
-                      "forward_errors": 0, "lease_polls": 0, "lease_pushes": 0,
+                      "forward_errors": 0, "lease_pushes": 0,
                       "refused_connections": 0, "bad_leases": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -226,13 +221,9 @@ class RelayServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self._stop = asyncio.Event()
         flusher = asyncio.ensure_future(self._flusher())
-        if self.forward_lease is not None:  # warm from the start: a rank's first ask finds it at hand
-            self._lease_poller = asyncio.ensure_future(self._poll_leases())
         self._ready.set()
         await self._stop.wait()
         flusher.cancel()
-        if self._lease_poller is not None:
-            self._lease_poller.cancel()
         await self._flush()
         self._server.close()
         clients = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -267,8 +258,8 @@ class RelayServer:
                 self.stats["packets"] += len(packets)
                 op = msg.get("op")
                 if op == "decide":
-                    step, timeout = _int(msg.get("step"), 0), _timeout(msg.get("timeout"))
-                    expect = min(self.local_ranks, max(1, _int(msg.get("expect"), self.local_ranks)))
+                    step, timeout = frame_int(msg.get("step"), 0), frame_timeout(msg.get("timeout"))
+                    expect = min(self.local_ranks, max(1, frame_int(msg.get("expect"), self.local_ranks)))
                     directive = await self._decide(packets, step, timeout, expect)
                     writer.write(encode_frame({"directive": directive}))
                     await writer.drain()
@@ -352,25 +343,6 @@ class RelayServer:
         return True
 
     # ---- leases ------------------------------------------------------------------------------
-    async def _poll_leases(self) -> None:
-        """One long poll at a time per node: the aggregator answers when a step is reduced."""
-        assert self.forward_lease is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            self.stats["lease_polls"] += 1
-            try:
-                raw = await loop.run_in_executor(None, self.forward_lease, self._lease.reduced_through,
-                                                 LEASE_POLL_S)
-                lease = Lease.decode(raw)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the aggregator restarts or is gone: ranks time out and go on
-                self.stats["forward_errors"] += 1
-                log.warning("relay could not get the lease: %s", exc)
-                await asyncio.sleep(1.0)
-                continue
-            self._new_lease(lease)
-
     def set_lease(self, raw: bytes) -> None:
         """A lease pushed down (call in the relay's loop); a malformed one is counted, not kept."""
         try:
@@ -421,22 +393,9 @@ class RelayServer:
         batch = self._take()
         self.stats["decide_calls"] += 1
         try:
-            if asyncio.iscoroutinefunction(self.forward_decide):
-                directive = await self.forward_decide(batch, step, timeout)
-            else:
-                directive = await asyncio.get_running_loop().run_in_executor(
-                    None, self.forward_decide, batch, step, timeout)
+            directive = await self.forward_decide(batch, step, timeout)
         except Exception as exc:
             self.stats["forward_errors"] += 1
             directive = Directive.no_directive(step, str(exc)).encode()
         if not group["done"].done():
             group["done"].set_result(directive)
-
-
-def _int(x: Any, default: int) -> int:
-    return x if isinstance(x, int) and not isinstance(x, bool) else default
-
-
-def _timeout(x: Any) -> float:
-    """A rank's wait, bounded: a frame cannot hold the relay's tasks forever."""
-    return min(max(float(x), 0.0), 3600.0) if isinstance(x, (int, float)) and x == x else 60.0

@@ -21,8 +21,8 @@ Events are buffered and sent fire-and-forget in batches; a step's packet goes ou
 (`send_step`), with whatever is queued. Before a step the rank asks for its `lease`: the
 answer comes from the cache without any I/O while the aggregator keeps up, and blocks
 only when the aggregator is more than `monitor.max_lag_steps` steps behind. The relay
-channel asks for the next step's lease as soon as one is granted, on a connection of its
-own, so the answer is most often waiting when the rank needs it (no round trip). Rank 0 at a
+pushes every new lease down a connection of the relay channel's own, so the lease is
+most often already in the socket when the rank needs it (no round trip). Rank 0 at a
 checkpoint candidate sends the step in a `decide` call that returns its directive, so the
 aggregator has seen everything before it decides. A missing or dead peer never blocks
 training for longer than the decision timeout: the rank goes on (`Directive.no_directive`,

@@ -120,6 +120,10 @@ def test_node_straggler_scores_match_the_flat_tracker_when_compute_is_measured()
     assert 4 in got, "the slow rank stands out"
 
 
+
+async def no_decisions(batch, step, timeout):
+    return b""
+
 def test_a_nodes_relay_pre_reduces_and_the_aggregator_merges_one_partial_per_node(tmp_path):
     """Two nodes of two ranks, through the real relay (pre-reducing) into the real core."""
     import time
@@ -134,7 +138,7 @@ def test_a_nodes_relay_pre_reduces_and_the_aggregator_merges_one_partial_per_nod
     got: list[tuple[int, dict]] = []
     servers, channels = [], {}
     for node in (0, 1):
-        srv = RelayServer(lambda b, n=node: got.append((n, b)), lambda b, s, t: b"", local_ranks=2,
+        srv = RelayServer(lambda b, n=node: got.append((n, b)), no_decisions, local_ranks=2,
                           prereduce=NodePreReducer(node, range(2 * node, 2 * node + 2)))
         port = srv.start()
         servers.append(srv)

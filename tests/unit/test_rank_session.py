@@ -261,29 +261,22 @@ def test_the_relay_pushes_leases_and_never_holds_a_packet_behind_them():
 
     class Up:
         def __init__(self):
-            self.reduced, self.sent, self.decided = 2, [], []
-            self.changed = threading.Condition()
+            self.sent, self.decided = [], []
 
         def send(self, batch):
             self.sent.extend(batch)
 
-        def decide(self, batch, step, timeout):
+        async def decide(self, batch, step, timeout):
             self.decided.append(step)
             return Directive(step=step, reason="ok").encode()
 
-        def advance(self, reduced):
-            with self.changed:
-                self.reduced = reduced
-                self.changed.notify_all()
-
-        def lease(self, after, timeout):
-            with self.changed:
-                self.changed.wait_for(lambda: self.reduced > after, timeout)
-                return Lease(reduced_through=self.reduced).encode()
+        def advance(self, reduced):  # the node's uplink hands the relay a new lease
+            srv.loop.call_soon_threadsafe(srv.set_lease, Lease(reduced_through=reduced).encode())
 
     up = Up()
-    srv = RelayServer(up.send, up.decide, local_ranks=1, forward_lease=up.lease)
+    srv = RelayServer(up.send, up.decide, local_ranks=1, pushed_leases=True)
     c = RelayChannel("127.0.0.1", srv.start(), decision_timeout_s=5.0)
+    up.advance(2)
     try:
         lease, waited = c.lease(2)
         assert lease.reduced_through == 2 and waited == 0.0

@@ -25,7 +25,7 @@ class Upstream:
         with self.lock:
             self.sent.append(list(batch))
 
-    def decide(self, batch, step, timeout):
+    async def decide(self, batch, step, timeout):
         with self.lock:
             self.decides.append((step, len(batch)))
         action = Action.STOP if self.stop_at is not None and step >= self.stop_at else Action.CONTINUE
@@ -102,43 +102,27 @@ def test_a_missing_relay_never_blocks_training():
     assert time.time() - t0 < 5 and c.failures >= 1
 
 
-class LeasingUpstream(Upstream):
-    """An aggregator whose reduced step the test moves; `lease` is its long poll."""
-
-    def __init__(self):
-        super().__init__()
-        self.reduced = -1
-        self.stop_after = -1
-        self.changed = threading.Condition()
-        self.polls = 0
-
-    def advance(self, reduced: int, stop_after: int = -1) -> None:
-        with self.changed:
-            self.reduced, self.stop_after = reduced, stop_after
-            self.changed.notify_all()
-
-    def lease(self, after, timeout):
-        with self.changed:
-            self.polls += 1
-            self.changed.wait_for(lambda: self.reduced > after or self.stop_after >= 0, timeout)
-            return Lease(reduced_through=self.reduced, stop_after=self.stop_after, reason="r").encode()
+def push(srv: RelayServer, reduced: int, stop_after: int = -1) -> None:
+    """The node's uplink handing the relay a new lease (in the relay's loop)."""
+    lease = Lease(reduced_through=reduced, stop_after=stop_after, reason="r")
+    srv.loop.call_soon_threadsafe(srv.set_lease, lease.encode())
 
 
 def test_a_lease_at_hand_costs_no_wait_and_a_late_one_is_waited_for():
-    up = LeasingUpstream()
-    up.advance(4)
-    srv = RelayServer(up.send, up.decide, local_ranks=2, forward_lease=up.lease)
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=2, pushed_leases=True)
     c = RelayClient("127.0.0.1", srv.start(), decision_timeout_s=5.0)
-    time.sleep(0.2)  # the relay's first long poll comes back at once (step 4 is reduced)
+    push(srv, 4)
+    time.sleep(0.2)  # the lease of step 4 is at the relay before the rank asks
     lease, waited = c.lease(3)
     assert lease.reduced_through == 4 and waited == 0.0
     lease, waited = c.lease(4)
     assert waited == 0.0 and lease.reduced_through == 4, "the channel's own cache answered"
-    threading.Timer(0.3, up.advance, args=(6,)).start()
+    threading.Timer(0.3, push, args=(srv, 6)).start()
     lease, waited = c.lease(5)
     assert lease.reduced_through == 6 and waited >= 0.25, (lease, waited)
-    assert up.polls <= 4, "one long poll per change, not one per rank request"
-    threading.Timer(0.2, up.advance, args=(6, 8)).start()
+    assert srv.stats["lease_pushes"] == 2, "one push per change, not one per rank request"
+    threading.Timer(0.2, push, args=(srv, 6, 8)).start()
     lease, _ = c.lease(7)
     assert lease.stopping and lease.stop_after == 8, "a decided stop grants the lease at once"
     c.close()

@@ -51,6 +51,7 @@ def serve(loop: Loop, core: AggregatorCore, seen: list | None = None) -> UplinkS
         if seen is not None:
             seen.append(entries)
         core.ingest_nodes(entries)
+        server.push_lease()  # as the aggregator actor does once it reduced steps
 
     async def directive(step, timeout):
         deadline = time.monotonic() + timeout
