@@ -6,15 +6,17 @@ Wire: the protocol's relay frames, a 4-byte big-endian length and a msgpack map 
   {"op": "send", "packets": [bytes, ...], "step": s?}            no answer
   {"op": "decide", "packets": [...], "step": s, "timeout": t, "expect": n?}
                                                                  answer {"directive": bytes}
-  {"op": "leases"}                                               answered with {"lease": bytes | None}
-                                                                 now and again whenever the lease
-                                                                 changes (None: no lease service)
+  {"op": "lease", "need": n?}                                    answered with {"lease": bytes | None,
+                                                                 "board": path | None} once the lease
+                                                                 covers step n (at once without n;
+                                                                 lease None: no lease service)
 A `send` that carries a rank's packet of step s says so; once every rank of the node has
 sent step s, the batch goes out at once (the aggregator reduces a step as soon as every
-node's part is in). Leases come down to the node (pushed over its uplink) and are pushed
-on to every rank that subscribed: a rank never
-asks, it reads the newest lease from its socket and waits only when that does not yet
-let it start its next step. At a
+node's part is in). Leases come down to the node (pushed over its uplink) and are written
+once to the node's lease board (mindpulse/lease_board.py), a shared-memory page every rank
+of the node reads before each step: nothing is sent per rank and step. A rank asks the
+relay only at its first lease (the answer names the board) and when the board's lease
+does not yet let it start its next step; it then blocks until the answer. At a
 decision step the relay groups the decide calls of the `expect` ranks that make one
 (rank 0 alone at a checkpoint candidate) into one aggregator call.
 The server listens on 127.0.0.1 only: ranks are on the agent's own machine. The rank's
@@ -39,10 +41,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mindpulse.aggregator.reducer import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
+from mindpulse.lease_board import LeaseBoard
 from mindpulse.protocol import (
-    FRAME_HEADER_BYTES,
     MAX_FRAME,
     Directive,
+    FrameReader,
     Lease,
     PacketError,
     StepPacket,
@@ -50,7 +53,6 @@ from mindpulse.protocol import (
     decode_wire,
     encode_frame,
     frame_int,
-    frame_length,
     frame_timeout,
 )
 
@@ -163,8 +165,9 @@ class RelayServer:
     loop with batches of packets (fire-and-forget: it must not block);
     `forward_decide(batch, step, timeout)`, a coroutine function run in the loop, returns
     the directive bytes. With `pushed_leases` the owner hands each new lease to
-    `set_lease` (in the loop, as the node's uplink does) and the relay pushes it on to its
-    ranks; without, no lease gates the ranks."""
+    `set_lease` (in the loop, as the node's uplink does) and the relay writes it to the
+    node's lease board and answers the ranks waiting for it; without, no lease gates the
+    ranks."""
 
     def __init__(self, forward_send: Callable[[Any], None],
                  forward_decide: Callable[[Any, int, float], Awaitable[bytes]], local_ranks: int,
@@ -178,9 +181,18 @@ class RelayServer:
         self.forward_send = forward_send
         self.forward_decide = forward_decide
         self._lease = Lease()
-        self._lease_frame = encode_frame({"lease": self._lease.encode() if pushed_leases else None})
-        self._lease_subs: set[asyncio.StreamWriter] = set()
-        """The ranks' lease connections: each lease is written to all of them."""
+        self._lease_raw: bytes | None = self._lease.encode() if pushed_leases else None
+        self.board: LeaseBoard | None = None
+        """The node's lease board (None: no lease service, or shared memory unavailable:
+        leases then go as answers)."""
+        if pushed_leases:
+            try:
+                self.board = LeaseBoard()
+                self.board.publish(self._lease_raw)  # type: ignore[arg-type]
+            except Exception as exc:
+                log.warning("relay: no shared-memory lease board (%s); ranks ask for each lease", exc)
+        self._waiting: dict[_RankConnection, int] = {}
+        """Ranks blocked on a lease: the step each waits to see reduced."""
         self._step_counts: dict[int, int] = {}
         self.local_ranks = max(1, local_ranks)
         self.host = host
@@ -188,10 +200,12 @@ class RelayServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._buffer: list[bytes] = []
         self._groups: dict[int, dict[str, Any]] = {}
+        self._conns: set[_RankConnection] = set()
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mindpulse-relay", daemon=True)
         self.stats = {"frames": 0, "packets": 0, "forward_calls": 0, "decide_calls": 0, "bad_frames": 0,
-                      "forward_errors": 0, "lease_pushes": 0,
+                      "forward_errors": 0, "lease_pushes": 0, "lease_answers": 0,
                       "refused_connections": 0, "bad_leases": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -217,84 +231,64 @@ class RelayServer:
         self.loop.run_until_complete(self._serve())
 
     async def _serve(self) -> None:
-        self._server = await asyncio.start_server(self._client, self.host, 0)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _RankConnection(self), self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         self._stop = asyncio.Event()
-        flusher = asyncio.ensure_future(self._flusher())
         self._ready.set()
         await self._stop.wait()
-        flusher.cancel()
-        await self._flush()
+        self._flush()
         self._server.close()
-        clients = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in clients:
+        for conn in list(self._conns):
+            conn.close()
+        if self.board is not None:
+            self.board.close()
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in pending:
             t.cancel()
-        await asyncio.gather(*clients, return_exceptions=True)
-        await asyncio.get_running_loop().shutdown_default_executor()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await loop.shutdown_default_executor()
 
     async def _shutdown(self) -> None:
         self._stop.set()
 
     # ---- traffic ---------------------------------------------------------------------------
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            if self.token and not await self._authenticated(reader):
-                self.stats["refused_connections"] += 1
-                log.warning("relay: refused a connection without this run's token")
-                return
-            while True:
-                n = frame_length(await reader.readexactly(FRAME_HEADER_BYTES))
-                if n > MAX_FRAME:
-                    self.stats["bad_frames"] += 1
-                    break
-                body = await reader.readexactly(n)
-                try:
-                    msg = decode_frame_body(body)
-                    packets = [bytes(p) for p in msg.get("packets") or [] if isinstance(p, (bytes, bytearray))]
-                except Exception:
-                    self.stats["bad_frames"] += 1
-                    continue
-                self.stats["frames"] += 1
-                self.stats["packets"] += len(packets)
-                op = msg.get("op")
-                if op == "decide":
-                    step, timeout = frame_int(msg.get("step"), 0), frame_timeout(msg.get("timeout"))
-                    expect = min(self.local_ranks, max(1, frame_int(msg.get("expect"), self.local_ranks)))
-                    directive = await self._decide(packets, step, timeout, expect)
-                    writer.write(encode_frame({"directive": directive}))
-                    await writer.drain()
-                elif op == "leases":
-                    self._lease_subs.add(writer)
-                    writer.write(self._lease_frame)
-                else:
-                    complete = self._file(packets)
-                    if complete or self._queued() >= FLUSH_PACKETS or self._step_complete(msg.get("step")):
-                        await self._flush()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self._lease_subs.discard(writer)
-            writer.close()
+    def _on_frame(self, conn: _RankConnection, msg: dict[str, Any]) -> None:
+        """One frame from a rank (in the loop, as it is read)."""
+        packets = [bytes(p) for p in msg.get("packets") or [] if isinstance(p, (bytes, bytearray))]
+        self.stats["frames"] += 1
+        self.stats["packets"] += len(packets)
+        op = msg.get("op")
+        if op == "decide":
+            step, timeout = frame_int(msg.get("step"), 0), frame_timeout(msg.get("timeout"))
+            expect = min(self.local_ranks, max(1, frame_int(msg.get("expect"), self.local_ranks)))
+            conn.answer(self._decide(packets, step, timeout, expect))
+        elif op == "lease":
+            need = msg.get("need")
+            self._waiting.pop(conn, None)  # a later question replaces an earlier one
+            if self._lease_raw is None or need is None or self._lease.covers(frame_int(need, 0)):
+                self._answer_lease(conn)
+            else:
+                self._waiting[conn] = frame_int(need, 0)
+        else:
+            complete = self._file(packets)
+            if complete or self._queued() >= FLUSH_PACKETS or self._step_complete(msg.get("step")):
+                self._flush()
+            elif self._flush_timer is None and self._queued():
+                # what a step's last rank did not complete goes up within FLUSH_S anyway
+                self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
 
-    async def _flusher(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_S)
-            await self._flush()
-
-    async def _authenticated(self, reader: asyncio.StreamReader) -> bool:
+    def authenticated(self, msg: dict[str, Any]) -> bool:
         """The first frame is the hello with this attempt's token (read from job.json, which
         only the run's user can read); anything else closes the connection."""
         import hmac
 
-        try:
-            n = frame_length(await asyncio.wait_for(reader.readexactly(FRAME_HEADER_BYTES), 10))
-            if n > 4096:
-                return False
-            msg = decode_frame_body(await asyncio.wait_for(reader.readexactly(n), 10))
-        except Exception:
-            return False
         token = msg.get("token")
-        return msg.get("op") == "hello" and isinstance(token, str) and hmac.compare_digest(token, self.token)
+        ok = msg.get("op") == "hello" and isinstance(token, str) and hmac.compare_digest(token, self.token)
+        if not ok:
+            self.stats["refused_connections"] += 1
+            log.warning("relay: refused a connection without this run's token")
+        return ok
 
     def _file(self, packets: list[bytes]) -> bool:
         """Queue packets for the next call up; True when one completed the node's part of a step."""
@@ -317,9 +311,12 @@ class RelayServer:
 
     async def flush(self) -> None:
         """Send what is queued now (in the relay's loop)."""
-        await self._flush()
+        self._flush()
 
-    async def _flush(self) -> None:
+    def _flush(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         if not (self._buffer if self.prereduce is None else self.prereduce.has_data()):
             return
         batch = self._take()
@@ -350,24 +347,37 @@ class RelayServer:
         except Exception:
             self.stats["bad_leases"] += 1
             return
-        self._new_lease(lease)
+        self._new_lease(lease, raw)
 
     @property
     def lease(self) -> Lease:
         return self._lease
 
-    def _new_lease(self, lease: Lease) -> None:
-        """Keep it and push it to every subscribed rank (one frame, encoded once)."""
+    def _new_lease(self, lease: Lease, raw: bytes | None = None) -> None:
+        """Keep it, write it to the board (once, for every rank) and answer the ranks that
+        wait for what it covers."""
         if lease == self._lease:
             return
         self._lease = lease
-        self._lease_frame = encode_frame({"lease": lease.encode()})
+        self._lease_raw = lease.encode() if raw is None else raw
         self.stats["lease_pushes"] += 1
-        for w in list(self._lease_subs):
-            if w.is_closing():
-                self._lease_subs.discard(w)
-            else:
-                w.write(self._lease_frame)
+        if self.board is not None:
+            try:
+                self.board.publish(self._lease_raw)
+            except Exception as exc:  # the ranks then ask (their board does not move)
+                self.stats["bad_leases"] += 1
+                log.warning("relay: lease board write failed: %s", exc)
+                self.board = None
+        for conn, need in list(self._waiting.items()):
+            if lease.covers(need):
+                del self._waiting[conn]
+                self._answer_lease(conn)
+
+    def _answer_lease(self, conn: _RankConnection) -> None:
+        if not conn.transport.is_closing():
+            self.stats["lease_answers"] += 1
+            conn.transport.write(encode_frame({"lease": self._lease_raw,
+                                               "board": self.board.path if self.board is not None else None}))
 
     # ---- decisions ---------------------------------------------------------------------------
     async def _decide(self, packets: list[bytes], step: int, timeout: float, expect: int) -> bytes:
@@ -399,3 +409,102 @@ class RelayServer:
             directive = Directive.no_directive(step, str(exc)).encode()
         if not group["done"].done():
             group["done"].set_result(directive)
+
+
+AUTH_TIMEOUT_S = 10.0
+"""How long a new connection has to say hello with the token."""
+HELLO_LIMIT = 4096
+"""Largest first frame of a connection that must authenticate."""
+
+
+class _RankConnection(asyncio.Protocol):
+    """One rank's connection to the relay: frames are split as the bytes arrive and handled
+    in order (no coroutine per frame). While a decision is pending, later frames wait."""
+
+    def __init__(self, relay: RelayServer):
+        self.relay = relay
+        self.reader = FrameReader(HELLO_LIMIT if relay.token else MAX_FRAME)
+        self.authenticated = not relay.token
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self._held: list[bytes] = []
+        """Frames read while a decision is pending."""
+        self._pending: asyncio.Future | None = None
+        self._auth_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.relay._conns.add(self)
+        if not self.authenticated:
+            self._auth_timer = asyncio.get_running_loop().call_later(AUTH_TIMEOUT_S, self._refuse)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.relay._conns.discard(self)
+        self.relay._waiting.pop(self, None)
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+        self.transport.close()
+
+    def _refuse(self) -> None:
+        self.relay.stats["refused_connections"] += 1
+        log.warning("relay: refused a connection without this run's token")
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            bodies = self.reader.feed(data)
+        except ValueError:  # a frame over the limit: the sender is broken
+            self.relay.stats["bad_frames" if self.authenticated else "refused_connections"] += 1
+            self.transport.close()
+            return
+        if self._pending is not None or self._held:
+            self._held.extend(bodies)
+        else:
+            self._handle(bodies)
+
+    def _handle(self, bodies: list[bytes]) -> None:
+        for i, body in enumerate(bodies):
+            if self.transport.is_closing():
+                return
+            try:
+                msg = decode_frame_body(body)
+            except Exception:
+                if not self.authenticated:
+                    self._refuse()
+                    return
+                self.relay.stats["bad_frames"] += 1
+                continue
+            if not self.authenticated:
+                if not self.relay.authenticated(msg):
+                    self.transport.close()
+                    return
+                self.authenticated = True
+                self.reader.limit = MAX_FRAME
+                if self._auth_timer is not None:
+                    self._auth_timer.cancel()
+                continue
+            self.relay._on_frame(self, msg)
+            if self._pending is not None:  # a decision: the rest waits for its answer
+                self._held[:0] = bodies[i + 1:]
+                return
+
+    def answer(self, decision: Awaitable[bytes]) -> None:
+        """Write the directive once `decision` has it, then go on with what waited."""
+        self._pending = asyncio.ensure_future(decision)
+        self._pending.add_done_callback(self._answered)
+
+    def _answered(self, fut: asyncio.Future) -> None:
+        self._pending = None
+        if fut.cancelled() or self.transport.is_closing():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            log.warning("relay: a decision failed: %r", exc)
+            self.transport.close()
+            return
+        self.transport.write(encode_frame({"directive": fut.result()}))
+        held, self._held = self._held, []
+        self._handle(held)

@@ -35,7 +35,6 @@ import abc
 import dataclasses
 import logging
 import os
-import select
 import socket
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindpulse.config import RunConfig, monitor_settings_of, schedule_of
+from mindpulse.lease_board import LeaseView
 from mindpulse.protocol import (
     FRAME_HEADER_BYTES,
     MAX_FRAME,
@@ -51,6 +51,7 @@ from mindpulse.protocol import (
     Directive,
     EventKind,
     EventPacket,
+    FrameReader,
     Lease,
     RankSettings,
     Schedule,
@@ -180,17 +181,19 @@ class Channel(abc.ABC):
 
 
 def _grants(lease: Lease | None, need: int) -> bool:
-    return lease is not None and (lease.reduced_through >= need or lease.stopping)
+    return lease is not None and lease.covers(need)
 
 
 class RelayChannel(Channel):
     """Frames (protocol's `encode_frame`) to the node agent's relay on this machine.
 
-    Two connections: packets and decisions on one; on the other the relay pushes every new
-    lease (the rank subscribes once and never asks). Taking the lease is reading what is
-    already in the socket's buffer: in steady state, the lease for the next step arrived
-    while this rank computed, so it costs no round trip and no wait. A rank blocks only
-    while the newest lease does not let it start its next step."""
+    Packets and decisions go on one connection. Leases are read from the node's lease
+    board (mindpulse/lease_board.py: shared memory the agent writes each new lease to), so
+    taking the lease before a step is a read of mapped memory: no socket, no round trip.
+    A second connection asks the relay for leases only at the first lease (the answer
+    names the board) and when the board's lease does not let this rank start its next
+    step; the rank then blocks until the relay answers. Without a board (no shared memory
+    on the node) every lease is asked for there."""
 
     def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0, token: str = ""):
         super().__init__(decision_timeout_s)
@@ -198,12 +201,15 @@ class RelayChannel(Channel):
         self.token = token
         self.sock: socket.socket | None = None
         self.lease_sock: socket.socket | None = None
-        self._lease_buf = bytearray()
+        self._lease_reader = FrameReader()
+        self.board: LeaseView | None = None
+        self._greeted = False
+        """The relay answered this connection's first lease question (and named its board)."""
         self._no_service = False
         """The relay has no lease to give (no aggregator behind it): nothing holds the rank."""
         self._connect()
         # the lease connection opens at the first lease asked for: a channel that never asks
-        # (the heartbeat's) gets no lease pushed to it
+        # (the heartbeat's) never opens one
 
     def _open(self, what: str) -> socket.socket | None:
         try:
@@ -252,72 +258,79 @@ class RelayChannel(Channel):
             raise ValueError(f"a {n}-byte frame from the relay")
         return decode_frame_body(_recv_exact(sock, n))
 
-    # ---- leases: pushed by the relay on a connection of their own ----------------------------
+    # ---- leases: the board, and questions to the relay ------------------------------------
     def _subscribe(self) -> socket.socket:
         """The lease connection (raises OSError when the relay is unreachable)."""
         if self.lease_sock is None:
             sock = self._open("leases")
             if sock is None:
                 raise OSError("relay unreachable")
-            sock.settimeout(WRITE_TIMEOUT_S)
-            sock.sendall(encode_frame({"op": "leases"}))
-            sock.setblocking(False)  # from here on it is only read, after select says so
-            self.lease_sock, self._lease_buf = sock, bytearray()
+            self.lease_sock, self._lease_reader = sock, FrameReader()
         return self.lease_sock
 
-    def _read_leases(self, timeout: float) -> None:
-        """Take every lease frame that arrives within `timeout` (0: only those already
-        there); the newest is kept. Raises OSError or ValueError when the connection broke."""
+    def _ask(self, need: int | None, deadline: float) -> None:
+        """Ask the relay for the lease (covering step `need`; None: as it is) and read
+        answers until one comes that does, or `deadline`. Raises OSError or ValueError when
+        the connection broke."""
         sock = self._subscribe()
-        if not select.select([sock], [], [], max(0.0, timeout))[0]:
-            return
+        sock.settimeout(WRITE_TIMEOUT_S)
+        sock.sendall(encode_frame({"op": "lease"} if need is None else {"op": "lease", "need": need}))
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            sock.settimeout(left)
             try:
                 chunk = sock.recv(65536)
-            except BlockingIOError:
-                break
+            except TimeoutError:
+                return
             if not chunk:
                 raise ConnectionError("relay closed the lease connection")
-            self._lease_buf += chunk
-            if len(chunk) < 65536:
-                break
-        buf = self._lease_buf
-        while len(buf) >= FRAME_HEADER_BYTES:
-            n = frame_length(bytes(buf[:FRAME_HEADER_BYTES]))
-            if n > MAX_FRAME:
-                raise ValueError(f"a {n}-byte frame from the relay")
-            if len(buf) < FRAME_HEADER_BYTES + n:
-                break
-            raw = decode_frame_body(bytes(buf[FRAME_HEADER_BYTES:FRAME_HEADER_BYTES + n])).get("lease")
-            del buf[:FRAME_HEADER_BYTES + n]
-            self._answered()
-            if raw is None:
-                self._no_service = True
-            else:
-                self._lease = Lease.decode(raw)
+            for body in self._lease_reader.feed(chunk):
+                self._take_answer(decode_frame_body(body))
+            if self._no_service or (self._greeted and (need is None or _grants(self._lease, need))):
+                return
+
+    def _take_answer(self, msg: dict[str, Any]) -> None:
+        self._answered()
+        raw = msg.get("lease")
+        if raw is None:
+            self._no_service = True
+        else:
+            lease = Lease.decode(raw)
+            if self._lease is None or lease.reduced_through >= self._lease.reduced_through or lease.stopping:
+                self._lease = lease  # answers to questions asked earlier may come late: keep the newest
+        if not self._greeted:
+            self._greeted = True
+            path = msg.get("board")
+            if isinstance(path, str) and self.board is None:
+                try:
+                    self.board = LeaseView(path)
+                except (OSError, ValueError) as exc:
+                    log.info("no lease board at %s (%s): each lease is asked of the relay", path, exc)
 
     def _poll_lease(self) -> None:
-        if self.lease_sock is None:
+        """The board's newest lease, if it moved (a read of shared memory)."""
+        if self.board is None:
             return
-        try:
-            self._read_leases(0.0)
-        except Exception:
-            self._drop_leases()  # the next fetch connects again (and reports what failed)
+        raw = self.board.read()
+        if raw is not None:
+            try:
+                self._lease = Lease.decode(raw)
+            except Exception:  # a board is written whole or not at all; never trust it blindly
+                self.board.torn += 1
 
     def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
         deadline = time.monotonic() + self.decision_timeout_s
         waited = False
         try:
-            self._read_leases(0.0)
-            while self._lease is None and not self._no_service and time.monotonic() < deadline:
-                self._read_leases(deadline - time.monotonic())  # the relay's first push: not a wait
+            if not self._greeted:  # the first lease (and the board's name): not a wait
+                self._ask(None, deadline)
+                self._poll_lease()
             t0 = time.monotonic()
-            while not self._no_service and not _grants(self._lease, need):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
+            if not self._no_service and not _grants(self._lease, need):
                 waited = True
-                self._read_leases(left)
+                self._ask(need, deadline)
         except Exception as exc:
             self._drop_leases()
             return self._no_lease(need, exc)
@@ -328,7 +341,11 @@ class RelayChannel(Channel):
         return self._lease, (time.monotonic() - t0) if waited else 0.0
 
     def _drop_leases(self) -> None:
-        self._lease_buf = bytearray()
+        """Let go of the lease connection and the board (the next lease asks again)."""
+        self._greeted = False
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if self.lease_sock is not None:
             try:
                 self.lease_sock.close()

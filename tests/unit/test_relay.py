@@ -8,7 +8,7 @@ import threading
 import time
 
 from mindpulse.node.relay import RelayServer
-from mindpulse.protocol import Action, Directive, Lease, StepPacket, decode
+from mindpulse.protocol import Action, Directive, Lease, StepPacket, decode, decode_frame_body, encode_frame
 from mindpulse.workers.session import RelayChannel as RelayClient
 
 
@@ -18,6 +18,7 @@ class Upstream:
     def __init__(self, stop_at: int | None = None):
         self.sent: list[list[bytes]] = []
         self.decides: list[tuple[int, int]] = []
+        self.decided_batches: list[list[bytes]] = []
         self.stop_at = stop_at
         self.lock = threading.Lock()
 
@@ -28,6 +29,7 @@ class Upstream:
     async def decide(self, batch, step, timeout):
         with self.lock:
             self.decides.append((step, len(batch)))
+            self.decided_batches.append(list(batch))
         action = Action.STOP if self.stop_at is not None and step >= self.stop_at else Action.CONTINUE
         return Directive(step=step, action=action, reason="test").encode()
 
@@ -121,7 +123,8 @@ def test_a_lease_at_hand_costs_no_wait_and_a_late_one_is_waited_for():
     threading.Timer(0.3, push, args=(srv, 6)).start()
     lease, waited = c.lease(5)
     assert lease.reduced_through == 6 and waited >= 0.25, (lease, waited)
-    assert srv.stats["lease_pushes"] == 2, "one push per change, not one per rank request"
+    assert srv.stats["lease_pushes"] == 2, "one board write per change, not one per rank request"
+    assert srv.stats["lease_answers"] == 2, "asked at the first lease and when it had to wait, never else"
     threading.Timer(0.2, push, args=(srv, 6, 8)).start()
     lease, _ = c.lease(7)
     assert lease.stopping and lease.stop_after == 8, "a decided stop grants the lease at once"
@@ -173,4 +176,53 @@ def test_a_connection_without_the_runs_token_is_refused():
     assert srv.stats["lease_pushes"] == 0 and rank.lease(0) == (None, 0.0), "no lease service behind this relay"
     for c in (stranger, wrong, rank):
         c.close()
+    srv.stop()
+
+
+def test_frames_after_a_decision_wait_for_its_answer_and_keep_their_order():
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1)
+    port = srv.start()
+    s = socket.create_connection(("127.0.0.1", port))
+    frames = [encode_frame({"op": "decide", "packets": [pkt(0, 1, decision=True)], "step": 1, "timeout": 5,
+                            "expect": 1})]
+    frames += [encode_frame({"op": "send", "packets": [pkt(0, k)]}) for k in (2, 3)]
+    stream = b"".join(frames)
+    for i in range(0, len(stream), 7):  # one write cut anywhere: frames are split as they come
+        s.sendall(stream[i:i + 7])
+    s.settimeout(5)
+    head = s.recv(4)
+    answer = decode_frame_body(s.recv(struct.unpack(">I", head)[0]))
+    assert Directive.decode(answer["directive"]).step == 1
+    deadline = time.time() + 3
+    while sum(len(b) for b in up.sent) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    srv.loop.call_soon_threadsafe(srv._flush)
+    time.sleep(0.1)
+    assert [decode(b).step for b in up.decided_batches[0]] == [1], "the decision went up with its own packet"
+    assert [decode(b).step for batch in up.sent for b in batch] == [2, 3], "later frames, in order, after it"
+    s.close()
+    srv.stop()
+
+
+def test_without_a_lease_board_each_lease_is_answered_by_the_relay(monkeypatch):
+    import mindpulse.node.relay as relay_mod
+
+    def no_shm(*a, **k):
+        raise OSError("no shared memory here")
+
+    monkeypatch.setattr(relay_mod, "LeaseBoard", no_shm)
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1, pushed_leases=True)
+    c = RelayClient("127.0.0.1", srv.start(), decision_timeout_s=5.0)
+    assert srv.board is None
+    push(srv, 2)
+    time.sleep(0.1)
+    lease, waited = c.lease(2)
+    assert lease.reduced_through == 2 and waited == 0.0 and c.board is None
+    threading.Timer(0.3, push, args=(srv, 3)).start()
+    lease, waited = c.lease(3)
+    assert lease.reduced_through == 3 and waited >= 0.25, "still gated, by answers instead of the board"
+    assert srv.stats["lease_answers"] == 2
+    c.close()
     srv.stop()
