@@ -227,8 +227,10 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                          "met" if j["met"] else "missed", "all limits held" if not missed else
                          "missed: " + ", ".join(missed)])
         agent = max(r["cpu_ms_per_step"] for r in fi["agent"])
+        traffic = max(r["cpu_ms_per_step"] - r["idle_cpu_ms_per_step"] for r in fi["agent"])
         rows.append(["node agent <= 1 ms of CPU per step for 8 ranks (the whole process, as launched)",
-                     f"worst of {len(fi['agent'])}: {agent:.3f} ms",
+                     f"worst of {len(fi['agent'])}: {agent:.3f} ms (above the same process idle: at most "
+                     f"{traffic:.3f} ms)",
                      "met" if agent <= 1.0 else "missed", f"{abs(1.0 - agent):.3f} ms "
                      + ("under" if agent <= 1.0 else "over")])
     mem = res.get("memory")
