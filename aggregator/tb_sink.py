@@ -18,6 +18,7 @@ Tags written:
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
@@ -26,6 +27,7 @@ import os
 import re
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +95,16 @@ def _md_escape(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def summary_writer(logdir: Path, flush_secs: float, suffix: str) -> Any:
+def summary_writer(logdir: Path, flush_secs: float, suffix: str,
+                   on_error: Callable[[BaseException], None] = lambda exc: None) -> Any:
     """tensorboardX's `SummaryWriter` with its event file written in the caller's thread.
 
     Its own `EventFileWriter` hands every event through a `multiprocessing.Queue` to a
     writer thread: each one is pickled, sent down a pipe and unpickled, in the same
     process; that was 0.2-0.3 ms of the aggregator's CPU per event. Here an event is
     appended (buffered) as it is made; the file is flushed every `flush_secs` when
-    something was written, at `flush()` and at `close()`. (Relies on
+    something was written, at `flush()`, at `close()` and when the interpreter exits. A
+    failed periodic flush goes to `on_error` (and is tried again next time). (Relies on
     `SummaryWriter._get_file_writer`, tensorboardX 2.6.)"""
     from tensorboardX import FileWriter, SummaryWriter
     from tensorboardX.event_file_writer import EventsWriter
@@ -109,10 +113,13 @@ def summary_writer(logdir: Path, flush_secs: float, suffix: str) -> Any:
         def __init__(self) -> None:
             self._out = EventsWriter(os.path.join(str(logdir), "events"), suffix)
             self._written = False
-            self._closed = threading.Event()
+            self._closed = False
+            self._lock = threading.Lock()
+            self._wake = threading.Event()
             # what was written reaches the file within flush_secs even when events stop
             # coming (a hung run): a thread that wakes every flush_secs, nothing per event
             threading.Thread(target=self._flusher, name="mindpulse-tb-flush", daemon=True).start()
+            atexit.register(self.close)
 
         def get_logdir(self) -> str:
             return str(logdir)
@@ -122,18 +129,30 @@ def summary_writer(logdir: Path, flush_secs: float, suffix: str) -> Any:
             self._written = True
 
         def _flusher(self) -> None:
-            while not self._closed.wait(flush_secs):
+            while not self._wake.wait(flush_secs):
                 if self._written:
-                    self.flush()
+                    try:
+                        self.flush()
+                    except Exception as exc:  # disk full, a lost mount: counted, tried again
+                        on_error(exc)
 
         def flush(self) -> None:
-            self._written = False
-            self._out.flush()
+            with self._lock:
+                if not self._closed:
+                    self._written = False
+                    self._out.flush()
 
         def close(self) -> None:
-            self._closed.set()
-            self.flush()
-            self._out.close()
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                self._wake.set()
+                try:
+                    self._out.flush()
+                finally:
+                    self._out.close()
+                    atexit.unregister(self.close)
 
     class Files(FileWriter):
         def __init__(self) -> None:  # FileWriter's add_* methods, this event file
@@ -173,7 +192,8 @@ class TensorBoardSink:
             self.logdir.mkdir(parents=True, exist_ok=True)
             # the pid in the name: a restarted aggregator never truncates an earlier file
             # (tensorboardX names files by the second and opens them with "wb")
-            self._writer = summary_writer(self.logdir, flush_secs, f".{os.getpid()}.{next(_WRITER_SEQ)}")
+            self._writer = summary_writer(self.logdir, flush_secs, f".{os.getpid()}.{next(_WRITER_SEQ)}",
+                                          on_error=lambda exc: self._error("flush", exc))
         except Exception as exc:
             self._error("open", exc)
 

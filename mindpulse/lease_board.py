@@ -24,6 +24,7 @@ relay's socket as answers (one round trip a step; the run is unchanged otherwise
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import struct
@@ -52,7 +53,14 @@ class LeaseBoard:
         fd, self.path = tempfile.mkstemp(prefix="mindpulse-lease-", dir=directory or board_dir())
         try:
             os.fchmod(fd, 0o600)
-            os.ftruncate(fd, SIZE)
+            # the page is taken now: on a full /dev/shm this raises OSError here, where a
+            # sparse file would raise SIGBUS (killing the agent) at the first write through it
+            try:
+                os.posix_fallocate(fd, 0, SIZE)
+            except (AttributeError, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.pwrite(fd, bytes(SIZE), 0)  # a file system without fallocate: write the page
             self._mm = mmap.mmap(fd, SIZE)
         except BaseException:
             os.close(fd)

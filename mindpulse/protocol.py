@@ -716,12 +716,14 @@ class FrameReader:
         self.buf = bytearray()
         self.limit = limit
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes, max_frames: int | None = None) -> list[bytes]:
+        """The frames completed by `data` (at most `max_frames`: the rest stays buffered, to
+        be read with another limit, e.g. once a hello is accepted)."""
         buf = self.buf
         buf += data
         out: list[bytes] = []
         pos, size = 0, len(buf)
-        while size - pos >= FRAME_HEADER_BYTES:
+        while size - pos >= FRAME_HEADER_BYTES and (max_frames is None or len(out) < max_frames):
             n = _LEN.unpack_from(buf, pos)[0]
             if n > self.limit:
                 raise ValueError(f"a {n}-byte frame (the limit is {self.limit})")

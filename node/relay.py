@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mindpulse.aggregator.reducer import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
+from mindpulse.lease_board import MAX_BODY as MAX_BOARD_LEASE
 from mindpulse.lease_board import LeaseBoard
 from mindpulse.protocol import (
     MAX_FRAME,
@@ -183,14 +184,8 @@ class RelayServer:
         self._lease = Lease()
         self._lease_raw: bytes | None = self._lease.encode() if pushed_leases else None
         self.board: LeaseBoard | None = None
-        """The node's lease board (None: no lease service, or shared memory unavailable:
-        leases then go as answers)."""
-        if pushed_leases:
-            try:
-                self.board = LeaseBoard()
-                self.board.publish(self._lease_raw)  # type: ignore[arg-type]
-            except Exception as exc:
-                log.warning("relay: no shared-memory lease board (%s); ranks ask for each lease", exc)
+        """The node's lease board, made when the relay starts (None: no lease service, or
+        no shared memory: leases then go as answers)."""
         self._waiting: dict[_RankConnection, int] = {}
         """Ranks blocked on a lease: the step each waits to see reduced."""
         self._step_counts: dict[int, int] = {}
@@ -235,14 +230,19 @@ class RelayServer:
         self._server = await loop.create_server(lambda: _RankConnection(self), self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         self._stop = asyncio.Event()
+        if self._lease_raw is not None:
+            try:
+                self.board = LeaseBoard()
+                self._publish()
+            except Exception as exc:
+                log.warning("relay: no shared-memory lease board (%s); ranks ask for each lease", exc)
         self._ready.set()
         await self._stop.wait()
         self._flush()
         self._server.close()
         for conn in list(self._conns):
             conn.close()
-        if self.board is not None:
-            self.board.close()
+        self._drop_board()
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in pending:
             t.cancel()
@@ -274,7 +274,7 @@ class RelayServer:
             complete = self._file(packets)
             if complete or self._queued() >= FLUSH_PACKETS or self._step_complete(msg.get("step")):
                 self._flush()
-            elif self._flush_timer is None and self._queued():
+            elif self._flush_timer is None and self._has_data():
                 # what a step's last rank did not complete goes up within FLUSH_S anyway
                 self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
 
@@ -303,6 +303,9 @@ class RelayServer:
     def _queued(self) -> int:
         return len(self._buffer) if self.prereduce is None else batch_size(self.prereduce.batch)
 
+    def _has_data(self) -> bool:
+        return bool(self._buffer) if self.prereduce is None else self.prereduce.has_data()
+
     def _take(self) -> Any:
         if self.prereduce is None:
             batch, self._buffer = self._buffer, []
@@ -317,7 +320,7 @@ class RelayServer:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
-        if not (self._buffer if self.prereduce is None else self.prereduce.has_data()):
+        if not self._has_data():
             return
         batch = self._take()
         self.stats["forward_calls"] += 1
@@ -361,17 +364,33 @@ class RelayServer:
         self._lease = lease
         self._lease_raw = lease.encode() if raw is None else raw
         self.stats["lease_pushes"] += 1
-        if self.board is not None:
-            try:
-                self.board.publish(self._lease_raw)
-            except Exception as exc:  # the ranks then ask (their board does not move)
-                self.stats["bad_leases"] += 1
-                log.warning("relay: lease board write failed: %s", exc)
-                self.board = None
+        self._publish()
         for conn, need in list(self._waiting.items()):
             if lease.covers(need):
                 del self._waiting[conn]
                 self._answer_lease(conn)
+
+    def _publish(self) -> None:
+        """The lease onto the board (a reason too long for it is cut: ranks need the steps)."""
+        if self.board is None or self._lease_raw is None:
+            return
+        raw = self._lease_raw
+        if len(raw) > MAX_BOARD_LEASE:
+            lease = self._lease
+            raw = Lease(lease.reduced_through, lease.stop_after, lease.reason[:256], lease.save_last).encode()
+        try:
+            self.board.publish(raw)
+        except Exception as exc:  # the ranks' boards stop moving: they ask, and are answered
+            log.warning("relay: lease board write failed (%s); ranks ask for each lease from now on", exc)
+            self._drop_board()
+
+    def _drop_board(self) -> None:
+        if self.board is not None:
+            try:
+                self.board.close()
+            except Exception as exc:
+                log.warning("relay: could not remove the lease board %s: %s", self.board.path, exc)
+            self.board = None
 
     def _answer_lease(self, conn: _RankConnection) -> None:
         if not conn.transport.is_closing():
@@ -455,7 +474,9 @@ class _RankConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            bodies = self.reader.feed(data)
+            # before the hello is accepted only it is read (under its small limit): what
+            # follows it in the same read waits in the buffer for the full limit
+            bodies = self.reader.feed(data, None if self.authenticated else 1)
         except ValueError:  # a frame over the limit: the sender is broken
             self.relay.stats["bad_frames" if self.authenticated else "refused_connections"] += 1
             self.transport.close()
@@ -485,8 +506,14 @@ class _RankConnection(asyncio.Protocol):
                 self.reader.limit = MAX_FRAME
                 if self._auth_timer is not None:
                     self._auth_timer.cancel()
+                self.data_received(b"")  # what came with the hello
+                return
+            try:
+                self.relay._on_frame(self, msg)
+            except Exception as exc:  # a frame of the right shape with wrong insides
+                self.relay.stats["bad_frames"] += 1
+                log.warning("relay: a bad frame: %r", exc)
                 continue
-            self.relay._on_frame(self, msg)
             if self._pending is not None:  # a decision: the rest waits for its answer
                 self._held[:0] = bodies[i + 1:]
                 return

@@ -226,3 +226,61 @@ def test_without_a_lease_board_each_lease_is_answered_by_the_relay(monkeypatch):
     assert srv.stats["lease_answers"] == 2
     c.close()
     srv.stop()
+
+
+def test_a_big_frame_in_the_same_read_as_the_hello_gets_through():
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1, token="s3cret")
+    port = srv.start()
+    s = socket.create_connection(("127.0.0.1", port))
+    big = [StepPacket(rank=0, step=k, loss=1.0, extra={f"m{i}": 1.0 for i in range(60)}).encode() for k in range(1, 6)]
+    frame = encode_frame({"op": "send", "packets": big})
+    assert len(frame) > 4096, "bigger than a hello may be"
+    s.sendall(encode_frame({"op": "hello", "token": "s3cret"}) + frame)  # one write: the reconnect path
+    deadline = time.time() + 3
+    while sum(len(b) for b in up.sent) < 5 and time.time() < deadline:
+        time.sleep(0.01)
+        srv.loop.call_soon_threadsafe(srv._flush)
+    assert sum(len(b) for b in up.sent) == 5 and srv.stats["refused_connections"] == 0, srv.stats
+    s.close()
+    srv.stop()
+
+
+def test_a_frame_with_bad_insides_is_counted_and_the_connection_goes_on():
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1)
+    port = srv.start()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(encode_frame({"op": "send", "packets": 7}) + encode_frame({"op": "send", "packets": [pkt(0, 1)]}))
+    deadline = time.time() + 3
+    while not up.sent and time.time() < deadline:
+        time.sleep(0.01)
+        srv.loop.call_soon_threadsafe(srv._flush)
+    assert [decode(b).step for batch in up.sent for b in batch] == [1] and srv.stats["bad_frames"] == 1, srv.stats
+    s.close()
+    srv.stop()
+
+
+def test_a_lease_too_long_for_the_board_goes_on_it_with_its_reason_cut():
+    from mindpulse.lease_board import LeaseView
+
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1, pushed_leases=True)
+    srv.start()
+    view = LeaseView(srv.board.path)
+    srv.loop.call_soon_threadsafe(srv.set_lease, Lease(reduced_through=5, stop_after=6, reason="r" * 9000).encode())
+    deadline = time.time() + 3
+    raw = None
+    while time.time() < deadline:
+        raw = view.read()
+        if raw is not None and Lease.decode(raw).reduced_through == 5:
+            break
+        time.sleep(0.01)
+    lease = Lease.decode(raw)
+    assert (lease.reduced_through, lease.stop_after, lease.reason) == (5, 6, "r" * 256) and srv.board is not None
+    path = srv.board.path
+    view.close()
+    srv.stop()
+    import os
+
+    assert not os.path.exists(path), "the relay removes its board when it stops"

@@ -234,3 +234,27 @@ def test_per_rank_scalars_every_collect_step_and_for_the_ranks_that_matter_betwe
     hist = {tag: [e.step for e in acc.Histograms(tag)] for tag in acc.Tags()["histograms"]}
     assert hist["ranks/loss"] == [1, 2, 3, 4, 5] and hist["ranks/step_time"] == [1, 2, 3, 4, 5]
     assert acc.Histograms("ranks/loss")[-1].histogram_value.num == 16
+
+
+def test_a_failing_periodic_flush_is_counted_and_tried_again(tmp_path):
+    sink = TensorBoardSink(tmp_path, flush_secs=0.2)
+    events = sink._writer.file_writer.event_writer
+    real = events._out.flush
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise OSError("disk full")
+
+    events._out.flush = broken
+    sink.on_reduced(reduce_all([StepPacket(rank=0, step=1, loss=0.25)], 1)[0])
+    deadline = time.monotonic() + 5
+    while not sink.errors["flush"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sink.errors["flush"] >= 1, "the flush thread's failure is counted, not lost"
+    events._out.flush = real
+    sink.on_reduced(reduce_all([StepPacket(rank=0, step=2, loss=0.5)], 1)[0])
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert _scalars(acc, "loss/mean") == {1: 0.25, 2: 0.5}
