@@ -24,7 +24,11 @@ from .rundir import PidFile
 from .spec import RankOutcome, RankSpec, scheduler_env
 
 SCHED_EXIT_WAIT_S = 40.0
-"""How long a graceful end waits for the scheduler to see every worker leave."""
+"""How long a graceful end waits for the rank actors to end, and the scheduler to see every
+worker leave."""
+SCHED_GRACE_S = 2.0
+"""Once every rank actor has ended: how long the scheduler has to leave by itself before it
+is ended (TERM, then KILL)."""
 RANK_START_TIMEOUT_S = 120
 
 
@@ -149,18 +153,26 @@ class RayWorkerGroup(WorkerGroup):
     def terminate(self, graceful: bool) -> None:
         import ray
 
+        ending = []
         for a in self.actors:
             try:
                 if graceful:
-                    a.__ray_terminate__.remote()
+                    ending.append(a.__ray_terminate__.remote())
                 else:
                     ray.kill(a, no_restart=True)
             except Exception:
                 pass
+        # the scheduler leaves once it sees every worker unregistered, but it looks only every
+        # 5 s (MindSpore's meta server): once the rank actors are gone (each unregisters as it
+        # exits) it gets a short grace, then is ended, instead of up to 5 s of a launch's end
+        wait = SCHED_EXIT_WAIT_S if graceful else 2.0
+        if ending:
+            _, running = ray.wait(ending, num_returns=len(ending), timeout=SCHED_EXIT_WAIT_S)
+            if not running:
+                wait = min(wait, SCHED_GRACE_S)
         if self.nodes.agents:
             try:
-                ray.get(self.nodes.agents[0].wait_scheduler.remote(SCHED_EXIT_WAIT_S if graceful else 2),
-                        timeout=SCHED_EXIT_WAIT_S + 10)
+                ray.get(self.nodes.agents[0].wait_scheduler.remote(wait), timeout=wait + 15)
             except Exception:
                 pass
 
