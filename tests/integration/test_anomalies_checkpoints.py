@@ -165,7 +165,10 @@ def test_safetensors_survive_a_crash_restart_and_keep_the_better_best(run_cli):
     manifest's best (this run's loss is higher at the restart's candidates 6 and 8 than at
     step 4: the best of attempt 0 must stay best, not be replaced by step 6 and deleted by
     retention), and the files are private (0600 in a 0700 folder)."""
-    r = run_cli("launch", "--set", "train.steps=8", "--inject", "crash@1:5", "--set", "max_restarts=1",
+    # the crash comes before step 6: step 5's all-reduce needed rank 0 past its step-4 save, so
+    # that save is whole (a crash before step 5 races it: the failed attempt's ranks are killed,
+    # an interrupted save leaves the manifest at the save before, and the restart resumes there)
+    r = run_cli("launch", "--set", "train.steps=8", "--inject", "crash@1:6", "--set", "max_restarts=1",
                 "--set", "checkpoint.format=safetensors", "--set", "checkpoint.save_checkpoint_steps=2",
                 "--set", "checkpoint.best_every_steps=2", "--set", "checkpoint.keep_best_max=1",
                 "--set", "monitor.per_print_step=100", timeout=500)
