@@ -1,9 +1,11 @@
 """One attempt of the run: its aggregator, its nodes' agents and its worker group, from
 start to teardown. Attempt k's logs go to logs/ (k = 0) or logs/attempt_<k>/.
 
-Start order: aggregator → placement group and node agents → the settings (job.json, now
-that the relays and the scheduler's address are known) → the rank specs (plan.json) →
-the ranks → telemetry.
+Start order: the aggregator actor → the placement group and the node agents' actors →
+the scheduler's address (from the nodes the group was placed on) → the rank specs
+(plan.json) → the rank actors; their processes start side by side, and once the agents
+answer: the settings (job.json, now that the relays are known) → the scheduler → the
+ranks' job → telemetry.
 """
 
 from __future__ import annotations
@@ -87,24 +89,29 @@ class Attempt:
         tag = getattr(self.session, "private_dir", "") and self.session.temp_dir
         if tag:  # in the environment of every process of an embedded run (MINDPULSE_RUN_TAG)
             self.pids["run_tag"] = tag
-        self.pids["aggregator"] = ray.get(self.aggregator.ping.remote(), timeout=AGGREGATOR_TIMEOUT_S)
-        self.pids.save()  # for operators (and tests) while it runs
 
         import secrets
 
         relay_token = secrets.token_hex(16)  # the ranks' key to their node's relay, this attempt only
-        self.nodes.place(self.aggregator, relay_token)
+        # the aggregator's, the agents' and the ranks' processes start side by side (each is a
+        # Ray worker importing its modules: seconds apiece); the ranks' job starts once the
+        # agents' relays are known (the settings) and the scheduler runs
+        self.nodes.reserve(self.aggregator, relay_token)
         sched_host, sched_port = self.nodes.sched_endpoint(self.session.embedded)
         settings_path = settings_path_of(str(self.run_dir))
+        specs = rank_specs(cfg, run_dir=str(self.run_dir), logs_dir=str(self.logs_dir), settings_path=settings_path,
+                           sched_host=sched_host, sched_port=sched_port)
+        write_json(self.run_dir / "plan.json", [s.to_dict() for s in specs])
+        self.group.spawn(specs, sched_host)
+        self.nodes.wait_ready()
         settings = rank_settings(cfg, run_dir=str(self.run_dir), run_id=self.run_id, attempt=self.index,
                                  aggregator=actor_name(self.name), ray_address=self.session.address,
                                  relays=self.nodes.relays(), resume=self.resume, relay_token=relay_token,
                                  task=self.task)
         write_atomic(Path(settings_path), settings.to_json().encode())
-        specs = rank_specs(cfg, run_dir=str(self.run_dir), logs_dir=str(self.logs_dir), settings_path=settings_path,
-                           sched_host=sched_host, sched_port=sched_port)
-        write_json(self.run_dir / "plan.json", [s.to_dict() for s in specs])
+        self.pids["aggregator"] = ray.get(self.aggregator.ping.remote(), timeout=AGGREGATOR_TIMEOUT_S)
         self.pids["agents"] = self.nodes.pids()
+        self.pids.save()  # for operators (and tests) while it runs
 
         refs = self.group.start(specs, sched_host, sched_port, settings_path)
         self.nodes.start_telemetry(self.group.rank_pids, self.console.say)

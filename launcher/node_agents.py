@@ -36,12 +36,21 @@ class NodeAgents:
         self.pg: Any = None
         self.agents: list[Any] = []
         self.infos: list[dict[str, Any]] = []
+        self.node_ips: list[str] = []
+        """Bundle (node) → the address of the Ray node it was placed on."""
 
     def place(self, aggregator: Any, relay_token: str = "") -> None:
-        """Reserve every node's cards and start its agent; refused when the cluster cannot
-        hold the job. Handles are kept as they are made, so a failure halfway is cleaned up."""
+        """Reserve every node's cards and start its agent, and wait until every agent runs."""
+        self.reserve(aggregator, relay_token)
+        self.wait_ready()
+
+    def reserve(self, aggregator: Any, relay_token: str = "") -> None:
+        """Reserve every node's cards and create its agent, without waiting for the agents'
+        processes (the ranks' and the aggregator's start meanwhile: `wait_ready`); refused
+        when the cluster cannot hold the job. Handles are kept as they are made, so a failure
+        halfway is cleaned up."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from mindpulse.aggregator.compute import compute_drop_window
@@ -56,6 +65,11 @@ class NodeAgents:
             raise LaunchRefused(f"the Ray cluster cannot place {w.nodes} node(s) x {w.ranks_per_node} "
                                 f"{self.resource}: {exc}") from None
         self.pg = pg
+        # each bundle's node address, known once the group is placed: where the scheduler
+        # listens is decided before the agents' processes have started
+        by_id = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+        self.node_ips = [by_id.get(nid, "") for _, nid in
+                         sorted(placement_group_table(pg).get("bundles_to_node_id", {}).items())]
         devices = node_devices(self.cfg)
         group = self.cfg.monitor.groups_of(w.nodes)  # a leader also answers its members' lease polls
         for n in range(w.nodes):
@@ -74,6 +88,13 @@ class NodeAgents:
                      world_size=w.world_size,
                      # the compute_drop rule's window: the node keeps each rank's TFLOPS median
                      compute_window=compute_drop_window(self.cfg.to_dict()["anomalies"])))
+
+    def wait_ready(self) -> None:
+        """Wait for every agent created by `reserve` and link the groups of the tree."""
+        import ray
+
+        w = self.cfg.world
+        group = self.cfg.monitor.groups_of(w.nodes)
         self.infos = ray.get([a.info.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
         self.leaders: set[int] = set()
         if group > 1:  # the tree's second level (node/group.py)
@@ -107,9 +128,9 @@ class NodeAgents:
         import ray
 
         w = self.cfg.world
-        node0 = self.infos[0]
-        local = embedded or (w.nodes == 1 and node0["ip"] == ray.util.get_node_ip_address())
-        host = LOOPBACK if local else (self.cfg.msrun.master_addr or node0["ip"])
+        ip0 = self.infos[0]["ip"] if self.infos else (self.node_ips[0] if self.node_ips else "")
+        local = embedded or (w.nodes == 1 and ip0 == ray.util.get_node_ip_address())
+        host = LOOPBACK if local else (self.cfg.msrun.master_addr or ip0)
         port = self.cfg.msrun.master_port or free_port(LOOPBACK if host == LOOPBACK else "")
         return host, port
 

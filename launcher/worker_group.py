@@ -59,10 +59,17 @@ class WorkerGroup(abc.ABC):
         """Rank → Ray node id; None until the ranks were started."""
         self.rank_pids: dict[int, int] = {}
 
+    def spawn(self, specs: list[RankSpec], sched_host: str) -> None:
+        """Create the ranks' processes ahead of `start` (while the node agents and the
+        aggregator start); nothing runs in them yet. A no-op where the ranks are started
+        whole (msrun)."""
+        return
+
     @abc.abstractmethod
     def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
               settings_path: str) -> dict[Any, RefOwner]:
-        """Start every rank; returns reference → what its result reports on."""
+        """Start every rank (the settings are written); returns reference → what its result
+        reports on."""
 
     @abc.abstractmethod
     def kill(self) -> None:
@@ -105,24 +112,33 @@ class RayWorkerGroup(WorkerGroup):
         """Rank actors are named `<prefix>-rank-<r>` in the run's namespace."""
         self.actors: list[Any] = []
 
-    def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
-              settings_path: str) -> dict[Any, RefOwner]:
+    def spawn(self, specs: list[RankSpec], sched_host: str) -> None:
+        """One actor per rank in its node's bundle, its environment (MindSpore's variables
+        among it) fixed at creation; its process starts (Ray worker, our imports) while the
+        launcher waits for the agents. The job starts in `start`: `run` reads the settings."""
         import ray
 
         from mindpulse.node.agent import WORKER_ENV
         from mindpulse.workers.rank_actor import RankActor
 
-        cfg = self.cfg
-        env = scheduler_env(cfg, settings_path=settings_path, sched_host=sched_host, sched_port=sched_port)
-        env = {**loopback_env(sched_host), **env}
-        self.pids["scheduler"] = ray.get(self.nodes.agents[0].start_scheduler.remote(
-            env, str(self.logs_dir / "scheduler.log")), timeout=60)
         for spec in specs:
-            opts = rank_actor_options(cfg, spec, {**WORKER_ENV, **loopback_env(sched_host), **spec.env},
+            opts = rank_actor_options(self.cfg, spec, {**WORKER_ENV, **loopback_env(sched_host), **spec.env},
                                       scheduling_strategy=self.nodes.bundle(spec.node),
                                       name=f"{self.actor_prefix}-rank-{spec.rank}")
             self.actors.append(ray.remote(RankActor).options(**opts).remote(
                 spec.rank, str(self.logs_dir / f"rank_{spec.rank}.log")))
+
+    def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
+              settings_path: str) -> dict[Any, RefOwner]:
+        import ray
+
+        cfg = self.cfg
+        env = scheduler_env(cfg, settings_path=settings_path, sched_host=sched_host, sched_port=sched_port)
+        env = {**loopback_env(sched_host), **env}
+        sched = self.nodes.agents[0].start_scheduler.remote(env, str(self.logs_dir / "scheduler.log"))
+        if not self.actors:
+            self.spawn(specs, sched_host)
+        self.pids["scheduler"] = ray.get(sched, timeout=60)
         self.say(f"mindpulse: started {len(specs)} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
                  f"{cfg.world.device.value}, ray backend), scheduler on {sched_host}:{sched_port}")
         infos: list[dict[str, Any]] = []
