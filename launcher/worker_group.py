@@ -26,9 +26,11 @@ from .spec import RankOutcome, RankSpec, scheduler_env
 SCHED_EXIT_WAIT_S = 40.0
 """How long a graceful end waits for the rank actors to end, and the scheduler to see every
 worker leave."""
-SCHED_GRACE_S = 2.0
+SCHED_GRACE_S = 0.3
 """Once every rank actor has ended: how long the scheduler has to leave by itself before it
-is ended (TERM, then KILL)."""
+is ended (TERM, then KILL). Short: each rank released its communication group before its
+`run` returned, so the scheduler has nothing left to coordinate, and it would only notice
+at its next 5 s poll."""
 RANK_START_TIMEOUT_S = 120
 
 

@@ -14,6 +14,8 @@ from mindpulse.aggregator.reducer import (
     NodeStragglers,
     StepReducer,
     StragglerTracker,
+    exact,
+    exact_sum,
     from_wire,
     partial_of,
     reduce_step,
@@ -28,6 +30,16 @@ finite_or_not = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=6
                           st.floats(min_value=-1e6, max_value=1e6))
 tflops = st.one_of(st.none(), st.floats(min_value=0.0, max_value=1e3), st.sampled_from([math.nan, -1.0, math.inf]))
 positive = st.one_of(st.none(), st.floats(min_value=0.0, max_value=1e3), st.just(math.nan))
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), max_size=12))
+@settings(max_examples=400, deadline=None)
+def test_exact_sums_are_the_sums_of_the_exact_values(xs):
+    """The shifted small-integer sums are the very integers of one exact value per float
+    (subnormals, +-0.0, huge and tiny values mixed), and so are their squares."""
+    assert exact_sum(xs) == sum(map(exact, xs)), xs
+    assert exact_sum(xs, squares=True) == sum(exact(x) ** 2 for x in xs), xs
+    assert exact_sum([5e-324, 1e308, -0.0, 3]) == exact(5e-324) + exact(1e308) + exact(3.0)
 
 
 @st.composite
