@@ -18,7 +18,9 @@ reader that sees an older one is held back at worst (and then asks the relay).
 
 The file lives in /dev/shm (memory, not disk) where there is one, else the system's
 temporary directory; it is created private (0600: the ranks run as the agent's user) and
-removed when the relay stops. Where it cannot be made or mapped, leases go over the
+removed when the relay stops. A node agent killed outright (SIGKILL, OOM) cannot remove
+its board: its name carries the agent's pid, and the next board made in that folder
+removes the boards of this user whose agent is gone. Where it cannot be made or mapped, leases go over the
 relay's socket as answers (one round trip a step; the run is unchanged otherwise).
 """
 
@@ -27,8 +29,10 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import struct
 import tempfile
+import time
 import zlib
 
 MAGIC = 0x424C504D  # "MPLB"
@@ -42,15 +46,60 @@ READ_TRIES = 64
 it for a few microseconds; the rank then asks the relay)."""
 
 
+PREFIX = "mindpulse-lease-"
+_NAME = re.compile(r"mindpulse-lease-(\d+)-[A-Za-z0-9_]+$")
+STALE_AFTER_S = 60.0
+"""A board whose writer's pid is gone is removed only when older than this (a pid from
+another pid namespace sharing the folder may look gone; a young board is left alone)."""
+
+
 def board_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_stale(directory: str, now: float | None = None) -> list[str]:
+    """Remove the boards in `directory` left by node agents that died without removing
+    theirs: this user's files named for a pid that is gone, older than STALE_AFTER_S.
+    Returns the paths removed; never raises."""
+    removed: list[str] = []
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = _NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if st.st_uid == uid and now - st.st_mtime > STALE_AFTER_S and not os.path.islink(path):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 class LeaseBoard:
     """The writer: the node agent's relay, one per node."""
 
     def __init__(self, directory: str | None = None):
-        fd, self.path = tempfile.mkstemp(prefix="mindpulse-lease-", dir=directory or board_dir())
+        directory = directory or board_dir()
+        sweep_stale(directory)
+        fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
         try:
             os.fchmod(fd, 0o600)
             # the page is taken now: on a full /dev/shm this raises OSError here, where a

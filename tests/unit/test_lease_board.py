@@ -6,10 +6,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import struct
+import subprocess
+import time
 
 import pytest
 
-from mindpulse.lease_board import SIZE, LeaseBoard, LeaseView
+from mindpulse.lease_board import PREFIX, SIZE, STALE_AFTER_S, LeaseBoard, LeaseView
 from mindpulse.protocol import FrameReader, Lease, encode_frame
 
 
@@ -27,6 +29,31 @@ def test_a_reader_sees_each_new_lease_once_and_nothing_in_between(tmp_path):
     view.close()
     board.close()
     assert not os.path.exists(board.path), "the board is removed when the relay stops"
+
+
+def test_a_new_board_removes_the_boards_of_agents_killed_outright(tmp_path):
+    """An agent killed with SIGKILL leaves its board behind: the next board made in that
+    folder removes it, and nothing that may still be in use or is not a board."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now
+    old = time.time() - STALE_AFTER_S - 60
+
+    def board_file(name: str, mtime: float) -> str:
+        path = str(tmp_path / name)
+        with open(path, "wb") as fh:
+            fh.write(bytes(SIZE))
+        os.utime(path, (mtime, mtime))
+        return path
+
+    stale = board_file(f"{PREFIX}{gone.pid}-abc_12", old)
+    young = board_file(f"{PREFIX}{gone.pid}-young1", time.time())  # another namespace's, maybe
+    live = board_file(f"{PREFIX}{os.getpid()}-live12", old)  # its agent still runs
+    other = board_file("mindpulse-lease-notapid", old)
+    board = LeaseBoard(str(tmp_path))
+    assert not os.path.exists(stale), "the board of a dead agent is removed"
+    assert all(os.path.exists(p) for p in (young, live, other)), sorted(os.listdir(tmp_path))
+    assert os.path.basename(board.path).startswith(f"{PREFIX}{os.getpid()}-"), board.path
+    board.close()
 
 
 def test_a_torn_or_foreign_board_is_never_used(tmp_path):
