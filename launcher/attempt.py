@@ -89,6 +89,7 @@ class Attempt:
         tag = getattr(self.session, "private_dir", "") and self.session.temp_dir
         if tag:  # in the environment of every process of an embedded run (MINDPULSE_RUN_TAG)
             self.pids["run_tag"] = tag
+            self.pids.save()  # before anything else starts: what cleans up after a killed launcher reads it
 
         import secrets
 
@@ -182,6 +183,19 @@ class Attempt:
         self.nodes.shutdown()
 
     def abort(self) -> None:
-        """The launcher itself failed mid-attempt: kill what was started."""
+        """The launcher itself failed mid-attempt: kill what was started, and give the cards
+        back (a next attempt reserves them again)."""
+        import ray
+
         self.kill_ranks()
         self.terminate(graceful=False)
+        if self.aggregator is not None:  # closed first (its files flushed), then gone: a restart starts its own
+            try:
+                ray.get(self.aggregator.close.remote(), timeout=10)
+            except Exception:
+                pass
+            try:
+                ray.kill(self.aggregator, no_restart=True)
+            except Exception:
+                pass
+        self.nodes.release()

@@ -129,9 +129,12 @@ class NodeAgents:
 
         w = self.cfg.world
         ip0 = self.infos[0]["ip"] if self.infos else (self.node_ips[0] if self.node_ips else "")
+        if not ip0 and not embedded:  # the group's node is not listed (yet): ask its agent
+            self.wait_ready()
+            ip0 = self.infos[0]["ip"]
         local = embedded or (w.nodes == 1 and ip0 == ray.util.get_node_ip_address())
         host = LOOPBACK if local else (self.cfg.msrun.master_addr or ip0)
-        port = self.cfg.msrun.master_port or free_port(LOOPBACK if host == LOOPBACK else "")
+        port = self.cfg.msrun.master_port or free_port(LOOPBACK if host == LOOPBACK else "", outside_ephemeral=True)
         return host, port
 
     def pids(self) -> dict[int, int]:

@@ -99,7 +99,37 @@ class RunResult:
         return {r: o for r, o in self.outcomes.items() if o.exit_code not in (0, None) or o.error}
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOW_PORTS = 20000
+"""Where a port picked outside the kernel's ephemeral range starts (above most services)."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as fh:
+            lo, hi = (int(x) for x in fh.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", outside_ephemeral: bool = False) -> int:
+    """A port nothing listens on now. `outside_ephemeral`: one below the kernel's ephemeral
+    range, which no socket bound to port 0 can draw meanwhile (the scheduler's port is
+    picked seconds before the scheduler binds it, while the node agents' servers start);
+    any free port where that range leaves no room."""
+    if outside_ephemeral:
+        import random
+
+        lo, _ = _ephemeral_range()
+        if lo - LOW_PORTS >= 1000:
+            for port in random.sample(range(LOW_PORTS, lo), 64):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    try:
+                        s.bind((host, port))
+                    except OSError:
+                        continue
+                    return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

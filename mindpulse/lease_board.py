@@ -19,17 +19,19 @@ reader that sees an older one is held back at worst (and then asks the relay).
 The file lives in /dev/shm (memory, not disk) where there is one, else the system's
 temporary directory; it is created private (0600: the ranks run as the agent's user) and
 removed when the relay stops. A node agent killed outright (SIGKILL, OOM) cannot remove
-its board: its name carries the agent's pid, and the next board made in that folder
-removes the boards of this user whose agent is gone. Where it cannot be made or mapped, leases go over the
+its board, but the lock it held on it goes with its process: the next board made in that
+folder removes this user's boards that nobody holds. Where it cannot be made or mapped, leases go over the
 relay's socket as answers (one round trip a step; the run is unchanged otherwise).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import time
@@ -47,49 +49,46 @@ it for a few microseconds; the rank then asks the relay)."""
 
 
 PREFIX = "mindpulse-lease-"
-_NAME = re.compile(r"mindpulse-lease-(\d+)-[A-Za-z0-9_]+$")
+_NAME = re.compile(r"mindpulse-lease-[A-Za-z0-9_-]+$")
 STALE_AFTER_S = 60.0
-"""A board whose writer's pid is gone is removed only when older than this (a pid from
-another pid namespace sharing the folder may look gone; a young board is left alone)."""
+"""A board is swept only when older than this, besides unlocked (it is locked the moment
+after it is made)."""
 
 
 def board_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def sweep_stale(directory: str, now: float | None = None) -> list[str]:
-    """Remove the boards in `directory` left by node agents that died without removing
-    theirs: this user's files named for a pid that is gone, older than STALE_AFTER_S.
-    Returns the paths removed; never raises."""
+    """Remove the boards in `directory` that no writer holds: the writer keeps an exclusive
+    lock on its board for as long as it lives (the kernel drops it with the process,
+    however it ends), so a board nobody has locked is one a killed agent left. Only this
+    user's regular files older than STALE_AFTER_S. A lock works across pid namespaces
+    (containers sharing /dev/shm), where a pid would not. Returns the paths removed; never
+    raises."""
     removed: list[str] = []
-    now = time.time() if now is None else now
     try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    uid = os.getuid()
-    for name in names:
-        m = _NAME.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            st = os.lstat(path)
-            if st.st_uid == uid and now - st.st_mtime > STALE_AFTER_S and not os.path.islink(path):
-                os.unlink(path)
-                removed.append(path)
-        except OSError:
-            continue
+        now = time.time() if now is None else now
+        uid = os.getuid()
+        for name in os.listdir(directory):
+            if _NAME.match(name) is None:
+                continue
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime <= STALE_AFTER_S:
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its agent is alive
+                    os.unlink(path)
+                    removed.append(path)
+                finally:
+                    os.close(fd)
+            except OSError:
+                continue
+    except Exception:
+        pass
     return removed
 
 
@@ -101,6 +100,7 @@ class LeaseBoard:
         sweep_stale(directory)
         fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this writer lives: not stale
             os.fchmod(fd, 0o600)
             # the page is taken now: on a full /dev/shm this raises OSError here, where a
             # sparse file would raise SIGBUS (killing the agent) at the first write through it
@@ -115,7 +115,7 @@ class LeaseBoard:
             os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
+        self._fd = fd
         self._seq = 0
         _HEAD.pack_into(self._mm, 0, MAGIC, 0, 0, 0)  # no reader yet (nobody knows the path)
 
@@ -142,6 +142,9 @@ class LeaseBoard:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            if self._fd >= 0:
+                os.close(self._fd)  # the lock goes with it
+                self._fd = -1
 
 
 class LeaseView:

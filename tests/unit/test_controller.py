@@ -187,3 +187,30 @@ def test_settings_of_a_restart_carry_the_resume_point_and_no_faults():
     again = rank_settings(cfg, attempt=1, resume={"path": "/r/c.ckpt", "step": 8}, **kw)
     assert first.faults == ("nan_loss@0:3",) and again.faults == () and again.resume.step == 8
     assert RankSettings.from_json(again.to_json()) == again
+
+
+def test_an_attempt_aborted_by_a_launcher_error_gives_its_cards_back():
+    """A launcher error mid-start (an agent or the aggregator not answering) ends what was
+    started and removes the placement group: a restart can reserve the cards again."""
+    from mindpulse.launcher.attempt import Attempt
+
+    calls = []
+
+    class Group:
+        def kill(self):
+            calls.append("kill ranks")
+
+        def terminate(self, graceful):
+            calls.append(f"terminate graceful={graceful}")
+
+    class Nodes:
+        def shutdown(self):
+            calls.append("agents down")
+
+        def release(self):
+            calls.append("cards back")
+
+    attempt = Attempt.__new__(Attempt)
+    attempt.group, attempt.nodes, attempt.aggregator = Group(), Nodes(), None
+    attempt.abort()
+    assert calls == ["kill ranks", "terminate graceful=False", "agents down", "cards back"], calls

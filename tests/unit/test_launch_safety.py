@@ -305,3 +305,25 @@ def test_the_signal_comes_from_the_exit_status_or_faulthandlers_last_words(tmp_p
     f = describe_failure({0: RankOutcome(rank=0, exit_code=-9, error="rank process died: SIGKILL")},
                          [0], tmp_path, {0: 3})
     assert f["signal"] == "SIGKILL"
+
+
+def test_the_schedulers_port_is_picked_outside_the_ephemeral_range(monkeypatch, tmp_path):
+    """The scheduler's port is picked seconds before the scheduler binds it, while the node
+    agents' servers bind port 0: a port below the kernel's ephemeral range cannot be drawn
+    by them meanwhile. Where the range leaves no room, any free port."""
+    import socket
+
+    from mindpulse.launcher import spec
+
+    lo, _ = spec._ephemeral_range()
+    ports = {spec.free_port("127.0.0.1", outside_ephemeral=True) for _ in range(5)}
+    if lo - spec.LOW_PORTS >= 1000:
+        assert all(spec.LOW_PORTS <= p < lo for p in ports), (ports, lo)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free when picked
+    narrow = tmp_path / "range"
+    narrow.write_text("1024\t65000\n")
+    monkeypatch.setattr(spec, "EPHEMERAL_RANGE_FILE", str(narrow))
+    assert spec._ephemeral_range() == (1024, 65000)
+    assert 0 < spec.free_port("127.0.0.1", outside_ephemeral=True) < 65536

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import struct
 import subprocess
+import sys
 import time
 
 import pytest
@@ -32,10 +33,8 @@ def test_a_reader_sees_each_new_lease_once_and_nothing_in_between(tmp_path):
 
 
 def test_a_new_board_removes_the_boards_of_agents_killed_outright(tmp_path):
-    """An agent killed with SIGKILL leaves its board behind: the next board made in that
-    folder removes it, and nothing that may still be in use or is not a board."""
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # its pid is free now
+    """An agent killed with SIGKILL leaves its board behind, unlocked: the next board made
+    in that folder removes it, and nothing that is still held, young, or not a board."""
     old = time.time() - STALE_AFTER_S - 60
 
     def board_file(name: str, mtime: float) -> str:
@@ -45,14 +44,21 @@ def test_a_new_board_removes_the_boards_of_agents_killed_outright(tmp_path):
         os.utime(path, (mtime, mtime))
         return path
 
-    stale = board_file(f"{PREFIX}{gone.pid}-abc_12", old)
-    young = board_file(f"{PREFIX}{gone.pid}-young1", time.time())  # another namespace's, maybe
-    live = board_file(f"{PREFIX}{os.getpid()}-live12", old)  # its agent still runs
-    other = board_file("mindpulse-lease-notapid", old)
+    # a board whose writer died: written by a process that is gone (its lock went with it)
+    child = subprocess.run([sys.executable, "-c", "import sys; from mindpulse.lease_board import LeaseBoard; "
+                            "b = LeaseBoard(sys.argv[1]); print(b.path)", str(tmp_path)],
+                           capture_output=True, text=True, check=True)
+    stale = child.stdout.strip()
+    os.utime(stale, (old, old))
+    held = LeaseBoard(str(tmp_path))  # a live writer's, old as it may be
+    os.utime(held.path, (old, old))
+    young = board_file(f"{PREFIX}12345-young1", time.time())
+    other = board_file("not-a-lease-board", old)
     board = LeaseBoard(str(tmp_path))
-    assert not os.path.exists(stale), "the board of a dead agent is removed"
-    assert all(os.path.exists(p) for p in (young, live, other)), sorted(os.listdir(tmp_path))
+    assert not os.path.exists(stale), f"the board of a dead agent is removed: {sorted(os.listdir(tmp_path))}"
+    assert all(os.path.exists(p) for p in (held.path, young, other, board.path)), sorted(os.listdir(tmp_path))
     assert os.path.basename(board.path).startswith(f"{PREFIX}{os.getpid()}-"), board.path
+    held.close()
     board.close()
 
 
