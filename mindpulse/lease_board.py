@@ -20,8 +20,9 @@ The file lives in /dev/shm (memory, not disk) where there is one, else the syste
 temporary directory; it is created private (0600: the ranks run as the agent's user) and
 removed when the relay stops. A node agent killed outright (SIGKILL, OOM) cannot remove
 its board, but the lock it held on it goes with its process: the next board made in that
-folder removes this user's boards that nobody holds. Where it cannot be made or mapped, leases go over the
-relay's socket as answers (one round trip a step; the run is unchanged otherwise).
+folder removes this user's boards that nobody holds. Where it cannot be made or mapped,
+leases go over the relay's socket as answers (one round trip a step; the run is
+unchanged otherwise).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ it for a few microseconds; the rank then asks the relay)."""
 
 
 PREFIX = "mindpulse-lease-"
-_NAME = re.compile(r"mindpulse-lease-[A-Za-z0-9_-]+$")
+_NAME = re.compile(re.escape(PREFIX) + r"[A-Za-z0-9_-]+$")
 STALE_AFTER_S = 60.0
 """A board is swept only when older than this, besides unlocked (it is locked the moment
 after it is made)."""

@@ -34,6 +34,7 @@ this node has reported, and counts of what was refused here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -376,8 +377,7 @@ class RelayServer:
             return
         raw = self._lease_raw
         if len(raw) > MAX_BOARD_LEASE:
-            lease = self._lease
-            raw = Lease(lease.reduced_through, lease.stop_after, lease.reason[:256], lease.save_last).encode()
+            raw = dataclasses.replace(self._lease, reason=self._lease.reason[:256]).encode()
         try:
             self.board.publish(raw)
         except Exception as exc:  # the ranks' boards stop moving: they ask, and are answered

@@ -80,6 +80,7 @@ def matmul_benchmark(n: int, seconds: float, repeats: int = 1, barrier: Any = No
     if barrier is not None:
         barrier()
     count = 0
+    gflop = 2.0 * n ** 3 / 1e9  # one product
     rates: list[float] = []
     t0 = last = time.perf_counter()
     while True:
@@ -89,7 +90,7 @@ def matmul_benchmark(n: int, seconds: float, repeats: int = 1, barrier: Any = No
             count += 1
         _sync(c)
         now = time.perf_counter()
-        rates.append(2.0 * n ** 3 * chunk / max(now - last, 1e-9) / 1e9)
+        rates.append(gflop * chunk / max(now - last, 1e-9))
         last = now
         elapsed = now - t0
         if elapsed >= seconds:
@@ -99,7 +100,7 @@ def matmul_benchmark(n: int, seconds: float, repeats: int = 1, barrier: Any = No
     # is not called slow for it (the window's mean, kept as matmul_gflops_window, is)
     rates.sort()
     return {"matmul_size": n, "matmul_count": count, "matmul_s": elapsed,
-            "matmul_gflops": rates[len(rates) // 2], "matmul_gflops_window": 2.0 * n ** 3 * count / elapsed / 1e9,
+            "matmul_gflops": rates[len(rates) // 2], "matmul_gflops_window": gflop * count / elapsed,
             "matmul_chunks": len(rates), "matmul_rel_error": rel_error, "matmul_ok": rel_error <= MAX_REL_ERROR}
 
 

@@ -26,12 +26,33 @@ class Upstream:
         with self.lock:
             self.sent.append(list(batch))
 
+    def packets(self) -> int:
+        with self.lock:
+            return sum(len(b) for b in self.sent)
+
+    def wait_sent(self, n: int, timeout: float = 3.0, flush: RelayServer | None = None) -> None:
+        """Until `n` packets went up (or `timeout`); with `flush`, that relay sends what it
+        holds at every look (packets that did not complete a step wait for its timer)."""
+        deadline = time.time() + timeout
+        while self.packets() < n and time.time() < deadline:
+            time.sleep(0.01)
+            if flush is not None:
+                flush.loop.call_soon_threadsafe(flush._flush)
+
     async def decide(self, batch, step, timeout):
         with self.lock:
             self.decides.append((step, len(batch)))
             self.decided_batches.append(list(batch))
         action = Action.STOP if self.stop_at is not None and step >= self.stop_at else Action.CONTINUE
         return Directive(step=step, action=action, reason="test").encode()
+
+
+def raw_relay(**kw) -> tuple[Upstream, RelayServer, socket.socket]:
+    """A relay for one local rank and a bare socket to it (frames written by hand, as a
+    broken or hostile sender would)."""
+    up = Upstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=1, **kw)
+    return up, srv, socket.create_connection(("127.0.0.1", srv.start()))
 
 
 def pkt(rank, step, decision=False):
@@ -46,9 +67,7 @@ def test_fire_and_forget_packets_are_batched():
     for s in range(1, 70):
         c.send(pkt(0, s))
     c.flush()
-    deadline = time.time() + 5
-    while sum(len(b) for b in up.sent) < 69 and time.time() < deadline:
-        time.sleep(0.02)
+    up.wait_sent(69, timeout=5)
     assert sum(len(b) for b in up.sent) == 69
     assert len(up.sent) < 69 / 4, "packets were not batched"
     c.close()
@@ -77,14 +96,11 @@ def test_decisions_of_a_nodes_ranks_go_up_as_one_call_and_fan_out():
 
 
 def test_bad_frames_are_counted_and_the_relay_goes_on():
-    up = Upstream()
-    srv = RelayServer(up.send, up.decide, local_ranks=1)
-    port = srv.start()
-    s = socket.create_connection(("127.0.0.1", port))
+    up, srv, s = raw_relay()
     junk = b"\xc1\xc1not msgpack"
     s.sendall(struct.pack(">I", len(junk)) + junk)
     time.sleep(0.2)
-    c = RelayClient("127.0.0.1", port)
+    c = RelayClient("127.0.0.1", srv.port)
     d = c.decide(pkt(0, 1, decision=True), 1)
     assert d.action is Action.CONTINUE and srv.stats["bad_frames"] == 1
     s.close()
@@ -139,9 +155,7 @@ def test_a_step_goes_up_as_soon_as_every_rank_of_the_node_sent_it():
     a, b = RelayClient("127.0.0.1", port), RelayClient("127.0.0.1", port)
     a.send_step(pkt(0, 1), 1)
     b.send_step(pkt(1, 1), 1)
-    deadline = time.time() + 2
-    while not up.sent and time.time() < deadline:
-        time.sleep(0.001)
+    up.wait_sent(1, timeout=2)
     assert [len(batch) for batch in up.sent] == [2], "one call for the node's step"
     a.close()
     b.close()
@@ -166,9 +180,7 @@ def test_a_connection_without_the_runs_token_is_refused():
     for c, step in ((stranger, 1), (wrong, 2), (rank, 3)):
         c.send(pkt(0, step))
         c.flush()
-    deadline = time.time() + 3
-    while not up.sent and time.time() < deadline:
-        time.sleep(0.01)
+    up.wait_sent(1)
     time.sleep(0.2)
     got = [decode(b).step for batch in up.sent for b in batch]
     assert got == [3], f"only the rank with the token gets through: {got}"
@@ -180,10 +192,7 @@ def test_a_connection_without_the_runs_token_is_refused():
 
 
 def test_frames_after_a_decision_wait_for_its_answer_and_keep_their_order():
-    up = Upstream()
-    srv = RelayServer(up.send, up.decide, local_ranks=1)
-    port = srv.start()
-    s = socket.create_connection(("127.0.0.1", port))
+    up, srv, s = raw_relay()
     frames = [encode_frame({"op": "decide", "packets": [pkt(0, 1, decision=True)], "step": 1, "timeout": 5,
                             "expect": 1})]
     frames += [encode_frame({"op": "send", "packets": [pkt(0, k)]}) for k in (2, 3)]
@@ -194,9 +203,7 @@ def test_frames_after_a_decision_wait_for_its_answer_and_keep_their_order():
     head = s.recv(4)
     answer = decode_frame_body(s.recv(struct.unpack(">I", head)[0]))
     assert Directive.decode(answer["directive"]).step == 1
-    deadline = time.time() + 3
-    while sum(len(b) for b in up.sent) < 2 and time.time() < deadline:
-        time.sleep(0.01)
+    up.wait_sent(2)
     srv.loop.call_soon_threadsafe(srv._flush)
     time.sleep(0.1)
     assert [decode(b).step for b in up.decided_batches[0]] == [1], "the decision went up with its own packet"
@@ -229,33 +236,21 @@ def test_without_a_lease_board_each_lease_is_answered_by_the_relay(monkeypatch):
 
 
 def test_a_big_frame_in_the_same_read_as_the_hello_gets_through():
-    up = Upstream()
-    srv = RelayServer(up.send, up.decide, local_ranks=1, token="s3cret")
-    port = srv.start()
-    s = socket.create_connection(("127.0.0.1", port))
+    up, srv, s = raw_relay(token="s3cret")
     big = [StepPacket(rank=0, step=k, loss=1.0, extra={f"m{i}": 1.0 for i in range(60)}).encode() for k in range(1, 6)]
     frame = encode_frame({"op": "send", "packets": big})
     assert len(frame) > 4096, "bigger than a hello may be"
     s.sendall(encode_frame({"op": "hello", "token": "s3cret"}) + frame)  # one write: the reconnect path
-    deadline = time.time() + 3
-    while sum(len(b) for b in up.sent) < 5 and time.time() < deadline:
-        time.sleep(0.01)
-        srv.loop.call_soon_threadsafe(srv._flush)
+    up.wait_sent(5, flush=srv)
     assert sum(len(b) for b in up.sent) == 5 and srv.stats["refused_connections"] == 0, srv.stats
     s.close()
     srv.stop()
 
 
 def test_a_frame_with_bad_insides_is_counted_and_the_connection_goes_on():
-    up = Upstream()
-    srv = RelayServer(up.send, up.decide, local_ranks=1)
-    port = srv.start()
-    s = socket.create_connection(("127.0.0.1", port))
+    up, srv, s = raw_relay()
     s.sendall(encode_frame({"op": "send", "packets": 7}) + encode_frame({"op": "send", "packets": [pkt(0, 1)]}))
-    deadline = time.time() + 3
-    while not up.sent and time.time() < deadline:
-        time.sleep(0.01)
-        srv.loop.call_soon_threadsafe(srv._flush)
+    up.wait_sent(1, flush=srv)
     assert [decode(b).step for batch in up.sent for b in batch] == [1] and srv.stats["bad_frames"] == 1, srv.stats
     s.close()
     srv.stop()
