@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mindpulse.node.msrun_output import KILLED_OTHERS
+
 from .failures import VICTIM, signal_name, traceback_from_log
 from .spec import RankOutcome
 
@@ -36,7 +38,6 @@ _WORKER = re.compile(r"Start worker process with rank id:(\S+), log file:(.*?)\.
 _SCHEDULER = re.compile(r"Start scheduler process, log file:(.*?)\. Execute command: (.*)$", re.M)
 _DIED = re.compile(r"^(?:\[ERROR\] ME\(\d+:\d+,\w+\):(\d{4}-\d\d-\d\d-\d\d:\d\d:\d\d)\.(\d{3})\.\d+ .*?)?"
                    r"Worker process (\d+) exit with exception\. Error code: (-?\d+)\.", re.M)
-_KILLED_OTHERS = "There's worker exits with exception, kill all other workers."
 _PID = r"^\[rank {rank}\] pid (\d+) starting$"
 _FINISHED = r"^\[rank {rank}\] finished with exit code (-?\d+) after [\d.]+s$"
 
@@ -93,7 +94,7 @@ def parse_msrun_log(text: str) -> MsrunLog:
             except (ValueError, OverflowError):
                 when = None
         out.died.append((int(m.group(3)), int(m.group(4)), when))
-    out.killed_others = _KILLED_OTHERS in text
+    out.killed_others = KILLED_OTHERS in text
     return out
 
 

@@ -113,6 +113,11 @@ class MsrunConfig:
     master_addr: str = ""
     """Node 0's address for the other nodes (empty: node 0's IP as Ray sees it; 127.0.0.1
     on one machine)."""
+    heartbeat_interval_s: int = 0
+    """Seconds between a rank's heartbeats to MindSpore's scheduler (MS_RETRY_INTERVAL_LOWER
+    and _UPPER). A rank learns that the cluster is built only from a heartbeat's answer, so
+    this is most of the wait before training starts. 0: 1 s up to 128 ranks, MindSpore's
+    own default above (a random 3-5 s, which spreads the scheduler's load)."""
 
 
 @dataclass
@@ -591,6 +596,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         if reason is not None:
             raise ConfigError(f"env.{key}: not allowed: {reason}. Variables mindpulse sets or relies on cannot "
                               "be set here (see the `env` row of the README's config reference)")
+    _positive("msrun.heartbeat_interval_s", cfg.msrun.heartbeat_interval_s, allow_zero=True)
     _positive("max_restarts", cfg.max_restarts, allow_zero=True)
     _positive("world.nodes", cfg.world.nodes)
     _positive("world.ranks_per_node", cfg.world.ranks_per_node)
@@ -641,6 +647,14 @@ def validate(cfg: RunConfig) -> RunConfig:
         if r.hidden_size % r.num_heads:
             raise ConfigError(
                 f"job.recipe.hidden_size: {r.hidden_size} is not divisible by job.recipe.num_heads ({r.num_heads})"
+            )
+        if cfg.train.mode is Mode.GRAPH and cfg.world.device is Device.CPU and cfg.world.world_size > 1:
+            # seen with MindSpore 2.9 / MindFormers 1.9: every rank fails at its first step after
+            # about a minute of compiling; one CPU rank, or any Ascend world, compiles
+            raise ConfigError(
+                f"train.mode: 'graph' is not supported for the {r.name} recipe in data parallel on CPU "
+                f"({cfg.world.world_size} ranks): MindSpore 2.9 fails to compile its train step there "
+                "('Input[0] must be a Primitive ValueNode'); use train.mode=pynative, or one rank"
             )
     _validate_eval_metrics(cfg)
     known = known_metrics(cfg)
@@ -760,6 +774,8 @@ ENV_RESERVED: dict[str, str] = {
                   "world.ranks_per_node",
     "MS_TOPO_TIMEOUT": "mindpulse sets it from msrun.cluster_time_out (msrun from its --cluster_time_out); "
                        "use msrun.cluster_time_out",
+    "MS_RETRY_INTERVAL_LOWER": "mindpulse sets the ranks' heartbeat interval; use msrun.heartbeat_interval_s",
+    "MS_RETRY_INTERVAL_UPPER": "mindpulse sets the ranks' heartbeat interval; use msrun.heartbeat_interval_s",
     "DEVICE_ID": "mindpulse sets it to each rank's local rank (its index among the visible cards); use "
                  "world.devices to choose the cards",
     "ASCEND_RT_VISIBLE_DEVICES": "mindpulse sets the node's visible cards from world.devices; use world.devices",

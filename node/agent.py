@@ -335,8 +335,40 @@ class NodeAgent:
             # SIGINT: msrun's own handler kills its workers (in sessions of their own) and its scheduler
             self.msrun = self._spawn(cmd, env=full, stdout=logf, death_signal=signal.SIGINT)
             self._track()
-            code = self.msrun.wait()
-        return {"node": self.node, "exit_code": code, "seconds": time.time() - t0, "pid": self.msrun.pid}
+            code, cut_short = self._wait_msrun(log_path, logf)
+        return {"node": self.node, "exit_code": code, "seconds": time.time() - t0, "pid": self.msrun.pid,
+                "cut_short": cut_short}
+
+    MSRUN_GRACE_S = 3.0
+    """How long msrun may take to end by itself once it has killed its workers after one failed."""
+
+    def _wait_msrun(self, log_path: str, logf: Any) -> tuple[int, bool]:
+        """msrun's exit status, and whether the agent ended it. Once msrun says that it killed
+        its other workers after one failed, the job is over and msrun only waits for its
+        scheduler, which waits for the killed ranks' heartbeats to time out
+        (node/msrun_output.py): after MSRUN_GRACE_S the agent ends msrun and everything under
+        it, so the launcher learns of the failure seconds after it, not half a minute."""
+        from mindpulse.node.msrun_output import KILLED_OTHERS, LogScanner
+
+        assert self.msrun is not None
+        scanner = LogScanner(log_path, KILLED_OTHERS)
+        gave_up_at: float | None = None
+        cut = False
+        while True:
+            try:
+                return self.msrun.wait(timeout=0.5), cut
+            except subprocess.TimeoutExpired:
+                pass
+            if gave_up_at is None:
+                if scanner.found():
+                    gave_up_at = time.time()
+            elif not cut and time.time() - gave_up_at > self.MSRUN_GRACE_S:
+                cut = True
+                logf.write(f"mindpulse: msrun killed its workers after one failed and still waits for its "
+                           f"scheduler {self.MSRUN_GRACE_S:g}s later (the scheduler waits for the killed ranks' "
+                           "heartbeats to time out): ending msrun and its scheduler now\n".encode())
+                logf.flush()
+                _killpg(self.msrun)
 
     def msrun_pid(self) -> int | None:
         return self.msrun.pid if self.msrun else None

@@ -348,6 +348,8 @@ def test_known_metrics_pass(raw):
         ("MS_WORKER_NUM", "use world.nodes and world.ranks_per_node"),
         ("MS_NODE_ID", "use world.nodes and world.ranks_per_node"),
         ("MS_TOPO_TIMEOUT", "use msrun.cluster_time_out"),
+        ("MS_RETRY_INTERVAL_LOWER", "use msrun.heartbeat_interval_s"),
+        ("MS_RETRY_INTERVAL_UPPER", "use msrun.heartbeat_interval_s"),
         ("RANK_ID", "use world.nodes and world.ranks_per_node"),
         ("RANK_SIZE", "use world.nodes and world.ranks_per_node"),
         ("RANK_TABLE_FILE", "not a RANK_TABLE_FILE"),
@@ -445,3 +447,18 @@ def test_cli_plan_exits_2_on_these(sets, needle):
                           text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr
+
+
+def test_heartbeat_interval_must_not_be_negative():
+    with pytest.raises(ConfigError, match=r"msrun\.heartbeat_interval_s"):
+        from_dict({"msrun": {"heartbeat_interval_s": -1}})
+
+
+def test_graph_mode_recipe_in_data_parallel_on_cpu_is_refused_before_launch():
+    """MindSpore 2.9 cannot compile the recipe's data-parallel train step in GRAPH mode on
+    CPU: the config says so at once instead of every rank failing after a minute."""
+    with pytest.raises(ConfigError, match=r"^train\.mode: 'graph' is not supported .*use train\.mode=pynative"):
+        from_dict({"train": {"mode": "graph"}, "world": {"ranks_per_node": 2}})
+    from_dict({"train": {"mode": "graph"}, "world": {"ranks_per_node": 1}})
+    from_dict({"train": {"mode": "graph"}, "world": {"ranks_per_node": 8, "device": "ascend"}})
+    from_dict({"train": {"mode": "graph"}, "world": {"ranks_per_node": 2}, "job": {"script": "train.py"}})

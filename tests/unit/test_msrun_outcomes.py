@@ -136,3 +136,25 @@ def test_the_msrun_worker_group_reports_each_rank_root_cause_first(tmp_path, mon
 def test_a_rank_that_reported_its_own_exit_keeps_it(code):
     outs = node_outcomes([0], code, MSRUN_HEAD, {0: rank_log(0, 5, code=code)})
     assert outs[0].exit_code == code and (outs[0].error == "" if code == 0 else outs[0].error == "exit code 2")
+
+
+def test_the_agents_log_scanner_finds_msruns_give_up_line_across_reads(tmp_path):
+    """The node agent reads msrun's log as msrun appends to it; the line may arrive in pieces."""
+    from mindpulse.node.msrun_output import KILLED_OTHERS, LogScanner
+
+    log = tmp_path / "msrun_node0.log"
+    scan = LogScanner(str(log), KILLED_OTHERS)
+    assert not scan.found()  # no file yet
+    log.write_text("$ msrun --worker_num=2\nStart worker process with rank id:0 ...\n")
+    assert not scan.found()
+    cut = len(KILLED_OTHERS) // 2
+    with log.open("a") as f:
+        f.write("[WARNING] ME(1:2,MainProcess): " + KILLED_OTHERS[:cut])
+    assert not scan.found()
+    with log.open("a") as f:
+        f.write(KILLED_OTHERS[cut:] + "\n")
+    assert scan.found()
+    # a log that only mentions a worker's failure is not msrun giving up
+    other = tmp_path / "other.log"
+    other.write_text("Worker process 12 exit with exception. Error code: 1.\n")
+    assert not LogScanner(str(other), KILLED_OTHERS).found()

@@ -104,3 +104,19 @@ def test_launch_without_the_hardware_stops_before_starting_anything(tmp_path, co
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert ("npu-smi" in proc.stderr) and (needle in proc.stderr)
     assert not any(tmp_path.iterdir()), "a run directory was left by a launch that started nothing"
+
+
+def test_heartbeat_interval_is_one_second_for_small_worlds_and_mindspores_default_for_large_ones():
+    """A rank learns that MindSpore's cluster is built only from a heartbeat's answer: small
+    worlds get a 1 s heartbeat, large ones keep MindSpore's random 3-5 s (no variable set),
+    and `msrun.heartbeat_interval_s` sets it for any world, on both backends."""
+    def env_of(**cfg):
+        return [s.env for s in rank_specs(from_dict(cfg))]
+
+    small = env_of(world={"nodes": 16, "ranks_per_node": 8})
+    assert all(e["MS_RETRY_INTERVAL_LOWER"] == e["MS_RETRY_INTERVAL_UPPER"] == "1" for e in small)
+    large = env_of(world={"nodes": 17, "ranks_per_node": 8})
+    assert not any("MS_RETRY_INTERVAL_LOWER" in e or "MS_RETRY_INTERVAL_UPPER" in e for e in large)
+    for backend in ("ray", "msrun"):
+        set_ = env_of(backend=backend, world={"nodes": 32, "ranks_per_node": 8}, msrun={"heartbeat_interval_s": 4})
+        assert all(e["MS_RETRY_INTERVAL_LOWER"] == e["MS_RETRY_INTERVAL_UPPER"] == "4" for e in set_)
