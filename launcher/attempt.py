@@ -141,6 +141,10 @@ class Attempt:
         except Exception:
             return None
 
+    def save_in_progress(self) -> dict[str, Any] | None:
+        """Rank 0's save-in-progress marker (`NodeAgents.saving_now`)."""
+        return self.nodes.saving_now(str(self.run_dir / "checkpoints"))
+
     def request_stop(self, reason: str) -> None:
         """Every rank stops after the next decision step (the aggregator's stop directive)."""
         try:

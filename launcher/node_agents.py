@@ -167,6 +167,19 @@ class NodeAgents:
             except Exception as exc:
                 say(f"mindpulse: stack dump on node {n} failed: {exc}")
 
+    def saving_now(self, ckpt_dir: str) -> dict[str, Any] | None:
+        """Rank 0's save-in-progress marker as node 0's agent reads it (rank 0 writes on its own
+        host): None without one, else {"step", "pid", "started", "alive"}; {"error": why}
+        when the agent does not answer within a few seconds."""
+        import ray
+
+        if not self.agents:
+            return {"error": "no node agent"}
+        try:
+            return ray.get(self.agents[0].saving_now.remote(ckpt_dir), timeout=5)
+        except Exception as exc:
+            return {"error": f"node 0's agent did not answer ({type(exc).__name__})"}
+
     def kill_ranks(self) -> None:
         """msrun backend: each agent kills its msrun's process group (no wait: all at once)."""
         for a in self.agents:

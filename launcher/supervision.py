@@ -55,6 +55,9 @@ class AttemptWatch:
         self._last_poll = 0.0
         self._last_hang_check = 0.0
         self._hang_info: dict[str, Any] | None = None
+        self._save_wait: tuple[int, float] | None = None
+        """(step, deadline) while a failure waits for rank 0's checkpoint write."""
+        self._save_wait_said = False
 
     def tick(self) -> RunStatus:
         import ray
@@ -66,6 +69,8 @@ class AttemptWatch:
         if failed and self.pending:
             first = failed[0]
             self.message = f"rank {first.rank} failed: {first.error or 'exit code ' + str(first.exit_code)}"
+            if self._let_save_finish():
+                return self.status
             self.console.say(f"mindpulse: {self.message}; stopping the other ranks")
             return self._end(RunStatus.FAILED, lambda r: VICTIM)
         if self.interrupts.count and self.interrupted_at is None:
@@ -102,6 +107,45 @@ class AttemptWatch:
                 self.status = RunStatus.SUCCEEDED
             self.console.progress.clear()
         return self.status
+
+    def _let_save_finish(self) -> bool:
+        """A rank failed while rank 0 may be writing a checkpoint: True while the write goes
+        on and `checkpoint.save_grace_s` allows (the other ranks are stopped once it ends, so
+        the restart, or the user, has the checkpoint that was being written); False to stop
+        the ranks now. A second interrupt stops them at once."""
+        grace = self.cfg.checkpoint.save_grace_s
+        if grace <= 0 or self.interrupts.count >= 2:
+            return False
+        now = time.time()
+        note = self.attempt.save_in_progress()
+        if self._save_wait is None:
+            if not note or not note.get("alive"):
+                return False
+            self._save_wait = (int(note["step"]), now + grace)
+            self.console.say(f"mindpulse: {self.message}; rank 0 is writing the checkpoint of step {note['step']}: "
+                             f"letting it finish (up to {grace:g}s, checkpoint.save_grace_s) before stopping the "
+                             "other ranks (interrupt again to stop now)")
+            return True
+        step, until = self._save_wait
+        if note is None:
+            self.console.say(f"mindpulse: rank 0 finished writing the checkpoint of step {step}")
+            return False
+        if "error" in note:
+            self.console.say(f"mindpulse: cannot tell whether rank 0 still writes the checkpoint of step {step}: "
+                             f"{note['error']}")
+            return False
+        if not note.get("alive"):
+            self.console.say(f"mindpulse: rank 0 ended before its checkpoint of step {step} was written")
+            return False
+        if now >= until:
+            self.console.say(f"mindpulse: the checkpoint of step {step} was still being written after {grace:g}s "
+                             "(checkpoint.save_grace_s)")
+            return False
+        if self.interrupts.count == 1 and not self._save_wait_said:
+            self._save_wait_said = True
+            self.console.say(f"mindpulse: interrupt: still letting rank 0 write the checkpoint of step {step}; "
+                             "interrupt again to stop now")
+        return True
 
     def result(self) -> RunResult:
         return RunResult(status=self.status, outcomes=self.outcomes, message=self.message,

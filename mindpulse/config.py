@@ -359,6 +359,10 @@ class CheckpointConfig:
     reported, the previous best and the manifest stay valid) or `stop` every rank."""
     save_last: bool = True
     """Save a `last` checkpoint when the run is interrupted or stopped by save_and_stop."""
+    save_grace_s: float = 120.0
+    """When a rank fails while rank 0 is writing a checkpoint, seconds the launcher lets the
+    write finish before it stops the other ranks (0: stop at once). With msrun, msrun itself
+    kills the failed rank's node within a second: the grace holds for rank 0 on another node."""
 
 
 @dataclass
@@ -670,6 +674,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("checkpoint.keep_checkpoint_max", ck.keep_checkpoint_max)
     _positive("checkpoint.keep_best_max", ck.keep_best_max)
     _positive("checkpoint.best_every_steps", ck.best_every_steps)
+    _positive("checkpoint.save_grace_s", ck.save_grace_s, allow_zero=True)
+    if not math.isfinite(ck.save_grace_s):
+        raise ConfigError(f"checkpoint.save_grace_s: {ck.save_grace_s!r} is not allowed; use a number of seconds")
     if ck.on_save_error not in ("continue", "stop"):
         raise ConfigError(f"checkpoint.on_save_error: {ck.on_save_error!r} is not allowed; use 'continue' or 'stop'")
     if not ck.best_metric:

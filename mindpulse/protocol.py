@@ -953,6 +953,9 @@ class FaultKind(str, enum.Enum):
     HANG = "hang"
     SLOW = "slow"
     DESYNC = "desync"
+    SLOW_SAVE = "slow_save"
+    """Rank 0's checkpoint write at the step takes longer (`slow_save@0:STEP`): rehearses
+    `checkpoint.save_grace_s`, a rank failing while rank 0 writes."""
     SLOW_CARD = "slow_card"
     """The pre-flight card check's matmul of the rank repeats its work (`slow_card@RANK`:
     no step, the check runs before training)."""
@@ -993,6 +996,8 @@ def parse_fault(spec: str, world_size: int | None = None) -> Fault:
     if fk not in CHECK_FAULTS and step is None:
         raise ValueError(f"{spec!r}: {kind} needs the step it acts at; use {kind}@{rank}:STEP")
     step = int(step or 0)
+    if fk is FaultKind.SLOW_SAVE and rank != 0:
+        raise ValueError(f"{spec!r}: only rank 0 writes checkpoints; use slow_save@0:{step}")
     if world_size is not None and rank >= world_size:
         raise ValueError(f"{spec!r}: rank {rank} does not exist in a world of {world_size} ranks")
     return Fault(fk, rank, step)

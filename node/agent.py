@@ -477,6 +477,12 @@ class NodeAgent:
             out[rank] = str(path)
         return out
 
+    def saving_now(self, ckpt_dir: str) -> dict[str, Any] | None:
+        """Rank 0's save-in-progress marker in `ckpt_dir` on this host (`rundir_io.saving_now`)."""
+        from mindpulse.aggregator.rundir_io import saving_now
+
+        return saving_now(ckpt_dir)
+
     def kill_ranks(self) -> None:
         """Stop this node's ranks now (another rank failed): msrun's whole process group."""
         if self.msrun is not None and self.msrun.poll() is None:

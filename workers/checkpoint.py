@@ -24,12 +24,18 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mindpulse.aggregator.rundir_io import fsync_dir, modes_of, write_atomic  # the run directory's I/O
+from mindpulse.aggregator.rundir_io import (  # the run directory's I/O
+    SAVING_MARKER,
+    fsync_dir,
+    mark_saving,
+    modes_of,
+    write_atomic,
+)
 from mindpulse.protocol import CheckpointKind
 
 from .model_params import is_model_param
@@ -292,24 +298,45 @@ class CheckpointManager:
         self._loaded = True
 
     def _clean_temp(self) -> None:
-        # temp files of a save that was killed midway: never in the manifest
-        for p in self.dir.glob(".tmp-*"):
+        # temp files of a save that was killed midway (never in the manifest), and the
+        # save-in-progress marker it left: no write of this writer is in progress yet
+        for p in [*self.dir.glob(".tmp-*"), *self.dir.glob(SAVING_MARKER + "*")]:
             try:
                 p.unlink()
             except OSError:
                 pass
 
     def save(self, train_cell: Any, step: int, epoch: int, kinds: Iterable[CheckpointKind | str],
-             metric: float | None = None, metric_name: str = "", extra: dict[str, Any] | None = None
-             ) -> list[CkptEntry]:
-        """Write one file for the first kind; hard links for the others (one write)."""
-        import mindspore as ms
-
+             metric: float | None = None, metric_name: str = "", extra: dict[str, Any] | None = None,
+             before_write: Callable[[], None] | None = None) -> list[CkptEntry]:
+        """Write one file for the first kind; hard links for the others (one write). While it
+        writes, the folder holds the save-in-progress marker (`SAVING_MARKER`), so a launcher
+        stopping the ranks after another rank failed lets the write finish
+        (`checkpoint.save_grace_s`). `before_write`: called once the marker is down (faults)."""
         # plain values: they name files and go into the manifest (an enum's str() is its name)
         kinds = [CheckpointKind(k).value for k in kinds if k in KINDS]
         if not kinds:
             return []
         self._open()  # a folder that could not be made (or read) at the start is an error now
+        marker = mark_saving(self.dir, step)
+        if marker is None:
+            log.warning("[rank 0] could not mark the checkpoint write of step %d as in progress in %s: a rank "
+                        "failing during it stops rank 0 at once", step, self.dir)
+        try:
+            if before_write is not None:
+                before_write()
+            return self._save(train_cell, step, epoch, kinds, metric, metric_name, extra)
+        finally:
+            if marker is not None:
+                try:
+                    marker.unlink()
+                except OSError:
+                    pass
+
+    def _save(self, train_cell: Any, step: int, epoch: int, kinds: list[str], metric: float | None,
+              metric_name: str, extra: dict[str, Any] | None) -> list[CkptEntry]:
+        import mindspore as ms
+
         ext = "safetensors" if self.fmt == "safetensors" else "ckpt"
         first = f"step_{step:08d}-{kinds[0]}.{ext}"
         tmp = self.dir / f".tmp-{first}"

@@ -25,13 +25,17 @@ Report = Callable[[EventKind, str], None]
 
 
 class CheckpointWriter:
-    def __init__(self, manager: CheckpointManager, report: Report):
+    def __init__(self, manager: CheckpointManager, report: Report,
+                 before_write: Callable[[int], None] | None = None):
+        """`before_write(step)`: called inside each write, before the file (fault injection)."""
         self.manager = manager
         self.report = report
+        self.before_write = before_write
         self.failures = 0
 
     @staticmethod
-    def for_run(settings: RankSettings, report: Report) -> CheckpointWriter:
+    def for_run(settings: RankSettings, report: Report,
+                before_write: Callable[[int], None] | None = None) -> CheckpointWriter:
         """Writes into `RUN_DIR/checkpoints` with the run's retention, format and file mode
         (`output.mode`: private 0600 files in a 0700 folder unless it says `shared`)."""
         ck = settings.checkpoint
@@ -39,13 +43,15 @@ class CheckpointWriter:
         mode = output.get("mode", "private") if isinstance(output, dict) else "private"
         manager = CheckpointManager(Path(settings.run_dir) / "checkpoints", keep_periodic=ck.keep_periodic,
                                     keep_best=ck.keep_best, fmt=ck.format, mode=mode)
-        return CheckpointWriter(manager, report)
+        return CheckpointWriter(manager, report, before_write)
 
     def write(self, directive: Directive, step: int, epoch: int, train_cell: Any) -> None:
         """Save `train_cell` (weights and optimizer state) as the directive's kinds; never raises."""
         try:
+            hook = self.before_write
             entries = self.manager.save(train_cell, step, epoch, directive.save_kinds, metric=directive.metric,
-                                        metric_name=directive.metric_name)
+                                        metric_name=directive.metric_name,
+                                        before_write=(lambda: hook(step)) if hook is not None else None)
             msg = json.dumps([dict(e.__dict__, path=str(self.manager.dir / e.path)) for e in entries])
             self.report(EventKind.CHECKPOINT, msg)
         except Exception as exc:

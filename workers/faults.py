@@ -2,8 +2,9 @@
 
 `KIND@RANK:STEP` (e.g. `nan_grad@1:5`) corrupts the real computation of that rank at that
 step: the loss or the local gradients through the train cell's fault scalars, or the
-process itself (crash, hang, slow, desync). `slow_card@RANK` (no step) slows the rank's
-pre-flight card check instead (workers/card_check.py). Given with `--inject` or `faults:`.
+process itself (crash, hang, slow, desync), or rank 0's checkpoint write (slow_save).
+`slow_card@RANK` (no step) slows the rank's pre-flight card check instead
+(workers/card_check.py). Given with `--inject` or `faults:`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ SLOW_DELAY_S = 1.5
 """Delay added to every step's data path from the fault's step on."""
 DESYNC_DELTA = 1e-3
 """Added to one weight tensor of the rank: small, but every fingerprint sees it."""
+SLOW_SAVE_S = 8.0
+"""slow_save@0:S: rank 0's checkpoint write of step S waits this long before writing (its
+save-in-progress marker already written), as a large checkpoint on slow storage would."""
 SLOW_CARD_FACTOR = 4
 """slow_card@R: rank R's card-check matmul does each product's work this many times over
 (the product is counted once), so its GFLOP/s drop to about 1/this."""
@@ -114,6 +118,13 @@ class FaultInjector:
             elif f.kind is FaultKind.DESYNC:
                 self._desync()
                 self._note(f)
+
+    def before_save(self, step: int) -> None:
+        """Inside rank 0's checkpoint write of `step`, before the file is written."""
+        for f in self.faults:
+            if f.kind is FaultKind.SLOW_SAVE and f.step == step:
+                self._note(f)
+                time.sleep(SLOW_SAVE_S)
 
     def after_step(self, step: int) -> None:
         if self._armed_scale:

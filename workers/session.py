@@ -557,7 +557,7 @@ class RankSession:
         self.step = step_offset
         """The last step recorded (the offset before the first)."""
         self.injector = FaultInjector(self.rank, faults_for(self.rank, settings.faults if settings else ()))
-        self.checkpoints = (CheckpointWriter.for_run(settings, self.send_event)
+        self.checkpoints = (CheckpointWriter.for_run(settings, self.send_event, self.injector.before_save)
                             if settings is not None and self.rank == 0 else None)
         self.profile = ProfileWindow.for_rank(settings, self.rank)
         self.in_step: int | None = None

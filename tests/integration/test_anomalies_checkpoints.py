@@ -160,15 +160,18 @@ def test_resume_continues_steps_and_loss_and_refuses_a_corrupt_file(ckpt_run, ru
 
 
 def test_safetensors_survive_a_crash_restart_and_keep_the_better_best(run_cli):
-    """checkpoint.format safetensors, a crash, a restart that resumes the newest checkpoint:
-    the ranks verify and load the safetensors file, the restarted aggregator starts from the
-    manifest's best (this run's loss is higher at the restart's candidates 6 and 8 than at
-    step 4: the best of attempt 0 must stay best, not be replaced by step 6 and deleted by
-    retention), and the files are private (0600 in a 0700 folder)."""
-    # the crash comes before step 6: step 5's all-reduce needed rank 0 past its step-4 save, so
-    # that save is whole (a crash before step 5 races it: the failed attempt's ranks are killed,
-    # an interrupted save leaves the manifest at the save before, and the restart resumes there)
-    r = run_cli("launch", "--set", "train.steps=8", "--inject", "crash@1:6", "--set", "max_restarts=1",
+    """checkpoint.format safetensors, a crash while rank 0 writes a checkpoint, a restart that
+    resumes the newest checkpoint: the launcher lets the write finish before it stops the
+    ranks (checkpoint.save_grace_s), the ranks verify and load the safetensors file, the
+    restarted aggregator starts from the manifest's best (this run's loss is higher at the
+    restart's candidates 6 and 8 than at step 4: the best of attempt 0 must stay best, not be
+    replaced by step 6 and deleted by retention), and the files are private (0600 in a 0700
+    folder)."""
+    # rank 0's write of step 4 takes 8 s (slow_save); rank 1 crashes before step 5, 1.5 s into
+    # that write (slow, then crash): without the grace the write would be killed and the
+    # restart would resume from step 2
+    r = run_cli("launch", "--set", "train.steps=8", "--inject", "slow_save@0:4", "--inject", "slow@1:5",
+                "--inject", "crash@1:5", "--set", "max_restarts=1",
                 "--set", "checkpoint.format=safetensors", "--set", "checkpoint.save_checkpoint_steps=2",
                 "--set", "checkpoint.best_every_steps=2", "--set", "checkpoint.keep_best_max=1",
                 "--set", "monitor.per_print_step=100", timeout=500)
@@ -180,6 +183,9 @@ def test_safetensors_survive_a_crash_restart_and_keep_the_better_best(run_cli):
     # each attempt's logs apart
     assert att[0]["failure"]["root_cause_rank"] == 1 and "injected crash" in att[0]["failure"]["error"]
     assert att[1]["resumed_from"]["step"] == 4 and att[1]["resumed_from"]["path"].endswith(".safetensors")
+    assert "rank 0 is writing the checkpoint of step 4: letting it finish" in r.stdout, r.output
+    assert "rank 0 finished writing the checkpoint of step 4" in r.stdout, r.output
+    assert "injecting fault slow_save@0:4" in (r.run_dir / "logs" / "rank_0.log").read_text(errors="replace")
     assert (r.run_dir / "logs" / "rank_1.log").exists() and (r.run_dir / "logs" / "attempt_1" / "rank_1.log").exists()
     assert s["status"] == "succeeded" and s["steps_completed"] == 8, s
     ckpt_dir = r.run_dir / "checkpoints"
@@ -199,3 +205,4 @@ def test_safetensors_survive_a_crash_restart_and_keep_the_better_best(run_cli):
     assert hashlib.sha256(best_file.read_bytes()).hexdigest() == bests[0]["sha256"]
     assert ckpt_dir.stat().st_mode & 0o777 == 0o700
     assert {oct(p.stat().st_mode & 0o777) for p in ckpt_dir.iterdir()} == {oct(0o600)}
+    assert not (ckpt_dir / ".saving.json").exists()  # the save-in-progress marker goes with its write

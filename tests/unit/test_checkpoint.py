@@ -69,8 +69,12 @@ def test_killed_in_the_middle_of_a_save_leaves_a_valid_manifest(tmp_path, cell, 
     m = CheckpointManager(tmp_path, keep_periodic=3)
     m.save(cell, step=1, epoch=1, kinds=["periodic"])
 
-    def die(*a, **k):
-        raise KeyboardInterrupt("killed mid-save")
+    real_replace = ck.os.replace
+
+    def die(src, dst, *a, **k):  # killed as the checkpoint file is renamed into place
+        if ".tmp-" in str(src):
+            raise KeyboardInterrupt("killed mid-save")
+        return real_replace(src, dst, *a, **k)
 
     monkeypatch.setattr(ck.os, "replace", die)
     with pytest.raises(KeyboardInterrupt):
@@ -498,3 +502,29 @@ def test_a_restarted_aggregator_keeps_the_earlier_better_best(tmp_path, cell):
     p = ckpt_dir / "step_00000005-best.ckpt"
     p.write_bytes(p.read_bytes()[:-1] + b"\0")
     assert best_seed(ckpt_dir) is None
+
+
+def test_a_write_in_progress_is_marked_for_the_launcher_and_unmarked_when_it_ends(tmp_path, cell):
+    """While rank 0 writes, its checkpoints folder says so (step and writer): the launcher
+    lets the write finish before it stops the ranks after another rank failed. The marker
+    goes when the write ends, whole or failed."""
+    from mindpulse.aggregator.rundir_io import SAVING_MARKER, saving_now
+
+    m = CheckpointManager(tmp_path, keep_periodic=3)
+    seen = []
+    m.save(cell, step=3, epoch=1, kinds=["periodic"], before_write=lambda: seen.append(saving_now(tmp_path)))
+    assert seen[0]["alive"] and seen[0]["step"] == 3 and seen[0]["pid"] == __import__("os").getpid(), seen
+    assert saving_now(tmp_path) is None and not (tmp_path / SAVING_MARKER).exists()
+    assert [e.step for e in read_manifest(tmp_path)] == [3]
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        m.save(cell, step=4, epoch=1, kinds=["periodic"], before_write=fail)
+    assert not (tmp_path / SAVING_MARKER).exists()
+    # a marker left by a writer killed mid-write goes when the next writer opens the folder
+    (tmp_path / SAVING_MARKER).write_text('{"step": 9, "pid": 1}')
+    (tmp_path / (SAVING_MARKER + ".abc")).write_text("torn")
+    CheckpointManager(tmp_path).save(cell, step=5, epoch=1, kinds=["periodic"])
+    assert not list(tmp_path.glob(SAVING_MARKER + "*"))

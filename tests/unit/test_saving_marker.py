@@ -1,0 +1,72 @@
+"""Rank 0's save-in-progress marker as the launcher reads it (through node 0's agent): a
+write is in progress only while its writer lives."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from mindpulse.aggregator.rundir_io import SAVING_MARKER, mark_saving, saving_now
+
+
+def test_a_marker_whose_writer_lives_is_a_write_in_progress(tmp_path):
+    path = mark_saving(tmp_path, 40)
+    assert path == tmp_path / SAVING_MARKER
+    now = saving_now(tmp_path)
+    assert now is not None and now["alive"] and now["step"] == 40 and now["pid"] == os.getpid(), now
+    assert path.stat().st_mode & 0o022 == 0  # the run directory's file mode: never group/other write
+    assert [p.name for p in tmp_path.iterdir()] == [SAVING_MARKER]  # no temp file left
+
+
+def test_a_marker_left_by_a_dead_writer_is_not(tmp_path):
+    """A rank 0 killed mid-write leaves its marker: the launcher must not wait for it."""
+    code = f"from mindpulse.aggregator.rundir_io import mark_saving; mark_saving({str(tmp_path)!r}, 7)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    note = saving_now(tmp_path)
+    assert note is not None and note["step"] == 7 and not note["alive"], note
+
+
+@pytest.mark.parametrize("change", [{"pid_start": 1}, {"host": "another-host"}, {"pid": 0}, {"pid": -1}])
+def test_a_reused_pid_or_another_hosts_marker_is_not_a_live_writer(tmp_path, change):
+    """The pid alone could name a new process (or, on a shared output root, one of another
+    host): the marker names its writer by host, pid and the pid's start time."""
+    mark_saving(tmp_path, 5)
+    note = json.loads((tmp_path / SAVING_MARKER).read_text())
+    assert note["host"] == socket.gethostname() and note["pid_start"] is not None
+    (tmp_path / SAVING_MARKER).write_text(json.dumps({**note, **change}))
+    assert saving_now(tmp_path)["alive"] is False
+
+
+def test_no_marker_or_an_unreadable_one_is_no_write(tmp_path):
+    assert saving_now(tmp_path) is None
+    assert saving_now(tmp_path / "missing") is None
+    for text in ("", "{", "[]", json.dumps({"step": "x", "pid": 1}), json.dumps({"pid": os.getpid()})):
+        (tmp_path / SAVING_MARKER).write_text(text)
+        assert saving_now(tmp_path) is None, text
+
+
+def test_a_marker_that_cannot_be_written_is_no_error(tmp_path):
+    assert mark_saving(tmp_path / "missing-folder", 3) is None
+
+
+def test_slow_save_is_a_fault_of_rank_0_only():
+    from mindpulse.protocol import FaultKind, parse_fault
+
+    f = parse_fault("slow_save@0:4", world_size=2)
+    assert f.kind is FaultKind.SLOW_SAVE and (f.rank, f.step) == (0, 4) and str(f) == "slow_save@0:4"
+    with pytest.raises(ValueError, match=r"only rank 0 writes checkpoints; use slow_save@0:4"):
+        parse_fault("slow_save@1:4", world_size=2)
+
+
+def test_save_grace_must_be_a_finite_number_of_seconds():
+    from mindpulse.config import ConfigError, from_dict
+
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"^checkpoint\.save_grace_s: "):
+            from_dict({"checkpoint": {"save_grace_s": bad}})
+    assert from_dict({"checkpoint": {"save_grace_s": 0}}).checkpoint.save_grace_s == 0
