@@ -127,32 +127,22 @@ def apply_mode(root: Path, mode: Any) -> list[str]:
 
 
 SAVING_MARKER = ".saving.json"
-"""Rank 0's note, in the checkpoints folder, that it is writing a checkpoint right now:
-{"step", "pid", "host", "pid_start", "started"}. Written before the write starts and removed
-when it ends (whole or failed), so the launcher can let a write finish before it stops the
-ranks. Best effort: no fsync (a marker that outlived a crash would only mislead), and a
-marker that cannot be written never fails the checkpoint."""
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the
-    pid it names one process, whatever pid reuse happens later."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+"""Rank 0's note, in the checkpoints folder, that it is writing a checkpoint right now: the
+step, when it started, and its writer (`process_identity`). Written before the write starts
+and removed when it ends (whole or failed), so the launcher can let a write finish before
+it stops the ranks. Best effort: no fsync (a marker that outlived a crash would only
+mislead), and a marker that cannot be written never fails the checkpoint."""
 
 
 def mark_saving(ckpt_dir: Path, step: int) -> Path | None:
     """Write the marker for a checkpoint write of `step` by this process; its path, or None
     when it could not be written."""
-    import socket
     import time
 
+    from mindpulse.process_identity import process_identity
+
     path = Path(ckpt_dir) / SAVING_MARKER
-    note = {"step": int(step), "pid": os.getpid(), "host": socket.gethostname(),
-            "pid_start": _start_ticks(os.getpid()), "started": time.time()}
+    note = dict(process_identity(), step=int(step), started=time.time())
     try:
         fd, tmp = tempfile.mkstemp(prefix=f"{SAVING_MARKER}.", dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
@@ -168,25 +158,16 @@ def saving_now(ckpt_dir: Path | str) -> dict[str, Any] | None:
     """What the marker in `ckpt_dir` says: None when there is none (or it is unreadable),
     else {"step", "pid", "started", "alive"}; `alive` is False when its writer is gone (a
     process killed mid-write leaves its marker behind; a pid now used by another process, or a
-    marker written on another host, is not its writer). Reads this host's files and
+    marker written in another process table, is not its writer). Reads this host's
     processes: ask on the host that writes the checkpoints."""
-    import socket
+    from mindpulse.process_identity import process_alive, same_process_table
 
     try:
         note = json.loads((Path(ckpt_dir) / SAVING_MARKER).read_text())
         pid, step = int(note["pid"]), int(note["step"])
         started = float(note.get("started") or 0.0)
-        host, pid_start = note.get("host"), note.get("pid_start")
+        create_time = float(note["create_time"])
+        alive = pid > 0 and same_process_table(note) and process_alive(pid, create_time)
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    alive = pid > 0 and host == socket.gethostname() and pid_start is not None and _start_ticks(pid) == pid_start \
-        and not _zombie(pid)
     return {"step": step, "pid": pid, "started": started, "alive": alive}
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return True

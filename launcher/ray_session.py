@@ -297,7 +297,7 @@ def reap(launcher_pid: int, launcher_ct: float, tag: str, poll_s: float = 1.0) -
 
     import psutil
 
-    from mindpulse.node.agent import process_alive
+    from mindpulse.process_identity import process_alive
 
     tracked: dict[int, float] = {}
     done = False

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mindpulse.node.relay import NodeBatch
+from mindpulse.process_identity import process_alive, process_identity, same_process_table
 from mindpulse.uplink import Uplink, UplinkServer
 
 if TYPE_CHECKING:
@@ -73,48 +74,9 @@ def die_with_parent_preexec(sig: int) -> Callable[[], None] | None:
     return preexec
 
 
-def host_identity() -> dict[str, Any]:
-    """What tells whether two processes share a process table: host name, kernel boot id and
-    pid namespace (host names alone repeat across containers)."""
-    ident: dict[str, Any] = {"host": socket.gethostname()}
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            ident["boot_id"] = fh.read().strip()
-    except OSError:
-        pass
-    try:
-        ident["pidns"] = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pass
-    return ident
-
-
 def driver_identity() -> dict[str, Any]:
     """The launcher's process, as the node agents' watchdogs look for it."""
-    import psutil
-
-    me = psutil.Process()
-    return dict(host_identity(), pid=me.pid, create_time=me.create_time())
-
-
-def same_process_table(driver: dict[str, Any]) -> bool:
-    here = host_identity()
-    return all(driver.get(k) == here.get(k) for k in ("host", "boot_id", "pidns"))
-
-
-def process_alive(pid: int | None, create_time: float | None = None) -> bool:
-    """`pid` runs (not a zombie), and is the process that had `create_time` (not a reuse)."""
-    if not pid:
-        return False
-    try:
-        import psutil
-
-        p = psutil.Process(int(pid))
-        if create_time is not None and abs(p.create_time() - float(create_time)) > 1.0:
-            return False
-        return p.status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False
+    return process_identity()
 
 
 def log_file_mode(folder: str | os.PathLike) -> int:
@@ -335,15 +297,14 @@ class NodeAgent:
             # SIGINT: msrun's own handler kills its workers (in sessions of their own) and its scheduler
             self.msrun = self._spawn(cmd, env=full, stdout=logf, death_signal=signal.SIGINT)
             self._track()
-            code, cut_short = self._wait_msrun(log_path, logf)
-        return {"node": self.node, "exit_code": code, "seconds": time.time() - t0, "pid": self.msrun.pid,
-                "cut_short": cut_short}
+            code = self._wait_msrun(log_path, logf)
+        return {"node": self.node, "exit_code": code, "seconds": time.time() - t0, "pid": self.msrun.pid}
 
     MSRUN_GRACE_S = 3.0
     """How long msrun may take to end by itself once it has killed its workers after one failed."""
 
-    def _wait_msrun(self, log_path: str, logf: Any) -> tuple[int, bool]:
-        """msrun's exit status, and whether the agent ended it. Once msrun says that it killed
+    def _wait_msrun(self, log_path: str, logf: Any) -> int:
+        """msrun's exit status. Once msrun says that it killed
         its other workers after one failed, the job is over and msrun only waits for its
         scheduler, which waits for the killed ranks' heartbeats to time out
         (node/msrun_output.py): after MSRUN_GRACE_S the agent ends msrun and everything under
@@ -356,7 +317,7 @@ class NodeAgent:
         cut = False
         while True:
             try:
-                return self.msrun.wait(timeout=0.5), cut
+                return self.msrun.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
             if gave_up_at is None:

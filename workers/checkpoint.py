@@ -308,11 +308,11 @@ class CheckpointManager:
 
     def save(self, train_cell: Any, step: int, epoch: int, kinds: Iterable[CheckpointKind | str],
              metric: float | None = None, metric_name: str = "", extra: dict[str, Any] | None = None,
-             before_write: Callable[[], None] | None = None) -> list[CkptEntry]:
+             before_write: Callable[[int], None] | None = None) -> list[CkptEntry]:
         """Write one file for the first kind; hard links for the others (one write). While it
         writes, the folder holds the save-in-progress marker (`SAVING_MARKER`), so a launcher
         stopping the ranks after another rank failed lets the write finish
-        (`checkpoint.save_grace_s`). `before_write`: called once the marker is down (faults)."""
+        (`checkpoint.save_grace_s`). `before_write(step)`: called once the marker is down (faults)."""
         # plain values: they name files and go into the manifest (an enum's str() is its name)
         kinds = [CheckpointKind(k).value for k in kinds if k in KINDS]
         if not kinds:
@@ -324,7 +324,7 @@ class CheckpointManager:
                         "failing during it stops rank 0 at once", step, self.dir)
         try:
             if before_write is not None:
-                before_write()
+                before_write(step)
             return self._save(train_cell, step, epoch, kinds, metric, metric_name, extra)
         finally:
             if marker is not None:

@@ -48,10 +48,8 @@ class CheckpointWriter:
     def write(self, directive: Directive, step: int, epoch: int, train_cell: Any) -> None:
         """Save `train_cell` (weights and optimizer state) as the directive's kinds; never raises."""
         try:
-            hook = self.before_write
             entries = self.manager.save(train_cell, step, epoch, directive.save_kinds, metric=directive.metric,
-                                        metric_name=directive.metric_name,
-                                        before_write=(lambda: hook(step)) if hook is not None else None)
+                                        metric_name=directive.metric_name, before_write=self.before_write)
             msg = json.dumps([dict(e.__dict__, path=str(self.manager.dir / e.path)) for e in entries])
             self.report(EventKind.CHECKPOINT, msg)
         except Exception as exc:

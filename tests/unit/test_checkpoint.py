@@ -512,12 +512,12 @@ def test_a_write_in_progress_is_marked_for_the_launcher_and_unmarked_when_it_end
 
     m = CheckpointManager(tmp_path, keep_periodic=3)
     seen = []
-    m.save(cell, step=3, epoch=1, kinds=["periodic"], before_write=lambda: seen.append(saving_now(tmp_path)))
+    m.save(cell, step=3, epoch=1, kinds=["periodic"], before_write=lambda step: seen.append(saving_now(tmp_path)))
     assert seen[0]["alive"] and seen[0]["step"] == 3 and seen[0]["pid"] == __import__("os").getpid(), seen
     assert saving_now(tmp_path) is None and not (tmp_path / SAVING_MARKER).exists()
     assert [e.step for e in read_manifest(tmp_path)] == [3]
 
-    def fail():
+    def fail(step):
         raise OSError("disk full")
 
     with pytest.raises(OSError):

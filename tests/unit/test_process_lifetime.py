@@ -89,7 +89,7 @@ class WatchedAgent:
 
 @pytest.mark.slow  # real processes killed and reaped: seconds each
 def test_the_agents_watchdog_ends_the_nodes_run_processes_when_the_driver_dies():
-    from mindpulse.node.agent import host_identity
+    from mindpulse.process_identity import host_identity
 
     driver = subprocess.Popen(SLEEP)
     rank = subprocess.Popen(SLEEP, start_new_session=True)
@@ -119,7 +119,7 @@ def test_the_agents_watchdog_ends_the_nodes_run_processes_when_the_driver_dies()
 
 
 def test_a_driver_on_another_machine_is_not_judged_by_this_process_table():
-    from mindpulse.node.agent import host_identity
+    from mindpulse.process_identity import host_identity
 
     agent = WatchedAgent.make(dict(host_identity(), boot_id="another-kernel", pid=1, create_time=0.0))
     try:

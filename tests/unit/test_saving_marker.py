@@ -31,13 +31,14 @@ def test_a_marker_left_by_a_dead_writer_is_not(tmp_path):
     assert note is not None and note["step"] == 7 and not note["alive"], note
 
 
-@pytest.mark.parametrize("change", [{"pid_start": 1}, {"host": "another-host"}, {"pid": 0}, {"pid": -1}])
+@pytest.mark.parametrize("change", [{"create_time": 1.0}, {"host": "another-host"}, {"boot_id": "another-kernel"},
+                                    {"pid": 0}, {"pid": -1}])
 def test_a_reused_pid_or_another_hosts_marker_is_not_a_live_writer(tmp_path, change):
     """The pid alone could name a new process (or, on a shared output root, one of another
-    host): the marker names its writer by host, pid and the pid's start time."""
+    host): the marker names its writer by its process table, pid and the pid's creation time."""
     mark_saving(tmp_path, 5)
     note = json.loads((tmp_path / SAVING_MARKER).read_text())
-    assert note["host"] == socket.gethostname() and note["pid_start"] is not None
+    assert note["host"] == socket.gethostname() and note["create_time"] > 0
     (tmp_path / SAVING_MARKER).write_text(json.dumps({**note, **change}))
     assert saving_now(tmp_path)["alive"] is False
 
