@@ -10,12 +10,14 @@ ranks' job → telemetry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mindpulse.aggregator.rundir_io import write_atomic
 from mindpulse.config import RunConfig
 
+from . import interrupts as waits
 from .node_agents import NodeAgents
 from .progress import Console
 from .ray_session import RaySession
@@ -33,7 +35,8 @@ def logs_dir_of(run_dir: Path, index: int) -> Path:
 class Attempt:
     def __init__(self, cfg: RunConfig, *, index: int, run_dir: Path, run_id: str, session: RaySession,
                  resume: dict[str, Any] | None, pids: PidFile, console: Console,
-                 goodput: dict[str, Any] | None = None, task: str = "train"):
+                 goodput: dict[str, Any] | None = None, task: str = "train",
+                 interrupted: Callable[[], bool] | None = None):
         self.cfg = cfg
         self.task = task
         """What the ranks run: `train`, or `card_check` (the pre-flight check: launcher/card_check.py)."""
@@ -50,7 +53,9 @@ class Attempt:
         # attempt k > 0 has its own aggregator (and rank actor names): the last one's may linger
         self.name = run_id + (f"-a{index}" if index else "")
         self.aggregator: Any = None
-        self.nodes = NodeAgents(cfg)
+        self.interrupted = interrupted
+        """Set: the start gives up (interrupts.StartInterrupted) as soon as it is true."""
+        self.nodes = NodeAgents(cfg, interrupted)
         self.group: WorkerGroup = worker_group(cfg, self.nodes, self.logs_dir, pids, console.say,
                                                actor_prefix=f"{run_id}-a{index}")
         self.dropped_packets = 0
@@ -58,6 +63,10 @@ class Attempt:
 
     def total_steps(self) -> int | None:
         return self.cfg.train.steps or None
+
+    def start_step(self) -> int:
+        """The step this attempt starts after (the checkpoint it resumes from; 0 when fresh)."""
+        return int((self.resume or {}).get("step") or 0)
 
     # ---- start ------------------------------------------------------------------------------
     def start(self) -> dict[Any, RefOwner]:
@@ -74,7 +83,7 @@ class Attempt:
         plain = cfg.to_dict()
         agg_settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
                         "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"], "world": plain["world"],
-                        "start_step": int((self.resume or {}).get("step") or 0),
+                        "start_step": self.start_step(),
                         "rollbacks": dict((self.resume or {}).get("rollbacks") or {}),  # per rule, this launch
                         "goodput": self.goodput,
                         "peak_dtype": peak_dtype(cfg.job.script),  # MFU's peak from the table of known cards
@@ -110,7 +119,8 @@ class Attempt:
                                  relays=self.nodes.relays(), resume=self.resume, relay_token=relay_token,
                                  task=self.task)
         write_atomic(Path(settings_path), settings.to_json().encode())
-        self.pids["aggregator"] = ray.get(self.aggregator.ping.remote(), timeout=AGGREGATOR_TIMEOUT_S)
+        self.pids["aggregator"] = waits.get(self.aggregator.ping.remote(), AGGREGATOR_TIMEOUT_S, self.interrupted,
+                                            "the aggregator")
         self.pids["agents"] = self.nodes.pids()
         self.pids.save()  # for operators (and tests) while it runs
 

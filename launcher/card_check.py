@@ -221,6 +221,7 @@ def run_check(cfg: RunConfig, *, run_dir: Path, run_id: str, session: Any, pids:
     import ray
 
     from .attempt import Attempt
+    from .interrupts import StartInterrupted
     from .rundir import make_dir, run_modes, write_config, write_json
     from .spec import RunResult, RunStatus
 
@@ -232,7 +233,8 @@ def run_check(cfg: RunConfig, *, run_dir: Path, run_id: str, session: Any, pids:
     write_config(check_dir, ccfg)
     console.say(f"mindpulse: pre-flight card check on {cfg.world.world_size} ranks (logs in {check_dir / 'logs'})")
     attempt = Attempt(ccfg, index=0, run_dir=check_dir, run_id=f"{run_id}-check", session=session, resume=None,
-                      pids=pids, console=console, task=TASK)
+                      pids=pids, console=console, task=TASK,
+                      interrupted=interrupts.pending if interrupts is not None else None)
     problems: dict[int, str] = {}
     status = RunStatus.SUCCEEDED
     interrupted = False
@@ -265,10 +267,11 @@ def run_check(cfg: RunConfig, *, run_dir: Path, run_id: str, session: Any, pids:
         raise
     except BaseException as exc:  # a launcher error, or Ctrl-C without the launch's handlers: end it all
         status = RunStatus.FAILED
-        interrupted = interrupted or isinstance(exc, KeyboardInterrupt)
+        interrupted = interrupted or isinstance(exc, (KeyboardInterrupt, StartInterrupted))
         for r in range(cfg.world.world_size):
-            problems.setdefault(r, f"launcher error: {type(exc).__name__}: {exc}")
-        if not isinstance(exc, Exception):
+            problems.setdefault(r, "interrupted" if isinstance(exc, StartInterrupted)
+                                else f"launcher error: {type(exc).__name__}: {exc}")
+        if not isinstance(exc, (Exception, StartInterrupted)):
             attempt.finish(RunResult(status=status), graceful=False)
             raise
     attempt.finish(RunResult(status=status), graceful=status is RunStatus.SUCCEEDED)

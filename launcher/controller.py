@@ -23,6 +23,7 @@ from mindpulse.config import RunConfig
 
 from .attempt import Attempt, logs_dir_of
 from .failure_policy import Decision, FailurePolicy
+from .interrupts import StartInterrupted
 from .preflight import LaunchRefused
 from .progress import Console
 from .ray_session import RaySession
@@ -83,6 +84,14 @@ class Controller:
             if state is ControllerState.RUNNING:
                 return self._supervise()
             self._stop()
+        except StartInterrupted as exc:
+            # no step has run: nothing to finish; what was started is ended (the ranks killed)
+            self.console.say(f"mindpulse: interrupt during start-up ({exc}): stopping now")
+            if self.attempt is not None:
+                self.attempt.abort()
+            self.result = RunResult(status=RunStatus.INTERRUPTED,
+                                    message="interrupted by the user during start-up, before any step")
+            self.snapshot = {}
         except LaunchRefused as exc:
             if self.index == 0:
                 raise
@@ -99,6 +108,8 @@ class Controller:
     # ---- the states -------------------------------------------------------------------------
     def _start(self) -> ControllerState:
         self.attempt = None
+        if self.interrupts.pending():  # during the Ray session's start, or between attempts
+            raise StartInterrupted("interrupted before the attempt started")
         self.history.logs_dir = logs_dir_of(self.run_dir, self.index)
         # the line this attempt continues becomes the manifest's before any of its ranks (or
         # its aggregator, which takes the manifest's best) reads it
@@ -110,7 +121,8 @@ class Controller:
         kept = combine(self.history.clocks, self.started, self._attempt_started, self.history.attempts)
         attempt = Attempt(self.cfg, index=self.index, run_dir=self.run_dir, run_id=self.run_id,
                           session=self.session, resume=self.history.resume, pids=self.pids, console=self.console,
-                          goodput={"started": self.started, "productive_s": kept["productive_s"]})
+                          goodput={"started": self.started, "productive_s": kept["productive_s"]},
+                          interrupted=self.interrupts.pending)
         self.attempt = attempt
         refs = attempt.start()
         self.watch = AttemptWatch(self.cfg, attempt, refs, self.interrupts, self.console, self.started)

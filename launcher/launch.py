@@ -86,11 +86,19 @@ class Launch:
         write_config(self.run_dir, self.cfg)
         self.say(f"mindpulse: run directory {self.run_dir}")
         old = {s: signal.signal(s, self.interrupts.on_signal) for s in HANDLED_SIGNALS}
+        history = RunHistory(logs_dir=self.run_dir / "logs", resume=self.resume)
+        # Ray shuts down while the summary and the report are written (its processes exit)
+        session = RaySession(self.cfg, close_in_background=True)
+        try:
+            return self._run(session, old, history)
+        finally:
+            session.wait_closed()
+
+    def _run(self, session: RaySession, old: dict, history: RunHistory) -> int:
         result = RunResult(status=RunStatus.FAILED, message="launcher did not start")
         snapshot: dict[str, Any] = {}
-        history = RunHistory(logs_dir=self.run_dir / "logs", resume=self.resume)
         try:
-            with RaySession(self.cfg) as session:
+            with session:
                 self.pids["ray_temp_dir"] = session.temp_dir
                 # Ray's core installs its own SIGTERM handler at init: ours must come after
                 for sig in HANDLED_SIGNALS:

@@ -12,6 +12,7 @@ from typing import Any
 
 from mindpulse.config import RunConfig
 
+from . import interrupts as waits
 from .preflight import LaunchRefused
 from .spec import free_port, node_devices
 
@@ -30,8 +31,10 @@ def placement_bundles(cfg: RunConfig) -> tuple[list[dict[str, float]], str]:
 
 
 class NodeAgents:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, interrupted: Callable[[], bool] | None = None):
         self.cfg = cfg
+        self.interrupted = interrupted
+        """Set: the start's waits give up when it is true (interrupts.StartInterrupted)."""
         self.resource = DEVICE_RESOURCE[cfg.world.device.value]
         self.pg: Any = None
         self.agents: list[Any] = []
@@ -60,7 +63,7 @@ class NodeAgents:
         bundles, strategy = placement_bundles(self.cfg)
         pg = placement_group(bundles, strategy=strategy)
         try:
-            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            waits.get(pg.ready(), PLACEMENT_TIMEOUT_S, self.interrupted, "the placement of the nodes")
         except Exception as exc:
             raise LaunchRefused(f"the Ray cluster cannot place {w.nodes} node(s) x {w.ranks_per_node} "
                                 f"{self.resource}: {exc}") from None
@@ -91,19 +94,20 @@ class NodeAgents:
 
     def wait_ready(self) -> None:
         """Wait for every agent created by `reserve` and link the groups of the tree."""
-        import ray
 
         w = self.cfg.world
         group = self.cfg.monitor.groups_of(w.nodes)
-        self.infos = ray.get([a.info.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
+        self.infos = waits.get([a.info.remote() for a in self.agents], PLACEMENT_TIMEOUT_S, self.interrupted,
+                               "the node agents")
         self.leaders: set[int] = set()
         if group > 1:  # the tree's second level (node/group.py)
             groups = [list(range(first, min(w.nodes, first + group))) for first in range(0, w.nodes, group)]
             # leaders first: a member's uplink asks its leader for the address it serves
-            ray.get([self.agents[g[0]].lead.remote(g) for g in groups], timeout=PLACEMENT_TIMEOUT_S)
+            waits.get([self.agents[g[0]].lead.remote(g) for g in groups], PLACEMENT_TIMEOUT_S, self.interrupted,
+                      "the group leaders")
             self.leaders = {g[0] for g in groups}
-            ray.get([self.agents[m].follow.remote(self.agents[g[0]]) for g in groups for m in g[1:]],
-                    timeout=PLACEMENT_TIMEOUT_S)
+            waits.get([self.agents[m].follow.remote(self.agents[g[0]]) for g in groups for m in g[1:]],
+                      PLACEMENT_TIMEOUT_S, self.interrupted, "the group members")
 
     def _members_first(self) -> list[Any]:
         """The agents, group members before their leaders: a member's last batch goes
@@ -142,13 +146,12 @@ class NodeAgents:
 
     # ---- while the ranks run ------------------------------------------------------------------
     def start_telemetry(self, rank_pids: dict[int, int], say: Callable[[str], None]) -> None:
-        import ray
 
         rpn = self.cfg.world.ranks_per_node
         for n, agent in enumerate(self.agents):
             pids = {r: p for r, p in rank_pids.items() if r // rpn == n}
             try:
-                res = ray.get(agent.start_telemetry.remote(pids), timeout=60)
+                res = waits.get(agent.start_telemetry.remote(pids), 60, self.interrupted, "the telemetry")
                 if res.get("source") is None and self.cfg.monitor.telemetry_interval_s > 0:
                     say(f"mindpulse: no telemetry on {res['node']}: {res.get('reason')}")
             except Exception as exc:

@@ -16,24 +16,16 @@ from mindpulse.config import RunConfig
 
 from .attempt import Attempt
 from .failures import VICTIM
+from .interrupts import Interrupts
 from .progress import Console
 from .spec import RankOutcome, RunResult, RunStatus
 from .worker_group import RefOwner
 
+__all__ = ["AttemptWatch", "Interrupts"]
+
 WAIT_S = 0.5
 """How long a tick waits for a rank to finish; also the aggregator poll interval."""
 HANG_CHECK_EVERY_S = 2.0
-
-
-class Interrupts:
-    """Ctrl-C, SIGTERM and SIGHUP, counted: the first stops every rank after the same step,
-    the second kills."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def on_signal(self, signum: int, frame: Any) -> None:
-        self.count += 1
 
 
 class AttemptWatch:
@@ -75,6 +67,10 @@ class AttemptWatch:
             return self._end(RunStatus.FAILED, lambda r: VICTIM)
         if self.interrupts.count and self.interrupted_at is None:
             self.interrupted_at = time.time()
+            if self._before_first_step():
+                self.message = "interrupted by the user during start-up, before any step"
+                self.console.say("mindpulse: interrupt during start-up: no step has run yet; stopping every rank now")
+                return self._end(RunStatus.INTERRUPTED, lambda r: "killed")
             self.console.say("mindpulse: interrupt: every rank stops after the same step, in at most "
                              f"{self.cfg.monitor.max_lag_steps + 1} step(s) (interrupt again to kill)")
             self.attempt.request_stop("interrupted by the user (signal)")
@@ -107,6 +103,16 @@ class AttemptWatch:
                 self.status = RunStatus.SUCCEEDED
             self.console.progress.clear()
         return self.status
+
+    def _before_first_step(self) -> bool:
+        """True when the aggregator (asked now) has reduced no training step of this attempt:
+        the ranks are still starting (importing, joining the cluster, loading, compiling), so
+        stopping "after the same step" would first wait out the whole start-up and a step.
+        False when it cannot tell (no answer): the stop then goes through the steps as usual."""
+        progress = self.attempt.poll()
+        if progress is None:
+            return False
+        return int(progress.get("step") or 0) <= self.attempt.start_step()
 
     def _let_save_finish(self) -> bool:
         """A rank failed while rank 0 may be writing a checkpoint: True while the write goes

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from mindpulse.config import Backend, RunConfig
 
+from . import interrupts as waits
 from .node_agents import NodeAgents
 from .rundir import PidFile
 from .spec import RankOutcome, RankSpec, scheduler_env
@@ -53,6 +54,8 @@ class WorkerGroup(abc.ABC):
                  say: Callable[[str], None]):
         self.cfg = cfg
         self.nodes = nodes
+        self.interrupted = getattr(nodes, "interrupted", None)
+        """The start's waits give up when it is true (the attempt's, through its agents)."""
         self.logs_dir = logs_dir
         self.pids = pids
         self.say = say
@@ -132,7 +135,6 @@ class RayWorkerGroup(WorkerGroup):
 
     def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
               settings_path: str) -> dict[Any, RefOwner]:
-        import ray
 
         cfg = self.cfg
         env = scheduler_env(cfg, settings_path=settings_path, sched_host=sched_host, sched_port=sched_port)
@@ -140,12 +142,13 @@ class RayWorkerGroup(WorkerGroup):
         sched = self.nodes.agents[0].start_scheduler.remote(env, str(self.logs_dir / "scheduler.log"))
         if not self.actors:
             self.spawn(specs, sched_host)
-        self.pids["scheduler"] = ray.get(sched, timeout=60)
+        self.pids["scheduler"] = waits.get(sched, 60, self.interrupted, "the MindSpore scheduler")
         self.say(f"mindpulse: started {len(specs)} ranks ({cfg.world.nodes} node(s) x {cfg.world.ranks_per_node}, "
                  f"{cfg.world.device.value}, ray backend), scheduler on {sched_host}:{sched_port}")
         infos: list[dict[str, Any]] = []
         try:
-            infos = ray.get([a.info.remote() for a in self.actors], timeout=RANK_START_TIMEOUT_S)
+            infos = waits.get([a.info.remote() for a in self.actors], RANK_START_TIMEOUT_S, self.interrupted,
+                              "the rank actors")
         except Exception as exc:
             self.say(f"mindpulse: ranks did not start: {exc}")
         self.rank_pids = {i["rank"]: i["pid"] for i in infos}

@@ -7,9 +7,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -242,3 +244,96 @@ def test_with_msrun_nothing_outlives_a_killed_launcher(tmp_path):
         _assert_nothing_outlives_a_killed_launcher(run)
     finally:
         run.stop()
+
+
+# ---- an interrupt before any step -----------------------------------------------------------------------
+def test_ctrl_c_while_the_ranks_start_stops_them_at_once(tmp_path):
+    """Ctrl-C once the rank actors run their job but before any step: nothing to finish, so
+    every rank is stopped now (not after start-up and a first step), and nothing is left."""
+    run = Run(tmp_path, "--set", "train.steps=2000")
+    try:
+        deadline = time.time() + 180
+        while not run.pids().get("ranks") and time.time() < deadline:  # the ranks' job has started
+            run.record()
+            if run.proc.poll() is not None:
+                pytest.fail(f"the run ended early:\n{run.output()}")
+            time.sleep(0.2)
+        assert run.pids().get("ranks"), f"the ranks never started:\n{run.output()}"
+        run.record()
+        assert not last_steps(run.run_dir), "a step ran already: the test came too late"
+        run.proc.send_signal(signal.SIGINT)
+        assert run.proc.wait(timeout=120) == 130, run.output()
+        out = run.output()
+        s = json.loads((run.run_dir / "summary.json").read_text())
+        assert s["status"] == "interrupted" and s["steps_completed"] == 0, s
+        assert s["message"] == "interrupted by the user during start-up, before any step", s["message"]
+        assert "interrupt during start-up: no step has run yet; stopping every rank now" in out, out
+        assert {r["error"] for r in s["ranks"]} == {"killed"}, s["ranks"]
+        assert not any((run.run_dir / "checkpoints").glob("*")), "a checkpoint was written before any step"
+        time.sleep(2)
+        assert not run.alive(), f"processes left running: {run.alive()}"
+    finally:
+        run.stop()
+
+
+def test_ctrl_c_while_the_launcher_starts_the_attempt_ends_the_launch_at_once(tmp_path):
+    """Ctrl-C while the launcher waits for the nodes, the agents, the scheduler or the rank
+    actors: the start gives up there (not after its timeouts), ends what it started, and the
+    launch exits 130."""
+    run = Run(tmp_path, "--set", "train.steps=2000")
+    try:
+        deadline = time.time() + 180
+        while not run.pids().get("run_tag") and time.time() < deadline:  # the attempt's start began
+            run.record()
+            if run.proc.poll() is not None:
+                pytest.fail(f"the run ended early:\n{run.output()}")
+            time.sleep(0.05)
+        assert not run.pids().get("ranks"), "the ranks started already: the test came too late"
+        run.proc.send_signal(signal.SIGINT)
+        assert run.proc.wait(timeout=120) == 130, run.output()
+        out = run.output()
+        assert re.search(r"interrupt during start-up \(interrupted (while waiting for the [a-zA-Z ]+|before the "
+                         r"attempt started)\): stopping now", out), out
+        s = json.loads((run.run_dir / "summary.json").read_text())
+        assert s["status"] == "interrupted" and s["steps_completed"] == 0, s
+        assert s["message"] == "interrupted by the user during start-up, before any step", s["message"]
+        time.sleep(2)
+        run.record()
+        assert not run.alive(), f"processes left running: {run.alive()}"
+    finally:
+        run.stop()
+
+
+WAIT_SCRIPT = """
+import logging, os, signal, sys, threading, time
+import ray
+from ray.util.placement_group import placement_group
+from mindpulse.launcher.interrupts import Interrupts, StartInterrupted, get
+
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+         _node_ip_address="127.0.0.1")
+intr = Interrupts()
+signal.signal(signal.SIGINT, intr.on_signal)
+pg = placement_group([{"CPU": 64}])  # more than the cluster has: never placed
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+t0 = time.monotonic()
+try:
+    get(pg.ready(), 120, intr.pending, "the placement of the nodes")
+    print("placed?!")
+except StartInterrupted as exc:
+    print(f"interrupted after {time.monotonic() - t0:.1f} s: {exc}")
+print("ready:", get([ray.put(1), ray.put(2)], 10, lambda: False), get(ray.put(3), 10, lambda: False))
+ray.shutdown()
+"""
+
+
+def test_the_starts_waits_on_ray_hear_an_interrupt(tmp_path):
+    """Ray runs the signal handler during `ray.get` but keeps waiting (here: for a placement
+    group it can never place, up to the 120 s timeout); the launcher's waits stop at once."""
+    r = subprocess.run([sys.executable, "-c", WAIT_SCRIPT], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    m = re.search(r"interrupted after ([\d.]+) s: interrupted while waiting for the placement of the nodes", r.stdout)
+    assert m, r.stdout + r.stderr[-3000:]
+    assert float(m.group(1)) < 30, "the wait went on long after the interrupt"
+    assert "ready: [1, 2] 3" in r.stdout, r.stdout

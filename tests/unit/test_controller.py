@@ -64,7 +64,8 @@ class FakeAttempt:
     script: list[Any] = []
     made: list[FakeAttempt] = []
 
-    def __init__(self, cfg, *, index, run_dir, run_id, session, resume, pids, console, goodput=None):
+    def __init__(self, cfg, *, index, run_dir, run_id, session, resume, pids, console, goodput=None,
+                 interrupted=None):
         self.index, self.resume = index, resume
         self.group = FakeGroup()
         self.dropped_packets, self.aggregator_lost = 1, False
@@ -73,7 +74,7 @@ class FakeAttempt:
         FakeAttempt.made.append(self)
 
     def start(self):
-        if isinstance(self.outcome, Exception):
+        if isinstance(self.outcome, BaseException):
             raise self.outcome
         return {}
 
@@ -145,8 +146,14 @@ def test_restarts_end_at_max_restarts(make_controller):
     assert result.status is RunStatus.FAILED and len(ctl.history.attempts) == 2
 
 
-def test_an_interrupted_failure_is_not_restarted(make_controller):
-    ctl = make_controller([FAILED, OK], interrupts=1)
+def test_an_interrupted_failure_is_not_restarted(make_controller, monkeypatch):
+    ctl = make_controller([FAILED, OK])
+
+    def start(self):  # the user interrupts once the attempt runs; then it fails
+        ctl.interrupts.count = 1
+        return {}
+
+    monkeypatch.setattr(FakeAttempt, "start", start)
     result, _ = ctl.run()
     assert result.status is RunStatus.FAILED and len(ctl.history.attempts) == 1
 
@@ -156,6 +163,25 @@ def test_a_launcher_error_fails_the_attempt_and_kills_what_it_started(make_contr
     result, _ = ctl.run()
     assert FakeAttempt.made[0].aborted and result.status is RunStatus.SUCCEEDED
     assert ctl.history.attempts[0]["message"] == "launcher error: RuntimeError: agent gone"
+
+
+def test_an_interrupt_during_the_start_ends_the_run_at_once_without_a_restart(make_controller, capsys):
+    from mindpulse.launcher.interrupts import StartInterrupted
+
+    ctl = make_controller([StartInterrupted("interrupted while waiting for the rank actors"), OK])
+    result, snap = ctl.run()
+    assert result.status is RunStatus.INTERRUPTED and snap == {}
+    assert result.message == "interrupted by the user during start-up, before any step"
+    assert FakeAttempt.made[0].aborted and len(FakeAttempt.made) == 1, "what was started is ended, no restart"
+    assert [a["status"] for a in ctl.history.attempts] == ["interrupted"]
+    assert "interrupt during start-up (interrupted while waiting for the rank actors): stopping now" in \
+        capsys.readouterr().out
+
+
+def test_an_interrupt_before_an_attempt_starts_starts_nothing(make_controller):
+    ctl = make_controller([OK], interrupts=1)
+    result, _ = ctl.run()
+    assert result.status is RunStatus.INTERRUPTED and FakeAttempt.made == []
 
 
 def test_refusal_of_the_first_attempt_propagates_a_later_one_is_recorded(make_controller):
