@@ -100,12 +100,12 @@ def test_sigkill_of_rank_1_names_it_as_root_cause(tmp_path):
 
 
 def test_sigstop_of_rank_1_is_reported_as_a_hang_with_stacks(tmp_path):
-    run = LiveRun(tmp_path, "--set", "train.steps=300", "--set", "monitor.hang_timeout_s=15")
+    run = LiveRun(tmp_path, "--set", "train.steps=300", "--set", "monitor.hang_timeout_s=10")
     run.wait_for_step(2)
     victim = run.rank_pid(1)
     os.kill(victim, signal.SIGSTOP)
     try:
-        code, out, seconds = run.finish(timeout=15 + 10 + 60)
+        code, out, seconds = run.finish(timeout=10 + 10 + 60)
     finally:
         try:
             os.kill(victim, signal.SIGKILL)
@@ -137,7 +137,7 @@ def assert_in_training_loop(run_dir: Path, rank: int) -> str:
 def test_an_injected_hang_names_the_blocked_rank_not_the_one_waiting_for_it(tmp_path):
     """hang@1:5: rank 1 blocks at step 5 with its heartbeat alive; rank 0 waits for it inside
     step 5 (its all-reduce). Only rank 1 is named."""
-    run = LiveRun(tmp_path, "--set", "train.steps=300", "--set", "monitor.hang_timeout_s=15",
+    run = LiveRun(tmp_path, "--set", "train.steps=300", "--set", "monitor.hang_timeout_s=10",
                   "--inject", "hang@1:5")
     code, out, seconds = run.finish(timeout=240)
     assert code == 1, out[-3000:]
