@@ -572,8 +572,9 @@ class AggregatorCore:
     def progress(self) -> dict[str, Any]:
         red = self.last_reduced
         if red is None:
-            return {"step": 0}
+            return {"step": 0, "reduced_through": max(0, self.reducer.reduced_through)}
         return {
+            "reduced_through": max(0, self.reducer.reduced_through),
             "step": red.step,
             "epoch": red.epoch,
             "loss": red.loss_mean,

@@ -18,6 +18,7 @@ from mindpulse.aggregator.rundir_io import write_atomic
 from mindpulse.config import RunConfig
 
 from . import interrupts as waits
+from .interrupts import Interrupts
 from .node_agents import NodeAgents
 from .progress import Console
 from .ray_session import RaySession
@@ -36,7 +37,7 @@ class Attempt:
     def __init__(self, cfg: RunConfig, *, index: int, run_dir: Path, run_id: str, session: RaySession,
                  resume: dict[str, Any] | None, pids: PidFile, console: Console,
                  goodput: dict[str, Any] | None = None, task: str = "train",
-                 interrupted: Callable[[], bool] | None = None):
+                 interrupts: Interrupts | None = None):
         self.cfg = cfg
         self.task = task
         """What the ranks run: `train`, or `card_check` (the pre-flight check: launcher/card_check.py)."""
@@ -53,9 +54,10 @@ class Attempt:
         # attempt k > 0 has its own aggregator (and rank actor names): the last one's may linger
         self.name = run_id + (f"-a{index}" if index else "")
         self.aggregator: Any = None
-        self.interrupted = interrupted
-        """Set: the start gives up (interrupts.StartInterrupted) as soon as it is true."""
-        self.nodes = NodeAgents(cfg, interrupted)
+        self.interrupts = interrupts
+        self.interrupted: Callable[[], bool] | None = interrupts.pending if interrupts is not None else None
+        """Set: the start gives up (interrupts.StartInterrupted) at the user's first interrupt."""
+        self.nodes = NodeAgents(cfg, self.interrupted)
         self.group: WorkerGroup = worker_group(cfg, self.nodes, self.logs_dir, pids, console.say,
                                                actor_prefix=f"{run_id}-a{index}")
         self.dropped_packets = 0
@@ -196,20 +198,31 @@ class Attempt:
         self.group.terminate(graceful)
         self.nodes.shutdown()
 
-    def abort(self) -> None:
-        """The launcher itself failed mid-attempt: kill what was started, and give the cards
-        back (a next attempt reserves them again)."""
+    def abort(self, interrupted: bool = False) -> dict[str, Any]:
+        """The launcher failed mid-attempt, or the user interrupted its start: kill what was
+        started and give the cards back (a next attempt reserves them again). Returns the
+        aggregator's final snapshot ({} without one). `interrupted`: nothing is asked of the
+        agents (one may still be starting, and a call would queue behind that: they are
+        killed), and a second interrupt stops waiting for the aggregator's files."""
         import ray
 
         self.kill_ranks()
-        self.terminate(graceful=False)
+        if interrupted:
+            self.group.kill()
+            self.nodes.kill()
+        else:
+            self.terminate(graceful=False)
+        snapshot: dict[str, Any] = {}
         if self.aggregator is not None:  # closed first (its files flushed), then gone: a restart starts its own
             try:
-                ray.get(self.aggregator.close.remote(), timeout=10)
-            except Exception:
+                intr = self.interrupts
+                again = (lambda: intr.count >= 2) if interrupted and intr is not None else None
+                snapshot = waits.get(self.aggregator.close.remote(), 10, again, "the aggregator's close")
+            except (Exception, waits.StartInterrupted):
                 pass
             try:
                 ray.kill(self.aggregator, no_restart=True)
             except Exception:
                 pass
         self.nodes.release()
+        return snapshot

@@ -234,7 +234,7 @@ def run_check(cfg: RunConfig, *, run_dir: Path, run_id: str, session: Any, pids:
     console.say(f"mindpulse: pre-flight card check on {cfg.world.world_size} ranks (logs in {check_dir / 'logs'})")
     attempt = Attempt(ccfg, index=0, run_dir=check_dir, run_id=f"{run_id}-check", session=session, resume=None,
                       pids=pids, console=console, task=TASK,
-                      interrupted=interrupts.pending if interrupts is not None else None)
+                      interrupts=interrupts)
     problems: dict[int, str] = {}
     status = RunStatus.SUCCEEDED
     interrupted = False

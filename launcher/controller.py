@@ -23,7 +23,7 @@ from mindpulse.config import RunConfig
 
 from .attempt import Attempt, logs_dir_of
 from .failure_policy import Decision, FailurePolicy
-from .interrupts import StartInterrupted
+from .interrupts import StartInterrupted, start_up_interrupted
 from .preflight import LaunchRefused
 from .progress import Console
 from .ray_session import RaySession
@@ -85,13 +85,10 @@ class Controller:
                 return self._supervise()
             self._stop()
         except StartInterrupted as exc:
-            # no step has run: nothing to finish; what was started is ended (the ranks killed)
+            # no step of this attempt has run: nothing to finish; what was started is killed
             self.console.say(f"mindpulse: interrupt during start-up ({exc}): stopping now")
-            if self.attempt is not None:
-                self.attempt.abort()
-            self.result = RunResult(status=RunStatus.INTERRUPTED,
-                                    message="interrupted by the user during start-up, before any step")
-            self.snapshot = {}
+            self.snapshot = self.attempt.abort(interrupted=True) if self.attempt is not None else {}
+            self.result = RunResult(status=RunStatus.INTERRUPTED, message=start_up_interrupted(self.index))
         except LaunchRefused as exc:
             if self.index == 0:
                 raise
@@ -122,7 +119,7 @@ class Controller:
         attempt = Attempt(self.cfg, index=self.index, run_dir=self.run_dir, run_id=self.run_id,
                           session=self.session, resume=self.history.resume, pids=self.pids, console=self.console,
                           goodput={"started": self.started, "productive_s": kept["productive_s"]},
-                          interrupted=self.interrupts.pending)
+                          interrupts=self.interrupts)
         self.attempt = attempt
         refs = attempt.start()
         self.watch = AttemptWatch(self.cfg, attempt, refs, self.interrupts, self.console, self.started)

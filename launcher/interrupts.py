@@ -34,6 +34,13 @@ class Interrupts:
         return self.count > 0
 
 
+def start_up_interrupted(attempt: int) -> str:
+    """The run's message when the user interrupted attempt `attempt` before its first step."""
+    if attempt == 0:
+        return "interrupted by the user during start-up, before any step"
+    return f"interrupted by the user during the start-up of attempt {attempt}, before any of its steps"
+
+
 class StartInterrupted(BaseException):
     """The user interrupted while the launcher was starting an attempt. A BaseException,
     like KeyboardInterrupt: the start's own `except Exception` handlers (which turn errors
@@ -46,9 +53,9 @@ def get(refs: Any, timeout: float, interrupted: Callable[[], bool] | None, what:
     when `interrupted` is None. Results and errors are `ray.get`'s own."""
     import ray
 
-    if interrupted is None:
-        return ray.get(refs, timeout=timeout)
     pending = list(refs) if isinstance(refs, list) else [refs]
+    if interrupted is None or not pending:
+        return ray.get(refs, timeout=timeout)
     deadline = time.monotonic() + timeout
     while True:
         if interrupted():
@@ -56,6 +63,8 @@ def get(refs: Any, timeout: float, interrupted: Callable[[], bool] | None, what:
         left = deadline - time.monotonic()
         if left <= 0:
             raise ray.exceptions.GetTimeoutError(f"{what or 'a Ray call'} did not finish within {timeout:g} s")
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(SLICE_S, left))
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(SLICE_S, left))
         if not pending:
             return ray.get(refs)  # every one is ready: returns at once
+        if ready:
+            ray.get(ready)  # one that failed raises now, as ray.get of them all would, not at the timeout

@@ -1,9 +1,9 @@
 """`mindpulse launch`: run directory → Ray → attempts (controller) → summary.
 
 This module composes the pieces: local checks, the run directory and its config.yaml,
-the signal handlers (Ctrl-C/SIGTERM/SIGHUP stop every rank after the same step; a second
-one kills), the Ray session, the controller that runs the attempts (`controller.py`),
-and the summary (`summary.py`).
+the signal handlers (Ctrl-C/SIGTERM/SIGHUP stop every rank after the same step, or at once
+before any step; a second one kills: `interrupts.py`), the Ray session, the controller that
+runs the attempts (`controller.py`), and the summary (`summary.py`).
 """
 
 from __future__ import annotations
@@ -90,11 +90,15 @@ class Launch:
         # Ray shuts down while the summary and the report are written (its processes exit)
         session = RaySession(self.cfg, close_in_background=True)
         try:
-            return self._run(session, old, history)
+            return self._run(session, history)
         finally:
             session.wait_closed()
+            # restored once Ray is down: a SIGTERM until then is counted, not the end of the
+            # launcher in the middle of Ray's shutdown
+            for s, h in old.items():
+                signal.signal(s, h)
 
-    def _run(self, session: RaySession, old: dict, history: RunHistory) -> int:
+    def _run(self, session: RaySession, history: RunHistory) -> int:
         result = RunResult(status=RunStatus.FAILED, message="launcher did not start")
         snapshot: dict[str, Any] = {}
         try:
@@ -113,15 +117,11 @@ class Launch:
                 history = controller.history
                 result, snapshot = controller.run() if refused is None else (refused, {})
         except LaunchRefused as exc:
-            for s, h in old.items():
-                signal.signal(s, h)
+            session.wait_closed()  # nothing of the refused attempt writes into the folder removed next
             return self._refuse(exc)
         except Exception as exc:
             log.exception("launcher failed")
             result = RunResult(status=RunStatus.FAILED, message=f"launcher error: {type(exc).__name__}: {exc}")
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
         status, self.summary = write_summary(self.cfg, self.run_dir, result, snapshot, history, self.pids.pids,
                                              self.started, self.say)
         return int(ExitCode.of(status))

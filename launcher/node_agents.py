@@ -62,12 +62,13 @@ class NodeAgents:
         w = self.cfg.world
         bundles, strategy = placement_bundles(self.cfg)
         pg = placement_group(bundles, strategy=strategy)
+        self.pg = pg  # kept before it is placed: `release` removes a pending one too
         try:
             waits.get(pg.ready(), PLACEMENT_TIMEOUT_S, self.interrupted, "the placement of the nodes")
         except Exception as exc:
+            self.release()
             raise LaunchRefused(f"the Ray cluster cannot place {w.nodes} node(s) x {w.ranks_per_node} "
                                 f"{self.resource}: {exc}") from None
-        self.pg = pg
         # each bundle's node address, known once the group is placed: where the scheduler
         # listens is decided before the agents' processes have started
         by_id = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
@@ -220,6 +221,18 @@ class NodeAgents:
             except Exception:
                 pass
 
+    def kill(self) -> None:
+        """End every agent now, without asking (an interrupted start: an agent may still be
+        starting, and a call would queue behind that). What an agent started (msrun, the
+        scheduler) gets SIGKILL from the kernel when the agent's process dies."""
+        import ray
+
+        for a in self.agents:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+
     def release(self) -> None:
         """Give the placement group's cards back (the next attempt reserves them again)."""
         from ray.util.placement_group import remove_placement_group
@@ -230,3 +243,4 @@ class NodeAgents:
             remove_placement_group(self.pg)
         except Exception:
             pass
+        self.pg = None

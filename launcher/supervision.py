@@ -16,7 +16,7 @@ from mindpulse.config import RunConfig
 
 from .attempt import Attempt
 from .failures import VICTIM
-from .interrupts import Interrupts
+from .interrupts import Interrupts, start_up_interrupted
 from .progress import Console
 from .spec import RankOutcome, RunResult, RunStatus
 from .worker_group import RefOwner
@@ -68,7 +68,7 @@ class AttemptWatch:
         if self.interrupts.count and self.interrupted_at is None:
             self.interrupted_at = time.time()
             if self._before_first_step():
-                self.message = "interrupted by the user during start-up, before any step"
+                self.message = start_up_interrupted(self.attempt.index)
                 self.console.say("mindpulse: interrupt during start-up: no step has run yet; stopping every rank now")
                 return self._end(RunStatus.INTERRUPTED, lambda r: "killed")
             self.console.say("mindpulse: interrupt: every rank stops after the same step, in at most "
@@ -112,7 +112,10 @@ class AttemptWatch:
         progress = self.attempt.poll()
         if progress is None:
             return False
-        return int(progress.get("step") or 0) <= self.attempt.start_step()
+        # the reducer's count too: a restarted aggregator that rebuilt thinned steps from their
+        # reduced records knows them only there
+        done = max(int(progress.get("step") or 0), int(progress.get("reduced_through") or 0))
+        return done <= self.attempt.start_step()
 
     def _let_save_finish(self) -> bool:
         """A rank failed while rank 0 may be writing a checkpoint: True while the write goes

@@ -249,18 +249,25 @@ def test_with_msrun_nothing_outlives_a_killed_launcher(tmp_path):
 # ---- an interrupt before any step -----------------------------------------------------------------------
 def test_ctrl_c_while_the_ranks_start_stops_them_at_once(tmp_path):
     """Ctrl-C once the rank actors run their job but before any step: nothing to finish, so
-    every rank is stopped now (not after start-up and a first step), and nothing is left."""
-    run = Run(tmp_path, "--set", "train.steps=2000")
+    every rank is stopped now (not after start-up and a first step), and nothing is left.
+    Rank 1 hangs before step 1 (hang@1:1), so no step can complete before the interrupt."""
+    run = Run(tmp_path, "--set", "train.steps=2000", "--inject", "hang@1:1")
     try:
         deadline = time.time() + 180
-        while not run.pids().get("ranks") and time.time() < deadline:  # the ranks' job has started
+        log = None
+        while time.time() < deadline:  # the ranks' job has started (the launcher's start is over)
             run.record()
+            log = run.run_dir / "logs" / "rank_1.log" if run.run_dir else None
+            if log is not None and log.exists() and "injecting fault hang@1:1" in log.read_text(errors="replace"):
+                break
             if run.proc.poll() is not None:
                 pytest.fail(f"the run ended early:\n{run.output()}")
             time.sleep(0.2)
-        assert run.pids().get("ranks"), f"the ranks never started:\n{run.output()}"
+        else:
+            pytest.fail(f"rank 1 never reached its fault:\n{run.output()}")
+        time.sleep(1)
         run.record()
-        assert not last_steps(run.run_dir), "a step ran already: the test came too late"
+        assert max(last_steps(run.run_dir).values(), default=0) == 0, "a step ran despite the hang"
         run.proc.send_signal(signal.SIGINT)
         assert run.proc.wait(timeout=120) == 130, run.output()
         out = run.output()
@@ -310,7 +317,7 @@ import ray
 from ray.util.placement_group import placement_group
 from mindpulse.launcher.interrupts import Interrupts, StartInterrupted, get
 
-ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
          _node_ip_address="127.0.0.1")
 intr = Interrupts()
 signal.signal(signal.SIGINT, intr.on_signal)
@@ -323,6 +330,18 @@ try:
 except StartInterrupted as exc:
     print(f"interrupted after {time.monotonic() - t0:.1f} s: {exc}")
 print("ready:", get([ray.put(1), ray.put(2)], 10, lambda: False), get(ray.put(3), 10, lambda: False))
+
+
+@ray.remote(num_cpus=0)
+def boom():
+    raise ValueError("boom")
+
+
+t0 = time.monotonic()
+try:  # one fails while another never ends: the failure, at once (as ray.get), not the timeout
+    get([boom.remote(), placement_group([{"CPU": 64}]).ready()], 60, lambda: False, "the pair")
+except Exception as exc:
+    print(f"failed after {time.monotonic() - t0:.1f} s: {'boom' in str(exc)}")
 ray.shutdown()
 """
 
@@ -337,3 +356,5 @@ def test_the_starts_waits_on_ray_hear_an_interrupt(tmp_path):
     assert m, r.stdout + r.stderr[-3000:]
     assert float(m.group(1)) < 30, "the wait went on long after the interrupt"
     assert "ready: [1, 2] 3" in r.stdout, r.stdout
+    m = re.search(r"failed after ([\d.]+) s: True", r.stdout)
+    assert m and float(m.group(1)) < 30, r.stdout + r.stderr[-3000:]

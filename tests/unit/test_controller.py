@@ -65,7 +65,7 @@ class FakeAttempt:
     made: list[FakeAttempt] = []
 
     def __init__(self, cfg, *, index, run_dir, run_id, session, resume, pids, console, goodput=None,
-                 interrupted=None):
+                 interrupts=None):
         self.index, self.resume = index, resume
         self.group = FakeGroup()
         self.dropped_packets, self.aggregator_lost = 1, False
@@ -82,8 +82,9 @@ class FakeAttempt:
         self.finished = graceful
         return {"steps_completed": 10 * (self.index + 1), "ranks": [{"rank": 0, "last_step": 4}]}
 
-    def abort(self):
+    def abort(self, interrupted=False):
         self.aborted = True
+        return {"steps_completed": 3} if interrupted else {}
 
 
 class FakeWatch:
@@ -170,12 +171,23 @@ def test_an_interrupt_during_the_start_ends_the_run_at_once_without_a_restart(ma
 
     ctl = make_controller([StartInterrupted("interrupted while waiting for the rank actors"), OK])
     result, snap = ctl.run()
-    assert result.status is RunStatus.INTERRUPTED and snap == {}
+    assert result.status is RunStatus.INTERRUPTED and snap == {"steps_completed": 3}, "the aggregator's last word"
     assert result.message == "interrupted by the user during start-up, before any step"
     assert FakeAttempt.made[0].aborted and len(FakeAttempt.made) == 1, "what was started is ended, no restart"
     assert [a["status"] for a in ctl.history.attempts] == ["interrupted"]
     assert "interrupt during start-up (interrupted while waiting for the rank actors): stopping now" in \
         capsys.readouterr().out
+
+
+def test_an_interrupt_during_a_restarts_start_names_that_attempt(make_controller, tmp_path):
+    from mindpulse.launcher.interrupts import StartInterrupted
+
+    _checkpoint(tmp_path / "checkpoints", 8)
+    ctl = make_controller([FAILED, StartInterrupted("interrupted while waiting for the node agents"), OK])
+    result, _ = ctl.run()
+    assert result.status is RunStatus.INTERRUPTED and len(FakeAttempt.made) == 2
+    assert result.message == "interrupted by the user during the start-up of attempt 1, before any of its steps"
+    assert [a["status"] for a in ctl.history.attempts] == ["failed", "interrupted"]
 
 
 def test_an_interrupt_before_an_attempt_starts_starts_nothing(make_controller):
