@@ -15,13 +15,20 @@ pytestmark = pytest.mark.slow
 
 SLOW_FROM = 10
 BATCH = 2
-"""A small batch keeps each step's compute well under the fault's 1.5 s sleep, so the drop stands
-out of the noise of a shared 2-core machine."""
+"""A small batch keeps each step's compute short against the fault's 1.5 s sleep."""
+DROP_FACTOR = 0.8
+"""The compute_drop rule's factor here (default 0.7). Rank 1's TFLOPS are counted over its step,
+data wait included: the 1.5 s sleep takes them to 1 / (1 + 1.5 s / compute). With this
+machine's PYNATIVE steps at 0.5-1.5 s (dispatch bound: the batch size hardly moves it) that is
+0.25-0.5 in theory and measured 0.68-0.70 at the slow end (rank 0 then waits in the
+all-reduce and rank 1's own compute shrinks), which the default 0.7 misses. Before the fault
+three consecutive steps under 0.8 x the median did not occur (lowest 0.87)."""
 
 
 def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_and_straggler(run_cli):
     r = run_cli("launch", "--set", "train.steps=20", "--set", f"train.batch_size={BATCH}",
                 "--set", "monitor.straggler_window=4",
+                "--set", f"anomalies=[{{rule: compute_drop, factor: {DROP_FACTOR}, for_steps: 3}}]",
                 "--set", "preflight.enabled=true", "--set", "preflight.action=warn",  # its figure, not its verdict
                 "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600)
     assert r.returncode == 0, r.output
@@ -40,7 +47,7 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
     before = {k: sorted(v for s, v in tf[k].items() if 3 <= s < SLOW_FROM) for k in tf}
     after = {k: sorted(v for s, v in tf[k].items() if s >= SLOW_FROM) for k in tf}
     med = {k: (before[k][len(before[k]) // 2], after[k][len(after[k]) // 2]) for k in tf}
-    assert med[1][1] < 0.7 * med[1][0], med
+    assert med[1][1] < DROP_FACTOR * med[1][0], med
     assert med[0][1] > 0.7 * med[0][0], med
     drops = [x for x in json.loads((r.run_dir / "anomalies.json").read_text()) if x["rule"] == "compute_drop"]
     # the first names rank 1, soon after its fault (on a machine shared with other jobs a later
