@@ -87,14 +87,10 @@ class Launch:
         self.say(f"mindpulse: run directory {self.run_dir}")
         old = {s: signal.signal(s, self.interrupts.on_signal) for s in HANDLED_SIGNALS}
         history = RunHistory(logs_dir=self.run_dir / "logs", resume=self.resume)
-        # Ray shuts down while the summary and the report are written (its processes exit)
-        session = RaySession(self.cfg, close_in_background=True)
+        session = RaySession(self.cfg)
         try:
             return self._run(session, history)
         finally:
-            session.wait_closed()
-            # restored once Ray is down: a SIGTERM until then is counted, not the end of the
-            # launcher in the middle of Ray's shutdown
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -117,7 +113,6 @@ class Launch:
                 history = controller.history
                 result, snapshot = controller.run() if refused is None else (refused, {})
         except LaunchRefused as exc:
-            session.wait_closed()  # nothing of the refused attempt writes into the folder removed next
             return self._refuse(exc)
         except Exception as exc:
             log.exception("launcher failed")

@@ -221,12 +221,25 @@ class NodeAgents:
             except Exception:
                 pass
 
-    def kill(self) -> None:
-        """End every agent now, without asking (an interrupted start: an agent may still be
-        starting, and a call would queue behind that). What an agent started (msrun, the
-        scheduler) gets SIGKILL from the kernel when the agent's process dies."""
+    def kill(self, grace_s: float = 3.0) -> None:
+        """End every agent within `grace_s` (an interrupted start). Each is asked to stop,
+        all at once, so an agent that runs msrun or the scheduler ends their process groups
+        (msrun's ranks among them); one that is still starting would answer only after its
+        start, so after `grace_s` every agent is killed. What a killed agent started directly
+        gets SIGKILL from the kernel when its process dies."""
         import ray
 
+        asked = []
+        for a in self.agents:
+            try:
+                asked.append(a.stop.remote(kill=True))
+            except Exception:
+                pass
+        if asked:
+            try:
+                ray.wait(asked, num_returns=len(asked), timeout=grace_s)
+            except Exception:
+                pass
         for a in self.agents:
             try:
                 ray.kill(a, no_restart=True)

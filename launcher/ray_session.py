@@ -31,7 +31,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from typing import Any
 
 from mindpulse.config import RunConfig
@@ -65,14 +64,8 @@ def _is_loopback(address: str) -> bool:
 
 
 class RaySession:
-    def __init__(self, cfg: RunConfig, close_in_background: bool = False):
-        """`close_in_background`: leaving the `with` block starts Ray's shutdown in a thread
-        and returns (`wait_closed` joins it). Ray's shutdown is mostly waiting for its
-        processes to exit (about 1.5 s here), which the launch overlaps with writing the
-        summary and the report; the run's processes have ended before it."""
+    def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.close_in_background = close_in_background
-        self._closing: threading.Thread | None = None
         self.embedded = not cfg.ray.address
         self.address = ""
         self.temp_dir = ""
@@ -207,25 +200,6 @@ class RaySession:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.close_in_background:
-            # not a daemon: the interpreter waits for it even where `wait_closed` is not reached
-            self._closing = threading.Thread(target=self._close_logged, name="mindpulse-ray-shutdown")
-            self._closing.start()
-        else:
-            self._close()
-
-    def wait_closed(self, timeout: float | None = None) -> None:
-        """Join a shutdown started in the background (nothing to do otherwise)."""
-        if self._closing is not None:
-            self._closing.join(timeout)
-
-    def _close_logged(self) -> None:
-        try:
-            self._close()
-        except Exception as exc:  # the run's outcome is written already; say what did not end cleanly
-            log.warning("the Ray session did not shut down cleanly: %s: %s", type(exc).__name__, exc)
-
-    def _close(self) -> None:
         import ray
 
         try:
