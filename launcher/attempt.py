@@ -201,14 +201,14 @@ class Attempt:
     def abort(self, interrupted: bool = False) -> dict[str, Any]:
         """The launcher failed mid-attempt, or the user interrupted its start: kill what was
         started and give the cards back (a next attempt reserves them again). Returns the
-        aggregator's final snapshot ({} without one). `interrupted`: nothing is asked of the
-        agents (one may still be starting, and a call would queue behind that: they are
-        killed), and a second interrupt stops waiting for the aggregator's files."""
+        aggregator's final snapshot ({} without one). `interrupted`: the agents are asked to stop
+        all at once and killed after a short grace (one may still be starting, and a call
+        would queue behind that: `NodeAgents.kill`), and a second interrupt stops waiting for
+        the aggregator's files."""
         import ray
 
         self.kill_ranks()
-        if interrupted:
-            self.group.kill()
+        if interrupted:  # the ranks were killed just above
             self.nodes.kill()
         else:
             self.terminate(graceful=False)

@@ -86,19 +86,11 @@ class Launch:
         write_config(self.run_dir, self.cfg)
         self.say(f"mindpulse: run directory {self.run_dir}")
         old = {s: signal.signal(s, self.interrupts.on_signal) for s in HANDLED_SIGNALS}
-        history = RunHistory(logs_dir=self.run_dir / "logs", resume=self.resume)
-        session = RaySession(self.cfg)
-        try:
-            return self._run(session, history)
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-    def _run(self, session: RaySession, history: RunHistory) -> int:
         result = RunResult(status=RunStatus.FAILED, message="launcher did not start")
         snapshot: dict[str, Any] = {}
+        history = RunHistory(logs_dir=self.run_dir / "logs", resume=self.resume)
         try:
-            with session:
+            with RaySession(self.cfg) as session:
                 self.pids["ray_temp_dir"] = session.temp_dir
                 # Ray's core installs its own SIGTERM handler at init: ours must come after
                 for sig in HANDLED_SIGNALS:
@@ -113,10 +105,15 @@ class Launch:
                 history = controller.history
                 result, snapshot = controller.run() if refused is None else (refused, {})
         except LaunchRefused as exc:
+            for s, h in old.items():
+                signal.signal(s, h)
             return self._refuse(exc)
         except Exception as exc:
             log.exception("launcher failed")
             result = RunResult(status=RunStatus.FAILED, message=f"launcher error: {type(exc).__name__}: {exc}")
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
         status, self.summary = write_summary(self.cfg, self.run_dir, result, snapshot, history, self.pids.pids,
                                              self.started, self.say)
         return int(ExitCode.of(status))
