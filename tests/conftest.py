@@ -98,6 +98,12 @@ class CliRun:
         return f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
+NO_REPORT = ["--set", "output.report=false"]
+"""For launches whose test does not read the report: it is built in ~2 s after the summary
+(matplotlib), and tested on its own (tests/unit/test_report.py, test_report_browser.py) and
+in the launches that ask for it."""
+
+
 def mindpulse_cmd() -> list[str]:
     return [sys.executable, "-m", "mindpulse.launcher.cli"]
 
@@ -108,11 +114,14 @@ def run_cli(tmp_path):
     before = set(_run_processes())
     runs: list[CliRun] = []
 
-    def _run(*args: str, timeout: float = 600, env: dict | None = None) -> CliRun:
+    def _run(*args: str, timeout: float = 600, env: dict | None = None, report: bool = False) -> CliRun:
+        """`report`: build the HTML report (~2 s a launch; only tests that check it ask)."""
         out_root = tmp_path / "runs"
         cmd = mindpulse_cmd() + list(args)
         if args and args[0] in ("launch", "preflight"):
             cmd += ["--set", f"output.root={out_root}"]
+        if args and args[0] == "launch" and not report:
+            cmd += NO_REPORT
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env=dict(os.environ, **(env or {})))
         r = CliRun(proc, out_root)

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, last_steps, mindpulse_cmd
+from conftest import NO_REPORT, ROOT, last_steps, mindpulse_cmd
 
 from mindpulse.aggregator.metrics_store import read_records, read_wire, with_attempts
 from mindpulse.aggregator.reducer import reduce_all
@@ -97,7 +97,7 @@ def ckpt_run(tmp_path_factory):
         "--set", "checkpoint.keep_checkpoint_max=2", "--set", "checkpoint.keep_best_max=1",
         "--set", "checkpoint.best_every_steps=1",
         "--set", "monitor.collect_freq=1", "--set", "eval.every_steps=6", "--set", "eval.max_batches=2",
-        "--set", f"output.root={out}", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=500)
+        "--set", f"output.root={out}", *FAST, *NO_REPORT], cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return next(out.iterdir())
 

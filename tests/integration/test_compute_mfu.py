@@ -30,7 +30,8 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
                 "--set", "monitor.straggler_window=4",
                 "--set", f"anomalies=[{{rule: compute_drop, factor: {DROP_FACTOR}, for_steps: 3}}]",
                 "--set", "preflight.enabled=true", "--set", "preflight.action=warn",  # its figure, not its verdict
-                "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600)
+                "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600,
+                report=True)
     assert r.returncode == 0, r.output
     comp = r.summary["compute"]
     assert 0 < comp["mfu"] <= 1, comp

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, _run_processes, last_steps, mindpulse_cmd
+from conftest import NO_REPORT, ROOT, _run_processes, last_steps, mindpulse_cmd
 
 from mindpulse.aggregator.metrics_store import read_wire
 
@@ -24,7 +24,7 @@ class LiveRun:
         self.out = tmp_path / "runs"
         self.before = set(_run_processes())
         self.proc = subprocess.Popen(mindpulse_cmd() + ["launch", "--set", f"output.root={self.out}",
-                                                        "--set", "monitor.per_print_step=100", *args],
+                                                        "--set", "monitor.per_print_step=100", *NO_REPORT, *args],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
 
@@ -155,29 +155,71 @@ def test_an_injected_hang_names_the_blocked_rank_not_the_one_waiting_for_it(tmp_
 # max_restarts after an injected crash: tests/integration/test_anomalies_checkpoints.py, with safetensors
 
 
-def test_killing_the_aggregator_mid_run_loses_no_step_then_sigterm_is_like_ctrl_c(tmp_path):
-    """The aggregator SIGKILLed at step 3: Ray restarts it, it rebuilds itself from
-    metrics.msgpack and no step is lost; then SIGTERM to the launcher stops every rank after
-    the same step, as Ctrl-C does."""
-    run = LiveRun(tmp_path, "--set", "train.steps=200")
+RULE = "anomalies=[{rule: threshold, name: loss_high, metric: loss, op: '>', threshold: 100.0, action: warn}]"
+
+
+def rules_cmd(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(mindpulse_cmd() + ["rules", str(run_dir), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_aggregator_killed_mid_run_loses_no_step_takes_a_rule_change_then_sigterm_is_like_ctrl_c(tmp_path):
+    """One running job, what can happen to it in turn: the aggregator SIGKILLed at step 3 (Ray
+    restarts it, it rebuilds itself from metrics.msgpack, no step is lost); a rule changed
+    with `mindpulse rules` on the restarted aggregator (applied from the next reduced step, and
+    a lowered loss threshold fires there); then SIGTERM to the launcher, as Ctrl-C: every rank
+    stops after the same step, rank 0 saves `last`, exit 130, nothing left running."""
+    run = LiveRun(tmp_path, "--set", "train.steps=200", "--set", RULE)
     run.wait_for_step(3)
     pid = json.loads((run.run_dir / "pids.json").read_text())["aggregator"]
     os.kill(pid, signal.SIGKILL)
-    run.wait_for_step(9)
+    run.wait_for_step(7)
+    listed = rules_cmd(run.run_dir)
+    assert listed.returncode == 0, listed.stderr
+    assert re.search(r"loss_high\s+threshold\s+warn\s+yes\s+metric=loss op=> threshold=100.0", listed.stdout), \
+        listed.stdout
+    bad = rules_cmd(run.run_dir, "set", "loss_high.threshold=abc")
+    assert bad.returncode == 2 and "loss_high.threshold: 'abc' is not allowed; use a number" in bad.stderr
+    changed = rules_cmd(run.run_dir, "set", "loss_high.threshold=0.01")
+    assert changed.returncode == 0, changed.stdout + changed.stderr
+    m = re.search(r"set loss_high\.threshold: 100\.0 -> 0\.01, from step (\d+) on", changed.stdout)
+    assert m, changed.stdout
+    applied_from = int(m.group(1))
+    assert applied_from < 200, "the job was still running"
+    deadline = time.time() + 120  # the warning is on record: now SIGTERM
+    jsonl = run.run_dir / "anomalies.jsonl"
+    while not (jsonl.exists() and "loss_high" in jsonl.read_text()) and time.time() < deadline:
+        time.sleep(0.3)
     run.proc.send_signal(signal.SIGTERM)
     code, out, _ = run.finish(timeout=300)
     assert code == 130, out[-3000:]
     s = run.summary()
-    assert s["status"] == "interrupted", s["status"]
+    assert s["status"] == "interrupted" and s["stop"]["rule"] == "interrupt", s["stop"]
+    # every rank stopped after the same step, and rank 0 saved `last` of that step
     stopped = {x["last_step"] for x in s["ranks"]}
-    assert len(stopped) == 1 and 9 <= min(stopped) < 200, f"ranks stopped at different steps: {s['ranks']}"
+    assert len(stopped) == 1 and 7 <= min(stopped) < 200, f"ranks stopped at different steps: {s['ranks']}"
     last = stopped.pop()
+    assert last_steps(run.run_dir) == {0: last, 1: last}
+    man = json.loads((run.run_dir / "checkpoints" / "manifest.json").read_text())
+    assert [f["step"] for f in man["files"] if f["kind"] == "last"] == [last], man["files"]
+    # no step lost while the aggregator restarted
     seen = {(o["rank"], o["step"]) for o in read_wire(run.run_dir / "metrics.msgpack") if o.get("t") == "step"}
     missing = [(r, st) for r in range(2) for st in range(last + 1) if (r, st) not in seen]
     assert not missing, f"steps lost while the aggregator restarted: {missing}"
     assert s["packets"]["aggregator_restarts"] >= 1
     assert s["packets"]["dropped"] == 0, f"packets dropped while the aggregator restarted: {s['packets']}"
     assert "aggregator restarted" in out
+    # the changed rule fired at the step the change applied from, and the change is on record
+    firings = [a for a in json.loads((run.run_dir / "anomalies.json").read_text()) if a["rule"] == "loss_high"]
+    assert [(a["step"], a["threshold"]) for a in firings] == [(applied_from, 0.01)], firings
+    (c,) = s["rule_changes"]
+    assert (c["step"], c["op"], c["rule"], c["field"], c["old"], c["new"]) == (
+        applied_from, "set", "loss_high", "threshold", 100.0, 0.01), c
+    assert c["command"] == "set loss_high.threshold=0.01" and c["time"] > s["started"]
+    assert re.search(rf"RULE CHANGE at [\d-]+ [\d:]+, from step {applied_from} on: set loss_high\.threshold", out)
+    # a finished run's rules do not change
+    late = rules_cmd(run.run_dir, "set", "loss_high.threshold=5")
+    assert late.returncode == 2 and "has finished (interrupted)" in late.stderr, late.stderr
     run.assert_nothing_left()
 
 

@@ -57,7 +57,7 @@ def test_recipe_two_ranks_data_parallel(run_cli):
                 "--set", "profile.ranks=[1]",
                 # a warn rule logs and the run goes on
                 "--set", "anomalies=[{rule: threshold, name: loss_watch, metric: loss, op: '>', threshold: 0.0, "
-                "for_steps: 2, action: warn}]", timeout=600)
+                "for_steps: 2, action: warn}]", timeout=600, report=True)
     assert r.returncode == 0, r.output
     s = r.summary
     assert s["status"] == "succeeded" and s["world_size"] == 2 and s["steps_completed"] == steps, s
@@ -181,8 +181,11 @@ def test_user_script_with_monitor(run_cli, loop, mode):
 def test_failing_user_script_fails_the_run(run_cli, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("raise RuntimeError('boom in user code')\n")
-    r = run_cli("launch", "--set", f"job.script={bad}", "--set", "name=bad-script", timeout=300)
+    r = run_cli("launch", "--set", f"job.script={bad}", "--set", "name=bad-script", timeout=300, report=True)
     assert r.returncode == 1, r.output
     s = r.summary
     assert s["status"] == "failed"
     assert "boom in user code" in s["message"] or "boom in user code" in str(s.get("errors"))
+    # a failed run gets its report too, saying so
+    html = (r.run_dir / "report" / "report.html").read_text()
+    assert "failed" in html and "boom in user code" in html, html[:2000]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, last_steps, mindpulse_cmd
+from conftest import NO_REPORT, ROOT, last_steps, mindpulse_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ class Run:
         self.out = out / "runs"
         self.log = open(out / "launcher.out", "w")  # closed in stop()
         self.proc = subprocess.Popen(mindpulse_cmd() + ["launch", str(CONFIG), "--set", f"output.root={self.out}",
-                                                        "--set", "monitor.per_print_step=100", *args],
+                                                        "--set", "monitor.per_print_step=100", *NO_REPORT, *args],
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.seen: dict[int, tuple[float, str]] = {}
 
@@ -174,6 +174,10 @@ def test_a_local_run_listens_on_loopback_only(live):
             f"{must} was not among the run's processes: the check would not have seen it")
     settings = json.loads((live.run_dir / "job.json").read_text())
     assert settings["ray_address"].startswith("127.0.0.1:"), settings["ray_address"]
+    # the lean head (launcher/ray_session.py LEAN_HEAD_SKIPS): no API server, autoscaler monitor or log monitor
+    skipped = [c for c in kinds.split(" ") if c.endswith(("dashboard/dashboard.py", "autoscaler/_private/monitor.py",
+                                                           "_private/log_monitor.py"))]
+    assert not skipped, f"the embedded cluster started what it should skip: {skipped}"
 
 
 # ---- 12 -------------------------------------------------------------------------------------------------

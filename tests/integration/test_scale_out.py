@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, mindpulse_cmd
+from conftest import NO_REPORT, ROOT, mindpulse_cmd
 
 from mindpulse.aggregator.metrics_store import read_wire
 from mindpulse.launcher.spec import free_port
@@ -91,7 +91,7 @@ def two_node_cluster(tmp_path_factory):
 def launch_on(cluster, tmp_path, *args, timeout=500):
     out = tmp_path / "runs"
     proc = subprocess.run(mindpulse_cmd() + ["launch", "--set", f"ray.address={cluster['address']}",
-                                             "--set", f"output.root={out}", *args],
+                                             "--set", f"output.root={out}", *NO_REPORT, *args],
                           cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=timeout)
     run_dir = next(out.iterdir()) if out.exists() and any(out.iterdir()) else None
     return proc, run_dir

@@ -76,6 +76,31 @@ def test_the_embedded_cluster_keeps_127_0_0_1_as_its_address(fake_init):
     assert not os.path.exists(session.private_dir)
 
 
+def test_the_embedded_head_skips_the_api_server_and_monitors_only_while_ray_starts(fake_init, monkeypatch):
+    """ray.init runs with Node's API server, autoscaler monitor and log monitor as no-ops (the
+    live run checks none of them runs), and Node is whole again afterwards, even when the
+    init fails; a cluster given by address is joined as it is."""
+    from ray._private.node import Node
+
+    originals = {name: Node.__dict__[name] for name in rs.LEAN_HEAD_SKIPS}
+    import ray
+
+    during: dict = {}
+
+    def init(**kwargs):
+        during.update({name: Node.__dict__[name] for name in rs.LEAN_HEAD_SKIPS})
+        raise InitCalled()
+
+    monkeypatch.setattr(ray, "init", init)
+    _enter(from_dict({}))
+    assert set(during) == set(rs.LEAN_HEAD_SKIPS), "this Ray's Node lacks a method the session skips"
+    assert all(during[n] is not originals[n] for n in during), "ray.init ran with the head's full set of processes"
+    assert all(Node.__dict__[n] is originals[n] for n in originals), "Node was not put back after ray.init"
+    during.clear()
+    _enter(from_dict({"ray": {"address": "10.0.0.1:6379"}}))
+    assert all(during[n] is originals[n] for n in during), "a cluster given by address was changed"
+
+
 def test_a_cluster_advertising_another_address_is_refused():
     session = rs.RaySession(from_dict({}))
     session.address = "192.0.2.2:6379"
