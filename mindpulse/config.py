@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from mindpulse.protocol import RULE_ACTIONS, Action, MonitorSettings, Schedule, parse_fault
+from mindpulse.protocol import RULE_ACTIONS, Action, FaultKind, MonitorSettings, Schedule, parse_fault
 
 
 class ConfigError(ValueError):
@@ -684,6 +684,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if ck.best_metric.startswith("eval_") and not (cfg.eval.every_steps or cfg.eval.per_epoch):
         raise ConfigError(f"checkpoint.best_metric: {ck.best_metric!r} needs evaluation; set eval.every_steps")
     _check_metric("checkpoint.best_metric", ck.best_metric, known, cfg)
+    _check_slow_saves(cfg)
     _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)
     _positive("eval.max_batches", cfg.eval.max_batches, allow_zero=True)
     _positive("output.max_file_size", cfg.output.max_file_size, allow_zero=True)
@@ -694,6 +695,28 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("job.args: only allowed together with job.script")
     _validate_preflight(cfg.preflight)
     return cfg
+
+
+def _check_slow_saves(cfg: RunConfig) -> None:
+    """`slow_save@0:S` acts only if rank 0 may write a checkpoint at step S; at any other
+    step it would do nothing, and the rehearsal it was meant for would not happen."""
+    sched = schedule_of(cfg)
+    if not sched.total_steps:  # the epochs decide: the last step, which saves, is not known here
+        return
+    for i, spec in enumerate(cfg.faults):
+        f = parse_fault(spec)
+        if f.kind is not FaultKind.SLOW_SAVE or sched.is_candidate(f.step, evaluates=True):
+            continue
+        kinds = [f"periodic steps (every checkpoint.save_checkpoint_steps={sched.save_every})" if sched.save_every
+                 else "", f"best candidates (every checkpoint.best_every_steps={sched.best_every})"
+                 if sched.save_best else "", f"evaluations (every eval.every_steps={sched.eval_every})"
+                 if sched.eval_every else "", f"the last step ({sched.total_steps})"]
+        steps = [s for s in range(1, sched.total_steps + 1) if sched.is_candidate(s, evaluates=True)]
+        raise ConfigError(
+            f"faults[{i}]: {spec!r}: rank 0 writes no checkpoint at step {f.step}, so the fault would never act; "
+            f"it may write one only at {', '.join(k for k in kinds if k)}: steps "
+            f"{', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''}"
+            + ". Pick one of those steps or change those settings")
 
 
 _ACTION_CHOICES = {"preflight": (Action.STOP, Action.WARN), "anomalies": RULE_ACTIONS}

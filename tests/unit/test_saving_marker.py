@@ -71,3 +71,22 @@ def test_save_grace_must_be_a_finite_number_of_seconds():
         with pytest.raises(ConfigError, match=r"^checkpoint\.save_grace_s: "):
             from_dict({"checkpoint": {"save_grace_s": bad}})
     assert from_dict({"checkpoint": {"save_grace_s": 0}}).checkpoint.save_grace_s == 0
+
+
+def test_slow_save_at_a_step_without_a_checkpoint_is_refused_with_the_steps_that_have_one():
+    """At a step where rank 0 may write no checkpoint (not periodic, no best candidate, no
+    evaluation, not the last step) the fault would silently never act."""
+    from mindpulse.config import ConfigError, from_dict
+
+    base = {"train": {"steps": 20}, "checkpoint": {"save_checkpoint_steps": 4, "best_every_steps": 10}}
+    for step in (4, 8, 10, 20):  # periodic, periodic, best candidate, the last step
+        from_dict(dict(base, faults=[f"slow_save@0:{step}"]))
+    with pytest.raises(ConfigError) as err:
+        from_dict(dict(base, faults=["nan_grad@1:3", "slow_save@0:5"]))
+    msg = str(err.value)
+    assert msg.startswith("faults[1]: 'slow_save@0:5': rank 0 writes no checkpoint at step 5"), msg
+    assert "checkpoint.save_checkpoint_steps=4" in msg and "checkpoint.best_every_steps=10" in msg, msg
+    assert "steps 4, 8, 10, 12, 16, 20." in msg, msg
+    # an evaluation step may save (the best may be judged on it); epochs that decide the length: not known
+    from_dict(dict(base, faults=["slow_save@0:6"], eval={"every_steps": 6}))
+    from_dict({"train": {"steps": 0}, "faults": ["slow_save@0:5"]})
