@@ -698,25 +698,48 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 
 def _check_slow_saves(cfg: RunConfig) -> None:
-    """`slow_save@0:S` acts only if rank 0 may write a checkpoint at step S; at any other
-    step it would do nothing, and the rehearsal it was meant for would not happen."""
-    sched = schedule_of(cfg)
-    if not sched.total_steps:  # the epochs decide: the last step, which saves, is not known here
+    """`slow_save@0:S` delays rank 0's checkpoint write of step S. Refused where no
+    periodic or best checkpoint can be written at S (as the aggregator decides them:
+    `_save_decision`), since the rehearsal it was meant for would silently not happen; not
+    checked where a `last` checkpoint may come at any step (a save_and_stop rule) or where
+    the steps that may save are not known before the run (train.steps 0, evaluations at
+    epoch ends judging the best)."""
+    ck, total, every_eval = cfg.checkpoint, cfg.train.steps, cfg.eval.every_steps
+    eval_best = ck.best_metric.startswith("eval_")
+    save_and_stop = any(getattr(rc.action, "value", rc.action) == Action.SAVE_AND_STOP.value for rc in cfg.anomalies)
+    if not total or (ck.save_last and save_and_stop) or (eval_best and cfg.eval.per_epoch):
         return
+
+    def may_save(step: int) -> bool:
+        if not 1 <= step <= total:
+            return False
+        if ck.save_checkpoint_steps and step % ck.save_checkpoint_steps == 0:
+            return True
+        if not ck.save_best_ckpt:
+            return False
+        return bool(every_eval and step % every_eval == 0) if eval_best else step % ck.best_every_steps == 0
+
     for i, spec in enumerate(cfg.faults):
         f = parse_fault(spec)
-        if f.kind is not FaultKind.SLOW_SAVE or sched.is_candidate(f.step, evaluates=True):
+        if f.kind is not FaultKind.SLOW_SAVE or may_save(f.step):
             continue
-        kinds = [f"periodic steps (every checkpoint.save_checkpoint_steps={sched.save_every})" if sched.save_every
-                 else "", f"best candidates (every checkpoint.best_every_steps={sched.best_every})"
-                 if sched.save_best else "", f"evaluations (every eval.every_steps={sched.eval_every})"
-                 if sched.eval_every else "", f"the last step ({sched.total_steps})"]
-        steps = [s for s in range(1, sched.total_steps + 1) if sched.is_candidate(s, evaluates=True)]
+        steps: list[int] = []
+        for step in range(1, total + 1):
+            if may_save(step):
+                steps.append(step)
+                if len(steps) > 6:
+                    break
+        kinds = [f"periodic checkpoints every checkpoint.save_checkpoint_steps={ck.save_checkpoint_steps}"
+                 if ck.save_checkpoint_steps else "",
+                 ("best checkpoints at evaluations (eval.every_steps=" + str(every_eval) + ")" if eval_best else
+                  f"best checkpoints judged every checkpoint.best_every_steps={ck.best_every_steps}")
+                 if ck.save_best_ckpt else ""]
+        where = (f"steps {', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''} "
+                 f"({'; '.join(k for k in kinds if k)})") if steps else \
+            "no step (periodic and best checkpoints are off)"
         raise ConfigError(
-            f"faults[{i}]: {spec!r}: rank 0 writes no checkpoint at step {f.step}, so the fault would never act; "
-            f"it may write one only at {', '.join(k for k in kinds if k)}: steps "
-            f"{', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''}"
-            + ". Pick one of those steps or change those settings")
+            f"faults[{i}]: {spec!r}: rank 0 writes no checkpoint at step {f.step} of this {total}-step run, so the "
+            f"fault would never act; it may write one at {where}. Pick one of those steps or change those settings")
 
 
 _ACTION_CHOICES = {"preflight": (Action.STOP, Action.WARN), "anomalies": RULE_ACTIONS}

@@ -74,19 +74,32 @@ def test_save_grace_must_be_a_finite_number_of_seconds():
 
 
 def test_slow_save_at_a_step_without_a_checkpoint_is_refused_with_the_steps_that_have_one():
-    """At a step where rank 0 may write no checkpoint (not periodic, no best candidate, no
-    evaluation, not the last step) the fault would silently never act."""
+    """Where rank 0 can write no periodic or best checkpoint the fault would silently never
+    act; the error lists the steps that can save. Not checked where a `last` checkpoint may
+    come at any step (save_and_stop) or the saving steps are not known before the run."""
     from mindpulse.config import ConfigError, from_dict
 
     base = {"train": {"steps": 20}, "checkpoint": {"save_checkpoint_steps": 4, "best_every_steps": 10}}
-    for step in (4, 8, 10, 20):  # periodic, periodic, best candidate, the last step
+    for step in (4, 8, 10, 20):  # periodic, periodic, best, periodic and best
         from_dict(dict(base, faults=[f"slow_save@0:{step}"]))
+    for step in (5, 6, 25):  # none; an evaluation does not judge a best on the loss; after the run
+        with pytest.raises(ConfigError, match=rf"faults\[1\]: 'slow_save@0:{step}': rank 0 writes no checkpoint "
+                                              rf"at step {step} of this 20-step run"):
+            from_dict(dict(base, faults=["nan_grad@1:3", f"slow_save@0:{step}"], eval={"every_steps": 6}))
     with pytest.raises(ConfigError) as err:
-        from_dict(dict(base, faults=["nan_grad@1:3", "slow_save@0:5"]))
-    msg = str(err.value)
-    assert msg.startswith("faults[1]: 'slow_save@0:5': rank 0 writes no checkpoint at step 5"), msg
-    assert "checkpoint.save_checkpoint_steps=4" in msg and "checkpoint.best_every_steps=10" in msg, msg
-    assert "steps 4, 8, 10, 12, 16, 20." in msg, msg
-    # an evaluation step may save (the best may be judged on it); epochs that decide the length: not known
-    from_dict(dict(base, faults=["slow_save@0:6"], eval={"every_steps": 6}))
+        from_dict(dict(base, faults=["slow_save@0:5"]))
+    assert "steps 4, 8, 10, 12, 16, 20 (periodic checkpoints every checkpoint.save_checkpoint_steps=4; best " \
+           "checkpoints judged every checkpoint.best_every_steps=10)" in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match=r"it may write one at no step \(periodic and best checkpoints are off\)"):
+        from_dict({"train": {"steps": 20}, "faults": ["slow_save@0:5"],
+                   "checkpoint": {"save_checkpoint_steps": 0, "save_best_ckpt": False}})
+    # a best judged on an evaluation metric is written at evaluations
+    ev = dict(base, eval={"every_steps": 6}, checkpoint=dict(base["checkpoint"], best_metric="eval_loss"))
+    from_dict(dict(ev, faults=["slow_save@0:6"]))
+    with pytest.raises(ConfigError, match="best checkpoints at evaluations"):
+        from_dict(dict(ev, faults=["slow_save@0:10"]))
+    # not known before the run: a `last` checkpoint (save_and_stop), the epochs deciding the length,
+    # evaluations at epoch ends
+    from_dict(dict(base, faults=["slow_save@0:5"], anomalies=[{"rule": "nonfinite", "action": "save_and_stop"}]))
     from_dict({"train": {"steps": 0}, "faults": ["slow_save@0:5"]})
+    from_dict(dict(ev, faults=["slow_save@0:5"], eval={"every_steps": 6, "per_epoch": True}))
