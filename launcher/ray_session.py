@@ -66,6 +66,13 @@ turns off (`log_to_driver=False`: ranks write their own logs). Measured together
 4.3-4.8 s -> 2.6-2.7 s, `ray.shutdown` 1.2-1.5 s -> 0.2-0.4 s, and ~3 s less CPU taken from
 the ranks' start-up. Nothing of the run uses them (no job submission, state API or
 autoscaling); a cluster given by `ray.address` is not touched."""
+NO_DASHBOARD_ADDRESS = "127.0.0.1:1"
+"""Registered as the dashboard's address when no API server started. Every node's
+DashboardAgent (its event module) otherwise asks GCS for that address once a second for
+as long as the run lasts, logging an error with its traceback each time (14 in 12 s, ~1 KB
+a second into the session's dashboard_agent.log). Registered, it waits for Ray events
+instead; posting one then fails at once (nothing listens on port 1), as it did against
+the usage-stats-only API server, which does not serve /report_events."""
 REAP_GRACE_S = 5.0
 """After a normal end, how long the reaper lets the run's last processes exit by themselves."""
 
@@ -92,6 +99,18 @@ def lean_head() -> Iterator[list[str]]:
     finally:
         for name, fn in saved.items():
             setattr(Node, name, fn)
+
+
+def _register_no_dashboard() -> None:
+    """Give the embedded cluster's GCS `NO_DASHBOARD_ADDRESS` as the dashboard's address."""
+    try:
+        import ray._private.ray_constants as ray_constants
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(ray_constants.DASHBOARD_ADDRESS, NO_DASHBOARD_ADDRESS, overwrite=False,
+                         namespace=ray_constants.KV_NAMESPACE_DASHBOARD)
+    except Exception as exc:  # the run is unchanged; only the agent's log grows
+        log.warning("embedded Ray cluster: could not register the dashboard placeholder (%s)", exc)
 
 
 def _skipped(name: str) -> Callable[..., None]:
@@ -226,10 +245,12 @@ class RaySession:
             self._setenv(RUN_TAG_ENV, self.temp_dir)
             self._bind_loopback()
             self._setup_auth()
-            with lean_head():
+            with lean_head() as skipped:
                 ctx = ray.init(num_cpus=self.cfg.world.world_size + 1, include_dashboard=False,
                                _node_ip_address=LOOPBACK, _temp_dir=self.temp_dir,
                                _system_config=EMBEDDED_SYSTEM_CONFIG, **kwargs)
+            if "start_api_server" in skipped:
+                _register_no_dashboard()
             self.address = getattr(ctx, "address_info", {}).get("address", "") or \
                 ray.get_runtime_context().gcs_address
             self._check_started(ctx)

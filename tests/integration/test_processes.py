@@ -174,10 +174,18 @@ def test_a_local_run_listens_on_loopback_only(live):
             f"{must} was not among the run's processes: the check would not have seen it")
     settings = json.loads((live.run_dir / "job.json").read_text())
     assert settings["ray_address"].startswith("127.0.0.1:"), settings["ray_address"]
-    # the lean head (launcher/ray_session.py LEAN_HEAD_SKIPS): no API server, autoscaler monitor or log monitor
+    # the lean head (launcher/ray_session.py LEAN_HEAD_SKIPS): no API server, autoscaler monitor or log
+    # monitor (no process, so no log of theirs), and the agents do not keep asking for the dashboard
     skipped = [c for c in kinds.split(" ") if c.endswith(("dashboard/dashboard.py", "autoscaler/_private/monitor.py",
                                                            "_private/log_monitor.py"))]
+    logs = Path(live.pids()["ray_temp_dir"]) / "session_latest" / "logs"
+    skipped += [p.name for p in logs.iterdir() if p.name.startswith(("dashboard.", "monitor.", "log_monitor."))]
     assert not skipped, f"the embedded cluster started what it should skip: {skipped}"
+    agent_log = logs / "dashboard_agent.log"
+    asking = agent_log.read_text(errors="replace").count("Get dashboard http address failed")
+    time.sleep(3)
+    assert agent_log.read_text(errors="replace").count("Get dashboard http address failed") == asking, \
+        "the DashboardAgent keeps asking for a dashboard address (NO_DASHBOARD_ADDRESS not registered)"
 
 
 # ---- 12 -------------------------------------------------------------------------------------------------
