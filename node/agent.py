@@ -15,6 +15,7 @@ scheduler, the Ray rank actors) once the driver that launched the run is gone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -109,6 +110,26 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
+# The agent's coroutines live outside the class: Ray makes an actor whose class has any
+# coroutine method (private ones too) an async actor, which runs every plain method in one
+# event loop, one at a time. With msrun, `run_msrun` holds a call for the whole job, and
+# `start_telemetry`, `kill_ranks`, `dump_stacks` and `stop` then waited behind it (the
+# launcher's start waited up to 60 s, and the node had no telemetry). As a threaded actor
+# (`max_concurrency`, launcher/node_agents.py) they run next to it.
+async def _forward_decide(agent: NodeAgent, batch: NodeBatch, step: int, timeout: float) -> bytes:
+    """A rank of this node waits for a verdict (in the relay's loop)."""
+    if agent.group is not None:  # the step goes up with the group's; the directive comes back
+        agent.group.add(agent.node, batch)
+        return await agent.uplink.decide([], step, timeout)
+    return await agent.uplink.decide([(agent.node, batch)], step, timeout)
+
+
+async def _members_decide(agent: NodeAgent, step: int, timeout: float) -> bytes:
+    """A member's rank waits for a verdict: the group's step goes up with the group's merged
+    partial; the directive is asked for here (in the relay's loop)."""
+    return await agent.uplink.decide([], step, timeout)
+
+
 class NodeAgent:
     def __init__(self, node: int, aggregator: Any, device: str, rank_devices: dict[int, int],
                  interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0,
@@ -146,7 +167,7 @@ class NodeAgent:
         self.prereduce = NodePreReducer(node, range(ranks[0], ranks[-1] + 1) if ranks else range(0),
                                         straggler_window=straggler_window, collect_freq=collect_freq,
                                         world_size=world_size, compute_window=compute_window)
-        self.relay = RelayServer(self._forward_send, self._forward_decide, local_ranks,
+        self.relay = RelayServer(self._forward_send, functools.partial(_forward_decide, self), local_ranks,
                                  prereduce=self.prereduce, token=relay_token, pushed_leases=True)
         self.relay_port = self.relay.start()
         # steps go up, and the lease comes down, over one stream (mindpulse/uplink.py): to the
@@ -189,7 +210,8 @@ class NodeAgent:
         self.group = GroupLeader(self.node, members, self.uplink.send_threadsafe)
 
         async def serve() -> tuple[str, int, str]:
-            self.server = UplinkServer(self._members_ingest, self._members_decide, lambda: self.relay.lease.encode())
+            self.server = UplinkServer(self._members_ingest, functools.partial(_members_decide, self),
+                                       lambda: self.relay.lease.encode())
             return await self.server.start(node_ip())
 
         return self._in_loop(serve())
@@ -231,22 +253,11 @@ class NodeAgent:
             else:
                 self.group.reject("malformed_entry")
 
-    async def _members_decide(self, step: int, timeout: float) -> bytes:
-        """A member's rank waits for a verdict: the group's step goes up with the group's
-        merged partial; the directive is asked for here."""
-        return await self.uplink.decide([], step, timeout)
-
     def _forward_send(self, batch: NodeBatch) -> None:
         if self.group is not None:
             self.group.add(self.node, batch)
         else:
             self.uplink.send([(self.node, batch)])
-
-    async def _forward_decide(self, batch: NodeBatch, step: int, timeout: float) -> bytes:
-        if self.group is not None:  # the step goes up with the group's; the directive comes back
-            self.group.add(self.node, batch)
-            return await self.uplink.decide([], step, timeout)
-        return await self.uplink.decide([(self.node, batch)], step, timeout)
 
     def info(self) -> dict[str, Any]:
         import ray

@@ -259,11 +259,13 @@ def test_with_msrun_nothing_outlives_a_killed_launcher(tmp_path):
 
 
 # ---- an interrupt before any step -----------------------------------------------------------------------
-def test_ctrl_c_while_the_ranks_start_stops_them_at_once(tmp_path):
-    """Ctrl-C once the rank actors run their job but before any step: nothing to finish, so
-    every rank is stopped now (not after start-up and a first step), and nothing is left.
-    Rank 1 hangs before step 1 (hang@1:1), so no step can complete before the interrupt."""
-    run = Run(tmp_path, "--set", "train.steps=2000", "--inject", "hang@1:1")
+@pytest.mark.parametrize("backend", ["ray", "msrun"])
+def test_ctrl_c_while_the_ranks_start_stops_them_at_once(tmp_path, backend):
+    """Ctrl-C once the ranks (Ray actors, or msrun's processes) run their job but before any
+    step: nothing to finish, so every rank is stopped now (not after start-up and a first
+    step), and nothing is left. Rank 1 hangs before step 1 (hang@1:1), so no step can
+    complete before the interrupt."""
+    run = Run(tmp_path, "--set", f"backend={backend}", "--set", "train.steps=2000", "--inject", "hang@1:1")
     try:
         deadline = time.time() + 180
         log = None

@@ -223,3 +223,16 @@ def _no_strays():
             p.kill()
         except psutil.Error:
             pass
+
+
+def test_ray_runs_the_node_agent_as_a_threaded_actor():
+    """Ray makes an actor whose class has any coroutine method (a private one too) an async
+    actor, which runs every plain method in one event loop, one call at a time: with msrun,
+    `run_msrun` holds a call for the whole job, and `start_telemetry` (the launcher's start
+    waited 28 s of a 30 s run for it), `kill_ranks`, `dump_stacks` and `stop` waited behind
+    it. Asked with Ray's own test."""
+    from ray._private.async_compat import has_async_methods
+
+    from mindpulse.node.agent import NodeAgent
+
+    assert not has_async_methods(NodeAgent), "NodeAgent has a coroutine method: Ray would run it as an async actor"
