@@ -249,6 +249,14 @@ def test_with_msrun_nothing_outlives_a_killed_launcher(tmp_path):
     run = Run(tmp_path, "--set", "backend=msrun", "--set", "train.steps=2000")
     try:
         run.wait_for_step(2)
+        # the node's card telemetry runs while msrun does (the agent answers next to run_msrun:
+        # a threaded actor; as an async one it sampled only once msrun had ended)
+        from mindpulse.aggregator.metrics_store import read_wire
+
+        deadline = time.time() + 15
+        while not any(o.get("t") == "telemetry" for o in read_wire(run.run_dir / "metrics.msgpack")):
+            assert time.time() < deadline, "no telemetry from the node while msrun runs"
+            time.sleep(0.5)
         exposed = _exposed(run, 3)
         assert not exposed, f"an msrun run listens beyond loopback: {exposed}"
         ranks = [p for p, c in run.alive().items() if "mindpulse.workers.rank_main" in c]
