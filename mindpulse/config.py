@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
 import re
 import typing
@@ -710,10 +711,12 @@ def _check_slow_saves(cfg: RunConfig) -> None:
     if not total or (ck.save_last and save_and_stop) or (eval_best and cfg.eval.per_epoch):
         return
 
+    sched = schedule_of(cfg)
+
     def may_save(step: int) -> bool:
         if not 1 <= step <= total:
             return False
-        if ck.save_checkpoint_steps and step % ck.save_checkpoint_steps == 0:
+        if sched.is_save_step(step):
             return True
         if not ck.save_best_ckpt:
             return False
@@ -723,12 +726,7 @@ def _check_slow_saves(cfg: RunConfig) -> None:
         f = parse_fault(spec)
         if f.kind is not FaultKind.SLOW_SAVE or may_save(f.step):
             continue
-        steps: list[int] = []
-        for step in range(1, total + 1):
-            if may_save(step):
-                steps.append(step)
-                if len(steps) > 6:
-                    break
+        steps = list(itertools.islice((s for s in range(1, total + 1) if may_save(s)), 7))
         kinds = [f"periodic checkpoints every checkpoint.save_checkpoint_steps={ck.save_checkpoint_steps}"
                  if ck.save_checkpoint_steps else "",
                  ("best checkpoints at evaluations (eval.every_steps=" + str(every_eval) + ")" if eval_best else
