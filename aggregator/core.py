@@ -510,12 +510,10 @@ class AggregatorCore:
         every = c.save_checkpoint_steps
         if every and red.step > 0 and red.step % every == 0:
             kinds.append(CheckpointKind.PERIODIC)
-        if c.save_best_ckpt and red.step > 0 and not red.nonfinite_ranks:
+        if c.best_due(red.step) and not red.nonfinite_ranks:
             name = c.best_metric
-            value = red.metric(name)
-            is_eval = name.startswith("eval_")
-            due = is_eval or red.step % c.best_every_steps == 0
-            if value is not None and math.isfinite(value) and due:
+            value = red.metric(name)  # None where the step has no such metric (no evaluation)
+            if value is not None and math.isfinite(value):
                 better = (self.best is None or (value < self.best[0] if c.best_mode.value == "min"
                                                 else value > self.best[0]))
                 if better:

@@ -365,6 +365,19 @@ class CheckpointConfig:
     write finish before it stops the other ranks (0: stop at once). With msrun, msrun itself
     kills the failed rank's node within a second: the grace holds for rank 0 on another node."""
 
+    @property
+    def best_at_evaluations(self) -> bool:
+        """The best is judged on an evaluation's metric (`eval_*`): at every step that has one."""
+        return self.best_metric.startswith("eval_")
+
+    def best_due(self, step: int) -> bool:
+        """Whether a new best may be judged after `step`: every `best_every_steps` steps,
+        or, for an evaluation metric, at any step (it is judged where an evaluation
+        reported it). The one rule for the aggregator's verdict and the launch checks."""
+        if not (self.save_best_ckpt and step > 0):
+            return False
+        return self.best_at_evaluations or step % self.best_every_steps == 0
+
 
 @dataclass
 class ProfileConfig:
@@ -682,7 +695,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"checkpoint.on_save_error: {ck.on_save_error!r} is not allowed; use 'continue' or 'stop'")
     if not ck.best_metric:
         raise ConfigError("checkpoint.best_metric: must not be empty; e.g. loss or eval_loss")
-    if ck.best_metric.startswith("eval_") and not (cfg.eval.every_steps or cfg.eval.per_epoch):
+    if ck.best_at_evaluations and not (cfg.eval.every_steps or cfg.eval.per_epoch):
         raise ConfigError(f"checkpoint.best_metric: {ck.best_metric!r} needs evaluation; set eval.every_steps")
     _check_metric("checkpoint.best_metric", ck.best_metric, known, cfg)
     _check_slow_saves(cfg)
@@ -706,7 +719,7 @@ def _check_slow_saves(cfg: RunConfig) -> None:
     the steps that may save are not known before the run (train.steps 0, evaluations at
     epoch ends judging the best)."""
     ck, total, every_eval = cfg.checkpoint, cfg.train.steps, cfg.eval.every_steps
-    eval_best = ck.best_metric.startswith("eval_")
+    eval_best = ck.best_at_evaluations
     save_and_stop = any(getattr(rc.action, "value", rc.action) == Action.SAVE_AND_STOP.value for rc in cfg.anomalies)
     if not total or (ck.save_last and save_and_stop) or (eval_best and cfg.eval.per_epoch):
         return
@@ -716,11 +729,9 @@ def _check_slow_saves(cfg: RunConfig) -> None:
     def may_save(step: int) -> bool:
         if not 1 <= step <= total:
             return False
-        if sched.is_save_step(step):
-            return True
-        if not ck.save_best_ckpt:
-            return False
-        return bool(every_eval and step % every_eval == 0) if eval_best else step % ck.best_every_steps == 0
+        # an evaluation metric is judged where an evaluation reports it: eval.every_steps
+        # (epoch-end evaluations are not known before the run: not checked, above)
+        return sched.is_save_step(step) or (ck.best_due(step) and (not eval_best or sched.eval_due(step)))
 
     for i, spec in enumerate(cfg.faults):
         f = parse_fault(spec)

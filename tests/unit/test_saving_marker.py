@@ -103,3 +103,39 @@ def test_slow_save_at_a_step_without_a_checkpoint_is_refused_with_the_steps_that
     from_dict(dict(base, faults=["slow_save@0:5"], anomalies=[{"rule": "nonfinite", "action": "save_and_stop"}]))
     from_dict({"train": {"steps": 0}, "faults": ["slow_save@0:5"]})
     from_dict(dict(ev, faults=["slow_save@0:5"], eval={"every_steps": 6, "per_epoch": True}))
+
+
+@pytest.mark.parametrize("checkpoint,evals", [
+    ({"save_checkpoint_steps": 4, "best_every_steps": 10}, {}),
+    ({"save_checkpoint_steps": 0, "best_every_steps": 3}, {"every_steps": 5}),
+    ({"save_checkpoint_steps": 6, "best_metric": "eval_loss"}, {"every_steps": 4}),
+    ({"save_checkpoint_steps": 5, "save_best_ckpt": False}, {}),
+])
+def test_the_slow_save_check_accepts_exactly_the_steps_the_aggregator_asks_a_save_at(tmp_path, checkpoint, evals):
+    """The launch check and the aggregator's verdict share one rule (`CheckpointConfig.best_due`):
+    with a metric that improves every step, the steps the aggregator asks rank 0 to save at
+    are the steps `slow_save@0:S` is accepted at."""
+    from mindpulse.aggregator.core import AggregatorCore
+    from mindpulse.config import ConfigError, from_dict
+    from mindpulse.protocol import StepPacket
+
+    total = 24
+    base = {"train": {"steps": total}, "checkpoint": checkpoint, "eval": evals}
+    core = AggregatorCore(tmp_path, world_size=1, settings={"checkpoint": checkpoint, "eval": evals,
+                                                            "tensorboard": False})
+    asked = set()
+    for s in range(1, total + 1):
+        extra = {"eval_loss": 10.0 - s / 10} if evals.get("every_steps") and s % evals["every_steps"] == 0 else {}
+        core.ingest([StepPacket(rank=0, step=s, loss=10.0 - s / 10, decision=True, step_time_s=0.1, samples=4,
+                                extra=extra).encode()])
+        if core.directive_for(s).save:
+            asked.add(s)
+    accepted = set()
+    for s in range(1, total + 1):
+        try:
+            from_dict(dict(base, faults=[f"slow_save@0:{s}"]))
+            accepted.add(s)
+        except ConfigError:
+            pass
+    assert asked == accepted, f"the aggregator asks saves at {sorted(asked)}, the check accepts {sorted(accepted)}"
+    assert asked or not (checkpoint.get("save_checkpoint_steps") or checkpoint.get("save_best_ckpt", True))
