@@ -110,11 +110,13 @@ class NodeAgents:
             waits.get([self.agents[m].follow.remote(self.agents[g[0]]) for g in groups for m in g[1:]],
                       PLACEMENT_TIMEOUT_S, self.interrupted, "the group members")
 
-    def _members_first(self) -> list[Any]:
-        """The agents, group members before their leaders: a member's last batch goes
-        through its leader, which must still be there to pass it on."""
+    def _stop_waves(self) -> list[list[Any]]:
+        """The agents in two waves, group members before their leaders: a member's last
+        batch goes through its leader, which must still be there to pass it on (and to have
+        it acknowledged above before it acknowledges it)."""
         leaders = getattr(self, "leaders", set())
-        return [a for n, a in enumerate(self.agents) if n not in leaders] + [self.agents[n] for n in sorted(leaders)]
+        waves = [[a for n, a in enumerate(self.agents) if n not in leaders], [self.agents[n] for n in sorted(leaders)]]
+        return [w for w in waves if w]
 
     def bundle(self, node: int) -> Any:
         """The scheduling strategy that puts an actor in `node`'s bundle."""
@@ -199,27 +201,36 @@ class NodeAgents:
         import ray
 
         dropped = 0
-        for a in self._members_first():
-            try:
-                end = ray.get(a.stop.remote(kill=kill), timeout=20)
-                dropped += end.get("dropped", 0) + end.get("lost", 0)
-            except Exception:
-                pass
+        for wave in self._stop_waves():  # the agents of a wave stop at once
+            for ref in [a.stop.remote(kill=kill) for a in wave]:
+                try:
+                    end = ray.get(ref, timeout=20)
+                    dropped += end.get("dropped", 0) + end.get("lost", 0)
+                except Exception:
+                    pass
         return dropped
 
     def shutdown(self) -> None:
         """Stop every agent (killing what it started: msrun, the scheduler) and the actor."""
         import ray
 
-        for a in self._members_first():
-            try:
-                ray.get(a.stop.remote(kill=True), timeout=20)
-            except Exception:
-                pass
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
+        for wave in self._stop_waves():
+            refs = []
+            for a in wave:
+                try:
+                    refs.append(a.stop.remote(kill=True))
+                except Exception:
+                    pass
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=20)
+                except Exception:
+                    pass
+            for a in wave:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:
+                    pass
 
     def kill(self, grace_s: float = 3.0) -> None:
         """End every agent within `grace_s` (an interrupted start). Each is asked to stop,

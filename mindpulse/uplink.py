@@ -23,7 +23,12 @@ Server → client:
   {"lease": bytes}                  the lease, right after the hello and whenever it changes
                                     (pushed: no node polls)
 
-Delivery: a frame stays in the client's queue until acknowledged; after a reconnect (the
+Delivery: a frame stays in the client's queue until acknowledged. The aggregator
+acknowledges a frame once it has ingested it; a group leader (node/group.py) once
+everything in it has been acknowledged above it (`UplinkServer(deferred_acks=True)`: the
+leader's ingest holds the frame's `Receipt` until the frames it went up in are
+acknowledged), so a leader that dies loses nothing its members would not send again.
+After a reconnect (the
 aggregator restarted: Ray restarts it, and `resolve` asks the new instance for its
 address) every unacknowledged frame is sent again in order, so no step is lost. The server
 end drops duplicates as the aggregator always has (a step packet it holds already is
@@ -42,7 +47,8 @@ import hmac
 import inspect
 import logging
 import secrets
-from collections import Counter, OrderedDict
+import threading
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -100,6 +106,67 @@ def _node_id(x: Any) -> bool:
     return frame_int(x, -1) >= 0
 
 
+class Receipt:
+    """What one received frame still has on its way further up. The server holds it while
+    it files the frame; the receiver `hold`s it once per piece it keeps to send on (a
+    partial, a batch of raw packets) and `release`s it when that piece is acknowledged
+    above (or dropped there, counted). Once nothing holds it, `on_done` runs (once).
+    Thread-safe: pieces are released from the uplink's loop, held from wherever the
+    receiver files them."""
+
+    __slots__ = ("_held", "_lock", "_on_done")
+
+    def __init__(self, on_done: Callable[[], None]):
+        self._held = 1  # the server's own hold, while it files the frame
+        self._lock = threading.Lock()
+        self._on_done: Callable[[], None] | None = on_done
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._on_done is None:
+                raise RuntimeError("a receipt already released")
+            self._held += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+            done, self._on_done = (self._on_done, None) if self._held == 0 else (None, self._on_done)
+        if done is not None:
+            done()
+
+    @property
+    def done(self) -> bool:
+        return self._on_done is None
+
+
+class _Acks:
+    """One connection's acknowledgements, in frame order: frame `seq` is acknowledged once
+    it and every frame before it are done (a client drops all it holds up to an ack)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, loop: asyncio.AbstractEventLoop):
+        self.writer = writer
+        self.loop = loop
+        self.pending: deque[list[Any]] = deque()
+        """[seq, done] per frame not yet acknowledged, in order."""
+
+    def receipt(self, seq: int) -> Receipt:
+        entry = [seq, False]
+        self.pending.append(entry)
+
+        def done() -> None:  # from any thread: the ack is written in the loop
+            self.loop.call_soon_threadsafe(self._done, entry)
+
+        return Receipt(done)
+
+    def _done(self, entry: list[Any]) -> None:
+        entry[1] = True
+        last = None
+        while self.pending and self.pending[0][1]:
+            last = self.pending.popleft()[0]
+        if last is not None and not self.writer.is_closing():
+            self.writer.write(encode_frame({"ack": last}))
+
+
 # ---- the server: in the aggregator actor's event loop, or a group leader's relay loop ----------
 class UplinkServer:
     """Accepts node uplinks in the running event loop.
@@ -108,11 +175,17 @@ class UplinkServer:
     awaited before the next frame is read);
     `directive(step, timeout)` waits for a step's directive bytes; `lease()` is the current
     lease's bytes, sent on every new connection and pushed to all of them when the owner
-    calls `push_lease` (after it reduced a step, or received a new lease from above)."""
+    calls `push_lease` (after it reduced a step, or received a new lease from above).
 
-    def __init__(self, ingest: Callable[[Entries], Any],
-                 directive: Callable[[int, float], Awaitable[bytes]], lease: Callable[[], bytes]):
+    With `deferred_acks` (a group leader) `ingest(entries, receipt)` also gets the frame's
+    `Receipt`, and the frame is acknowledged once the receipt is released (see `Receipt`);
+    without, a frame is acknowledged as soon as it is ingested."""
+
+    def __init__(self, ingest: Callable[..., Any],
+                 directive: Callable[[int, float], Awaitable[bytes]], lease: Callable[[], bytes],
+                 deferred_acks: bool = False):
         self.ingest = ingest
+        self.deferred_acks = deferred_acks
         self.directive = directive
         self.lease = lease
         self.token = secrets.token_hex(16)
@@ -170,6 +243,7 @@ class UplinkServer:
             self.stats["connections"] += 1
             writer.write(encode_frame({"lease": self.lease()}))
             self._writers.add(writer)
+            acks = _Acks(writer, asyncio.get_running_loop()) if self.deferred_acks else None
             while True:
                 try:
                     msg = await _read_frame(reader)
@@ -184,15 +258,19 @@ class UplinkServer:
                     log.warning("uplink: dropping a connection that sent a bad frame: %s", exc)
                     return
                 self.stats["frames"] += 1
+                receipt = acks.receipt(seq) if acks is not None else None
                 if entries:
                     try:
-                        done = self.ingest(entries)
+                        done = self.ingest(entries) if receipt is None else self.ingest(entries, receipt)
                         if inspect.isawaitable(done):
                             await done
                     except Exception as exc:  # the monitor never ends a run: log, count, go on
                         self.stats["ingest_errors"] += 1
                         log.warning("uplink: a batch could not be ingested: %s", exc)
-                writer.write(encode_frame({"ack": seq}))
+                if receipt is None:
+                    writer.write(encode_frame({"ack": seq}))
+                else:
+                    receipt.release()  # filed: what it holds now is on its way up
                 if op == "decide":
                     t = asyncio.ensure_future(self._answer(writer, seq, msg.get("step"), msg.get("timeout")))
                     tasks.add(t)
@@ -233,6 +311,8 @@ class Uplink:
         self._seq = 0
         self._unacked: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
         """seq → (frame, packets in it), in order."""
+        self._on_acked: dict[int, Callable[[], None]] = {}
+        """seq → what to call once the frame is acknowledged (a group leader's receipts)."""
         self._decides: dict[int, tuple[int, float, asyncio.Future]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task | None = None
@@ -288,12 +368,14 @@ class Uplink:
         return len(self._unacked)
 
     # ---- traffic -------------------------------------------------------------------------------
-    def send(self, entries: Entries) -> None:
-        self._queue({"op": "send", "entries": entries}, entries)
+    def send(self, entries: Entries, on_acked: Callable[[], None] | None = None) -> None:
+        """Queue `entries` for the server; `on_acked()` runs (in the loop) once the server
+        acknowledged them, or at once if they are dropped (a full queue: counted)."""
+        self._queue({"op": "send", "entries": entries}, entries, on_acked=on_acked)
 
-    def send_threadsafe(self, entries: Entries) -> None:
+    def send_threadsafe(self, entries: Entries, on_acked: Callable[[], None] | None = None) -> None:
         assert self.loop is not None, "start() the uplink first"
-        self.loop.call_soon_threadsafe(self.send, entries)
+        self.loop.call_soon_threadsafe(self.send, entries, on_acked)
 
     async def decide(self, entries: Entries, step: int, timeout: float) -> bytes:
         """File `entries` and wait for the directive of `step` (a no-directive after
@@ -311,15 +393,19 @@ class Uplink:
         finally:
             self._decides.pop(seq, None)
 
-    def _queue(self, frame: dict[str, Any], entries: Entries, force: bool = False) -> int:
+    def _queue(self, frame: dict[str, Any], entries: Entries, force: bool = False,
+               on_acked: Callable[[], None] | None = None) -> int:
         packets = sum(len(b.get("steps") or []) + len(b.get("other") or []) for _, b in entries)
         if len(self._unacked) >= self.max_unacked and not force:
             self.dropped += packets
             self.stats["dropped_frames"] += 1
+            _call(on_acked)  # nothing more will come of it
             return -1
         self._seq += 1
         raw = encode_frame(dict(frame, seq=self._seq))
         self._unacked[self._seq] = (raw, packets)
+        if on_acked is not None:
+            self._on_acked[self._seq] = on_acked
         self._drained.clear()
         self.stats["frames"] += 1
         if self._writer is not None and not self._writer.is_closing():
@@ -371,7 +457,8 @@ class Uplink:
         if "ack" in msg:
             ack = msg["ack"]
             while self._unacked and next(iter(self._unacked)) <= ack:
-                self._unacked.popitem(last=False)
+                seq, _ = self._unacked.popitem(last=False)
+                _call(self._on_acked.pop(seq, None))
             if not self._unacked:
                 self._drained.set()
         if "directive" in msg:
@@ -380,3 +467,13 @@ class Uplink:
                 entry[2].set_result(bytes(msg["directive"]))
         if "lease" in msg:
             self.on_lease(bytes(msg["lease"]))
+
+
+def _call(fn: Callable[[], None] | None) -> None:
+    """Run an acknowledgement callback; its error is logged, never raised into the stream."""
+    if fn is None:
+        return
+    try:
+        fn()
+    except Exception as exc:
+        log.warning("uplink: an acknowledgement callback failed: %s", exc)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from mindpulse.node.relay import NodeBatch
 from mindpulse.process_identity import process_alive, process_identity, same_process_table
-from mindpulse.uplink import Uplink, UplinkServer
+from mindpulse.uplink import Receipt, Uplink, UplinkServer
 
 if TYPE_CHECKING:
     from mindpulse.node.group import GroupLeader
@@ -210,8 +210,9 @@ class NodeAgent:
         self.group = GroupLeader(self.node, members, self.uplink.send_threadsafe)
 
         async def serve() -> tuple[str, int, str]:
+            # a member's frame is acknowledged once what it carried is acknowledged above
             self.server = UplinkServer(self._members_ingest, functools.partial(_members_decide, self),
-                                       lambda: self.relay.lease.encode())
+                                       lambda: self.relay.lease.encode(), deferred_acks=True)
             return await self.server.start(node_ip())
 
         return self._in_loop(serve())
@@ -245,11 +246,12 @@ class NodeAgent:
         if self.server is not None:
             self.server.push_lease()
 
-    def _members_ingest(self, entries: list[tuple[Any, NodeBatch]]) -> None:
+    def _members_ingest(self, entries: list[tuple[Any, NodeBatch]], receipt: Receipt) -> None:
+        """A member's frame: its pieces hold `receipt` until they are acknowledged above."""
         assert self.group is not None
         for node, batch in entries:
             if isinstance(node, int) and not isinstance(node, bool):
-                self.group.add(node, batch)
+                self.group.add(node, batch, receipt)
             else:
                 self.group.reject("malformed_entry")
 

@@ -17,7 +17,11 @@ each group's first node agent leads it:
 Members reach their leader, and leaders the aggregator, over the node uplink
 (mindpulse/uplink.py: one TCP stream each, frames acknowledged and sent again after a
 reconnect); the leader agent (node/agent.py) runs the server its members connect to and
-feeds this class. A member whose rank waits for a verdict asks it through the leader.
+feeds this class. A member's frame is acknowledged only once everything in it has been
+acknowledged by the aggregator (each piece holds the frame's `Receipt` until the frame it
+went up in is acknowledged): a leader that dies holding a step it was still merging loses
+nothing, as its members send the frame again to whoever they reach next. A member whose
+rank waits for a verdict asks it through the leader.
 We chose leaders, on top of the cheaper stream, because they keep the aggregator's fan-in
 bounded across machines and put the merging on the nodes, as MindCluster and DLRover do
 at scale.
@@ -33,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mindpulse.aggregator.reducer import Partial, from_wire, merge, to_wire
+from mindpulse.uplink import Receipt
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +51,23 @@ class GroupLeader:
     """Merges the batches of `members` (node ids, the leader's own included) per step.
     Thread-safe: batches come from the relay's loop, the flush from a thread of its own."""
 
-    def __init__(self, node: int, members: list[int], send: Callable[[list[tuple[Any, dict[str, Any]]]], None]):
-        """`send(entries)`: one frame up (the leader's uplink; tests hand in an
-        `AggregatorCore`'s `ingest_nodes`), fire-and-forget, callable from any thread."""
+    def __init__(self, node: int, members: list[int],
+                 send: Callable[[list[tuple[Any, dict[str, Any]]], Callable[[], None]], None]):
+        """`send(entries, on_acked)`: one frame up (the leader's uplink's `send_threadsafe`),
+        fire-and-forget, callable from any thread; `on_acked()` once it is acknowledged
+        above (or dropped)."""
         self.node = node
         self.members = frozenset(members)
         self.send = send
         self._lock = threading.Lock()
         self._parts: dict[int, dict[int, Partial]] = {}
+        self._part_receipts: dict[int, dict[int, Receipt]] = {}
+        """step → node → the receipt of the member frame its partial came in."""
         self._since: dict[int, float] = {}
         self._steps: list[bytes] = []
         self._other: list[bytes] = []
+        self._raw_receipts: list[Receipt] = []
+        """The receipts of the member frames whose raw packets wait in `_steps`/`_other`."""
         self._rejected: Counter[str] = Counter()
         self.calls = 0
         self.merged_steps = 0
@@ -65,18 +76,24 @@ class GroupLeader:
         self._thread.start()
 
     # ---- packets up ------------------------------------------------------------------------
-    def add(self, node: int, batch: dict[str, Any]) -> None:
-        """One member's batch (its relay's `NodeBatch`)."""
+    def add(self, node: int, batch: dict[str, Any], receipt: Receipt | None = None) -> None:
+        """One member's batch (its relay's `NodeBatch`). `receipt`: the member frame's (see
+        `Receipt`), held by every piece kept here until the frame it goes up in is
+        acknowledged; None for the leader's own node (nothing to acknowledge)."""
         complete = False
         with self._lock:
             if node not in self.members:
                 self._rejected["node_not_in_group"] += 1
                 return
+            before = (len(self._steps), len(self._other), sum(self._rejected.values()))
             self._steps.extend(b for b in batch.get("steps") or [] if isinstance(b, (bytes, bytearray)))
             self._other.extend(b for b in batch.get("other") or [] if isinstance(b, (bytes, bytearray)))
             for reason, n in (batch.get("rejected") or {}).items():
                 if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                     self._rejected[str(reason)] += n
+            if receipt is not None and before != (len(self._steps), len(self._other), sum(self._rejected.values())):
+                receipt.hold()  # raw packets or counts of this frame wait for the next call up
+                self._raw_receipts.append(receipt)
             for wire in batch.get("partials") or []:
                 try:
                     part = from_wire(wire)
@@ -88,6 +105,9 @@ class GroupLeader:
                     self._rejected["duplicate_partial"] += 1
                     continue
                 per[node] = part
+                if receipt is not None:
+                    receipt.hold()
+                    self._part_receipts.setdefault(part["step"], {})[node] = receipt
                 self._since.setdefault(part["step"], time.monotonic())
                 complete = complete or len(per) == len(self.members)
         if complete or self._stopped.is_set():
@@ -103,9 +123,11 @@ class GroupLeader:
         raw packets and events gathered so far, in one aggregator call."""
         now = time.monotonic()
         entries: list[tuple[Any, dict[str, Any]]] = []
+        receipts: list[Receipt] = []
         with self._lock:
             for step in sorted(self._parts):
                 per = self._parts[step]
+                held = self._part_receipts.get(step, {})
                 if len(per) == len(self.members):
                     nodes = sorted(per)
                     part = per[nodes[0]]
@@ -117,20 +139,28 @@ class GroupLeader:
                     entries += [(n, _batch(partials=[to_wire(p)])) for n, p in sorted(per.items())]
                 else:
                     continue
+                receipts += held.values()
                 del self._parts[step], self._since[step]
+                self._part_receipts.pop(step, None)
             if self._steps or self._other or self._rejected:
                 raw = _batch(steps=self._steps, other=self._other, rejected=dict(self._rejected))
                 self._steps, self._other, self._rejected = [], [], Counter()
+                receipts += self._raw_receipts
+                self._raw_receipts = []
                 if entries:  # the raw packets travel with the first entry
                     nodes, first = entries[0]
                     entries[0] = (nodes, dict(raw, partials=first["partials"]))
                 else:
                     entries.append((self.node, raw))
         if entries:
-            self._send(entries)
+            self._send(entries, receipts)
 
-    def _send(self, entries: list[tuple[Any, dict[str, Any]]]) -> None:
-        self.send(entries)
+    def _send(self, entries: list[tuple[Any, dict[str, Any]]], receipts: list[Receipt]) -> None:
+        def acked() -> None:  # the members' frames these pieces came in may now be acknowledged
+            for r in receipts:
+                r.release()
+
+        self.send(entries, acked)
         self.calls += 1
 
     def _flush_loop(self) -> None:

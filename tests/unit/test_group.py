@@ -29,9 +29,10 @@ def test_a_group_leader_merges_its_members_into_one_call_per_step(tmp_path, monk
                           settings={"tensorboard": False, "world": {"nodes": NODES, "ranks_per_node": RPN}})
     calls: list[list] = []
 
-    def send(entries):
+    def send(entries, on_acked):
         calls.append(entries)
         core.ingest_nodes(entries)
+        on_acked()
 
     leader = GroupLeader(0, list(range(NODES)), send)
     pre = [NodePreReducer(n, range(n * RPN, (n + 1) * RPN), world_size=NODES * RPN) for n in range(NODES)]
@@ -80,7 +81,7 @@ def test_a_group_leader_merges_its_members_into_one_call_per_step(tmp_path, monk
 def test_a_batch_from_a_node_outside_the_group_is_refused_and_counted(tmp_path):
     core = AggregatorCore(tmp_path, world_size=4, settings={"tensorboard": False,
                                                              "world": {"nodes": 2, "ranks_per_node": 2}})
-    leader = GroupLeader(0, [0], core.ingest_nodes)
+    leader = GroupLeader(0, [0], lambda entries, on_acked: (core.ingest_nodes(entries), on_acked()))
     try:
         leader.add(1, {"steps": [packet(2, 1).encode()], "other": [], "partials": [], "rejected": {}})
         leader.flush(force=True)

@@ -35,6 +35,9 @@ class Loop:
         return self.run(go())
 
     def close(self):
+        if not self.thread.is_alive():  # closed already (a test's process that died)
+            return
+
         async def cancel_all():
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
@@ -166,6 +169,73 @@ def test_nothing_is_lost_when_the_server_restarts(tmp_path, loops):
     assert up.stats["connections"] == 2
     node.run(up.close(1))
     agg.run(servers[-1].close())
+    core.close()
+
+
+def test_a_group_leader_acknowledges_a_members_frame_once_the_aggregator_has_all_of_it(tmp_path, loops,
+                                                                                       monkeypatch):
+    """A leader (node/group.py, behind an `UplinkServer(deferred_acks=True)`) holds a
+    member's frame unacknowledged while it merges the step the frame carried, and
+    acknowledges it once the aggregator acknowledged the merged step. A leader that dies
+    holding a step loses nothing: the member sends the frame again, to the aggregator."""
+    from mindpulse.node import group as group_mod
+    from mindpulse.node.group import GroupLeader
+
+    monkeypatch.setattr(group_mod, "STRAGGLE_S", 60.0)  # a held step stays held (no early solo send)
+    core = AggregatorCore(tmp_path, world_size=2, settings={"tensorboard": False,
+                                                             "world": {"nodes": 2, "ranks_per_node": 1}})
+    agg, lead, member = loops(), loops(), loops()
+    agg_server = serve(agg, core)
+    up0 = Uplink(0, lambda: agg_server.address, lambda raw: None)  # the leader node's own uplink
+    up0.start(lead.loop)
+    leader = GroupLeader(0, [0, 1], up0.send_threadsafe)
+
+    def ingest(entries, receipt):
+        for node, batch in entries:
+            leader.add(node, batch, receipt)
+
+    async def directive(step, timeout):
+        return Directive.no_directive(step, "not asked here").encode()
+
+    lead_server = UplinkServer(ingest, directive, lambda: core.lease().encode(), deferred_acks=True)
+    lead.run(lead_server.start("127.0.0.1"))
+    target = [lead_server.address]
+    up1 = Uplink(1, lambda: target[0], lambda raw: None)  # the member's uplink: to the leader
+    up1.start(member.loop)
+    pre0, pre1 = NodePreReducer(0, range(0, 1), world_size=2), NodePreReducer(1, range(1, 2), world_size=2)
+    try:
+        # step 1: the member's part waits at the leader for node 0's, unacknowledged
+        pre1.add(step_packet(1, 1).encode())
+        member.call(up1.send, [(1, pre1.take())])
+        wait_for(lambda: lead_server.stats["frames"] >= 1, "the leader to receive the member's frame")
+        time.sleep(0.3)
+        assert up1.unacked == 1, "the leader acknowledged a frame whose step it still holds"
+        pre0.add(step_packet(0, 1).encode())
+        leader.add(0, pre0.take())
+        wait_for(lambda: core.last_reduced is not None and core.last_reduced.step == 1, "step 1 reduced")
+        wait_for(lambda: up1.unacked == 0, "the member's frame acknowledged once the aggregator has its step")
+
+        # step 2: the member's part reaches the leader, which dies before node 0's part comes
+        pre1.add(step_packet(1, 2).encode())
+        member.call(up1.send, [(1, pre1.take())])
+        wait_for(lambda: lead_server.stats["frames"] >= 2, "the leader to receive step 2")
+        time.sleep(0.3)  # the raw packets go up (FLUSH_S); the partial stays held
+        assert up1.unacked == 1, "the leader acknowledged step 2 while it still merges it"
+        target[0] = agg_server.address  # where the member resolves once its leader is gone
+        lead.close()  # the leader dies: its connections drop, its held step with it
+        wait_for(lambda: up1.stats["connections"] >= 2, "the member to reach the aggregator", timeout=10)
+        up0b = Uplink(0, lambda: agg_server.address, lambda raw: None)  # node 0, now on its own
+        up0b.start(member.loop)
+        pre0.add(step_packet(0, 2).encode())
+        member.call(up0b.send, [(0, pre0.take())])
+        wait_for(lambda: core.last_reduced.step == 2, "step 2 reduced from the member's frame sent again", timeout=10)
+        assert core.last_reduced.ranks_reported == 2
+        wait_for(lambda: up1.unacked == 0, "the member's step 2 acknowledged by the aggregator")
+        member.run(up0b.close(1))
+        member.run(up1.close(1))
+    finally:
+        leader._stopped.set()  # a dead leader sends nothing more
+    agg.run(agg_server.close())
     core.close()
 
 
