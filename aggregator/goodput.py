@@ -11,10 +11,11 @@ it). Within it, in data parallel every rank ends a step at the same all-reduce, 
 
 - `productive` is the shortest step time over ranks: the rank that arrived last at the
   all-reduce waited for nobody, its step time is the compute the job needed;
-- `data_wait`, `monitor_wait`, `checkpoint`, `eval` are the longest of each over ranks (the
-  slowest one holds everyone back): the batch wait before the step, the time blocked on the
-  aggregator, rank 0 writing a checkpoint (the others wait in the next all-reduce), the
-  evaluation at the step;
+- `data_wait`, `monitor_wait`, `checkpoint`, `eval`, `profile` are the longest of each over
+  ranks (the slowest one holds everyone back): the batch wait before the step, the time
+  blocked on the aggregator, rank 0 writing a checkpoint (the others wait in the next
+  all-reduce), the evaluation at the step, starting or stopping MindSpore's profiler
+  (`profile.steps`: its stop also writes and analyses the trace);
 - what is left of the interval (the monitor's own host work, Python between steps) is
   `unaccounted_s`, reported apart: productive plus badput is the wall time less it.
 
@@ -33,7 +34,8 @@ from typing import Any
 
 from .metrics_store import ATTEMPT, REDUCED, attempt_of
 
-CAUSES = ("startup", "checkpoint", "eval", "monitor_wait", "data_wait", "restart", "recomputed", "hang", "teardown")
+CAUSES = ("startup", "checkpoint", "eval", "profile", "monitor_wait", "data_wait", "restart", "recomputed", "hang",
+          "teardown")
 """The badput causes of `summary.json` `goodput.badput_s`, in this order."""
 
 
@@ -44,7 +46,7 @@ def _num(x: Any) -> float:
 class StepTimes:
     """One reduced step's share of the timeline."""
 
-    __slots__ = ("step", "ts", "productive", "data_wait", "monitor_wait", "checkpoint", "eval")
+    __slots__ = ("step", "ts", "productive", "data_wait", "monitor_wait", "checkpoint", "eval", "profile")
 
     def __init__(self, rec: dict[str, Any]):
         self.step = int(rec["step"])
@@ -54,16 +56,18 @@ class StepTimes:
         self.monitor_wait = max(0.0, _num(rec.get("monitor_wait_max")))
         self.checkpoint = max(0.0, _num(rec.get("checkpoint_s_max")))
         self.eval = max(0.0, _num(rec.get("eval_s_max")))
+        self.profile = max(0.0, _num(rec.get("profile_s_max")))
 
     @classmethod
     def of(cls, red: Any) -> StepTimes:
         """From a `ReducedStep` (the aggregator's live clock)."""
         return cls({"step": red.step, "ts": red.ts, "step_time_min": red.step_time_min,
                     "data_wait_max": red.data_wait_max, "monitor_wait_max": red.monitor_wait_max,
-                    "checkpoint_s_max": red.checkpoint_s_max, "eval_s_max": red.eval_s_max})
+                    "checkpoint_s_max": red.checkpoint_s_max, "eval_s_max": red.eval_s_max,
+                    "profile_s_max": red.profile_s_max})
 
     def parts(self) -> float:
-        return self.productive + self.data_wait + self.monitor_wait + self.checkpoint + self.eval
+        return self.productive + self.data_wait + self.monitor_wait + self.checkpoint + self.eval + self.profile
 
 
 class GoodputClock:
@@ -72,7 +76,7 @@ class GoodputClock:
     checkpoint step, so a later attempt resuming from one tells which steps were redone
     without keeping every step."""
 
-    PARTS = ("productive", "data_wait", "monitor_wait", "checkpoint", "eval", "unaccounted", "span")
+    PARTS = ("productive", "data_wait", "monitor_wait", "checkpoint", "eval", "profile", "unaccounted", "span")
     RECENT = 64
     """Steps whose totals are kept until a checkpoint event names one of them."""
 
@@ -104,6 +108,7 @@ class GoodputClock:
         c["monitor_wait"] += st.monitor_wait * scale
         c["checkpoint"] += st.checkpoint * scale
         c["eval"] += st.eval * scale
+        c["profile"] += st.profile * scale
         c["unaccounted"] += max(0.0, delta - known)
         c["span"] += delta
         self.last_ts, self.last_step = max(prev, st.ts), st.step
@@ -170,8 +175,8 @@ def combine(clocks: list[dict[str, Any] | None], started: float, ended: float,
             bad["recomputed"] += cum["span"] - kept["span"]
             productive += kept["productive"]
             unaccounted += kept["unaccounted"]
-            for cause in ("data_wait", "monitor_wait", "checkpoint", "eval"):
-                bad[cause] += kept[cause]
+            for cause in ("data_wait", "monitor_wait", "checkpoint", "eval", "profile"):
+                bad[cause] += kept.get(cause, 0.0)  # (a clock saved before `profile` has none)
             bad["restart" if any_step else "startup"] += max(0.0, clock["first_start"] - prev_end)
             prev_end = max(prev_end, clock["last_ts"])
             any_step = True

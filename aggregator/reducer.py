@@ -174,6 +174,7 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
                        if p.data_wait_s is not None and math.isfinite(p.data_wait_s)), default=0.0),
         "ck_max": max((p.checkpoint_s for p in packets.values()), default=0.0),
         "ev_max": max((p.eval_s for p in packets.values()), default=0.0),
+        "pf_max": max((p.profile_s for p in packets.values()), default=0.0),
         "wait_s": exact_sum(p.monitor_wait_s for p in packets.values()),
         "errors": sum(p.monitor_errors for p in packets.values()),
         "h_loss": _hist(v for _, v in losses),
@@ -307,6 +308,7 @@ def merge(a: Partial, b: Partial) -> Partial:
         "dw_max": max(a.get("dw_max", 0.0), b.get("dw_max", 0.0)),
         "ck_max": max(a.get("ck_max", 0.0), b.get("ck_max", 0.0)),
         "ev_max": max(a.get("ev_max", 0.0), b.get("ev_max", 0.0)),
+        "pf_max": max(a.get("pf_max", 0.0), b.get("pf_max", 0.0)),
         "wait_s": a["wait_s"] + b["wait_s"],
         "errors": a["errors"] + b["errors"],
         "h_loss": [x + y for x, y in zip(a["h_loss"], b["h_loss"])],
@@ -365,7 +367,7 @@ def from_wire(w: dict[str, Any]) -> Partial:
         raise ValueError("partial field 'keep' is not a list of ranks")
     part["keep"] = keep
     part["pnorm"] = {int(r): float(v) for r, v in w["pnorm"]}
-    for k in ("dw_max", "ck_max", "ev_max"):  # older nodes send none
+    for k in ("dw_max", "ck_max", "ev_max", "pf_max"):  # older nodes send none
         v = w.get(k, 0.0)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise ValueError(f"partial field {k!r} is not a number of seconds")
@@ -546,6 +548,8 @@ class ReducedStep:
     """Seconds rank 0 (any rank) wrote checkpoints before this step (everyone waits for it)."""
     eval_s_max: float = 0.0
     """The longest evaluation at this step over ranks."""
+    profile_s_max: float = 0.0
+    """The longest any rank spent starting or stopping the profiler before this step."""
     monitor_wait_max: float = 0.0
     """The longest any rank blocked on the aggregator before this step (seconds)."""
     monitor_wait_sum: float = 0.0
@@ -692,6 +696,7 @@ def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedS
         data_wait_max=part.get("dw_max", 0.0),
         checkpoint_s_max=part.get("ck_max", 0.0),
         eval_s_max=part.get("ev_max", 0.0),
+        profile_s_max=part.get("pf_max", 0.0),
         monitor_wait_sum=mean_of(part["wait_s"], 1),
         ranks_reported=n,
         monitor_errors=part["errors"],

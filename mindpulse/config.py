@@ -776,6 +776,7 @@ REDUCED_METRICS = (
     "loss_std", "grad_norm", "grad_norm_local_max", "grad_norm_local_max_rank", "step_time_min",
     "step_time_min_rank", "step_time_max", "step_time_max_rank", "samples_per_s", "lr", "nan_count", "inf_count",
     "ts", "monitor_wait_max", "monitor_wait_sum", "ranks_reported", "data_wait_max", "checkpoint_s_max", "eval_s_max",
+    "profile_s_max",
     "monitor_errors", "tokens", "tokens_per_s", "tflops_mean", "tflops_min", "tflops_min_rank", "tflops_max",
     "tflops_max_rank", "peak_tflops", "mfu_mean", "mfu_min", "mfu_min_rank", "mfu_max", "mfu_max_rank",
 )

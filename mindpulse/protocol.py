@@ -171,6 +171,9 @@ class StepPacket(Packet):
     """Seconds this rank spent writing checkpoints since its previous step packet (goodput)."""
     eval_s: float = 0.0
     """Seconds this rank spent evaluating at this step, before shipping it (goodput)."""
+    profile_s: float = 0.0
+    """Seconds this rank spent starting and stopping MindSpore's profiler (`profile.steps`)
+    since its previous step packet, outside its step time (goodput)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Additional named scalars (user metrics); reduced like the loss."""
     weights: dict[str, Any] = field(default_factory=dict)
@@ -201,6 +204,7 @@ class StepPacket(Packet):
         "monitor_errors": (int,),
         "checkpoint_s": _NUM,
         "eval_s": _NUM,
+        "profile_s": _NUM,
         "extra": (dict,),
         "weights": (dict,),
     }

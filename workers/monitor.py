@@ -278,9 +278,10 @@ class Monitor(Callback):
             s.finish("stopped: " + s.stopped.reason)
             raise StopTraining(s.stopped.reason)
         # an injected `slow` delay belongs to the data path: it happens before t0
-        s.before_step(s.step + 1)
+        profiled = s.before_step(s.step + 1)
         self._t0 = time.perf_counter()
-        self._data_wait = self._t0 - self._last_end if self._last_end is not None else None
+        # the profiler's start is its own badput (the packet's profile_s), not a data wait
+        self._data_wait = max(0.0, self._t0 - self._last_end - profiled) if self._last_end is not None else None
 
     def on_train_step_end(self, run_context):
         s = self.session

@@ -618,18 +618,32 @@ class RankSession:
         if self.channel is not None:
             self.channel.close()  # now, not when the garbage collector gets to the session
 
-    def before_step(self, step: int) -> None:
-        """Around the loop's steps: faults of `step`, and the profiler window's start."""
+    def before_step(self, step: int) -> float:
+        """Around the loop's steps: faults of `step`, and the profiler window's start.
+        Returns the seconds the profiler took (goodput: not the data path's)."""
         self.injector.before_step(step)
         self.in_step = step  # after its faults: a rank held there (a hang) is not inside the step
-        if self.profile is not None:
-            self.profile.begin(step)
+        return self._profiled(self.profile.begin, step) if self.profile is not None else 0.0
 
     def after_step(self, step: int) -> None:
         self.in_step = None
         self.injector.after_step(step)
         if self.profile is not None:
-            self.profile.end(step)
+            self._profiled(self.profile.end, step)
+
+    profile_s = 0.0
+    """Seconds spent starting and stopping the profiler since the last step packet."""
+
+    def _profiled(self, call: Any, step: int) -> float:
+        t = time.perf_counter()
+        call(step)
+        spent = time.perf_counter() - t
+        self.profile_s += spent
+        return spent
+
+    def _take_profile_s(self) -> float:
+        spent, self.profile_s = self.profile_s, 0.0
+        return spent
 
     # ---- one step --------------------------------------------------------------------------
     def record(self, loss: Any, *, step: int | None = None, **fields: Any) -> StepOutcome:
@@ -711,6 +725,7 @@ class RankSession:
             decision=bool(decision),
             monitor_wait_s=self._take_wait(),
             checkpoint_s=self._take_checkpoint_s(),
+            profile_s=self._take_profile_s(),
             eval_s=eval_s,
             extra={str(k): float(as_number(v)) for k, v in (extra or {}).items() if as_number(v) is not None},
             monitor_errors=self.errors,

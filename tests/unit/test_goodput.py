@@ -14,9 +14,9 @@ from mindpulse.aggregator.metrics_store import read_records
 T0 = 1_000_000.0
 
 
-def rec(step, ts, st=1.0, dw=0.0, mw=0.0, ck=0.0, ev=0.0):
+def rec(step, ts, st=1.0, dw=0.0, mw=0.0, ck=0.0, ev=0.0, pf=0.0):
     return {"t": "reduced", "step": step, "ts": ts, "step_time_min": st, "data_wait_max": dw,
-            "monitor_wait_max": mw, "checkpoint_s_max": ck, "eval_s_max": ev}
+            "monitor_wait_max": mw, "checkpoint_s_max": ck, "eval_s_max": ev, "profile_s_max": pf}
 
 
 def clock(*recs, checkpoints=()):
@@ -39,6 +39,18 @@ def test_one_attempt_splits_every_second_of_the_wall():
                                  monitor_wait=0.25, teardown=3.0)
     assert g["unaccounted_s"] == 0.25
     assert g["productive_s"] + sum(g["badput_s"].values()) + g["unaccounted_s"] == pytest.approx(g["wall_s"])
+
+
+def test_a_profiled_window_is_badput_of_its_own_not_unaccounted():
+    # a rank starts the profiler before step 2 (0.5 s) and stops it after step 3 (1.5 s: the
+    # trace is written and analysed before step 3's packet goes); the others wait for it
+    c = clock(rec(1, T0 + 11), rec(2, T0 + 12.5, pf=0.5), rec(3, T0 + 15, pf=1.5), rec(4, T0 + 16))
+    g = combine([c], T0, T0 + 16)
+    assert g["badput_s"]["profile"] == 2.0 and g["unaccounted_s"] == 0.0, g
+    assert g["productive_s"] == 4.0 and g["badput_s"]["startup"] == 10.0
+    # a clock saved before the cause existed (no `profile` in its totals) still combines
+    old = dict(c, cum={k: v for k, v in c["cum"].items() if k != "profile"})
+    assert combine([old], T0, T0 + 16)["badput_s"]["profile"] == 0.0
 
 
 def test_a_restart_and_a_rollback_count_redone_steps_as_recomputed():
