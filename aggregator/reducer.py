@@ -172,9 +172,11 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         "wait_max": max((p.monitor_wait_s for p in packets.values()), default=0.0),
         "dw_max": max((p.data_wait_s for p in packets.values()
                        if p.data_wait_s is not None and math.isfinite(p.data_wait_s)), default=0.0),
-        "ck_max": max((p.checkpoint_s for p in packets.values()), default=0.0),
-        "ev_max": max((p.eval_s for p in packets.values()), default=0.0),
-        "pf_max": max((p.profile_s for p in packets.values()), default=0.0),
+        # seconds a rank reports: a NaN or Inf (a broken rank) must not make the partial
+        # unreadable (its finite figures still count)
+        "ck_max": _finite_max(p.checkpoint_s for p in packets.values()),
+        "ev_max": _finite_max(p.eval_s for p in packets.values()),
+        "pf_max": _finite_max(p.profile_s for p in packets.values()),
         "wait_s": exact_sum(p.monitor_wait_s for p in packets.values()),
         "errors": sum(p.monitor_errors for p in packets.values()),
         "h_loss": _hist(v for _, v in losses),
@@ -188,6 +190,10 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
     keep = sorted(set(packets) if keep_all else _worth_keeping(part, packets) | collect)
     part["packets"] = {r: (wires[r] if wires is not None else packets[r]) for r in keep}
     return part
+
+
+def _finite_max(values: Iterable[float]) -> float:
+    return max((v for v in values if math.isfinite(v)), default=0.0)
 
 
 def _rate(x: float | None) -> bool:

@@ -202,7 +202,13 @@ class NodeAgents:
 
         dropped = 0
         for wave in self._stop_waves():  # the agents of a wave stop at once
-            for ref in [a.stop.remote(kill=kill) for a in wave]:
+            refs = []
+            for a in wave:
+                try:
+                    refs.append(a.stop.remote(kill=kill))
+                except Exception:
+                    pass
+            for ref in refs:
                 try:
                     end = ray.get(ref, timeout=20)
                     dropped += end.get("dropped", 0) + end.get("lost", 0)

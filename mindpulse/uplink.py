@@ -28,11 +28,13 @@ acknowledges a frame once it has ingested it; a group leader (node/group.py) onc
 everything in it has been acknowledged above it (`UplinkServer(deferred_acks=True)`: the
 leader's ingest holds the frame's `Receipt` until the frames it went up in are
 acknowledged), so a leader that dies loses nothing its members would not send again.
-After a reconnect (the
-aggregator restarted: Ray restarts it, and `resolve` asks the new instance for its
-address) every unacknowledged frame is sent again in order, so no step is lost. The server
-end drops duplicates as the aggregator always has (a step packet it holds already is
-refused as a duplicate). At most `max_unacked` frames wait: beyond that a batch is dropped
+After a reconnect (the aggregator restarted: Ray restarts it, and `resolve` asks the new
+instance for its address) every unacknowledged frame is sent again in order, so no step
+is lost. A frame may so arrive twice: the aggregator refuses a node partial of a step it
+holds already (the step is reduced once), but stores the raw step packets as they come
+(they are never decoded there), so `metrics.msgpack` may hold such a packet twice (the
+report, `top` and a replay reduce it once; docs/run_directory.md tells scripts to keep
+one per rank and step). At most `max_unacked` frames wait: beyond that a batch is dropped
 and its packets counted (`dropped`), so a gone aggregator never grows a node's memory.
 
 The token comes from the server's owner through Ray (`uplink_address()`), whose own

@@ -61,8 +61,9 @@ class GroupLeader:
         self.send = send
         self._lock = threading.Lock()
         self._parts: dict[int, dict[int, Partial]] = {}
-        self._part_receipts: dict[int, dict[int, Receipt]] = {}
-        """step → node → the receipt of the member frame its partial came in."""
+        self._part_receipts: dict[int, dict[int, list[Receipt]]] = {}
+        """step → node → the receipts of the member frames its partial came in (more than one
+        when a member sent a frame again, after a reconnect, while the step was held here)."""
         self._since: dict[int, float] = {}
         self._steps: list[bytes] = []
         self._other: list[bytes] = []
@@ -103,11 +104,14 @@ class GroupLeader:
                 per = self._parts.setdefault(part["step"], {})
                 if node in per:
                     self._rejected["duplicate_partial"] += 1
+                    if receipt is not None:  # a frame sent again: acknowledged with the one held
+                        receipt.hold()
+                        self._part_receipts.setdefault(part["step"], {}).setdefault(node, []).append(receipt)
                     continue
                 per[node] = part
                 if receipt is not None:
                     receipt.hold()
-                    self._part_receipts.setdefault(part["step"], {})[node] = receipt
+                    self._part_receipts.setdefault(part["step"], {}).setdefault(node, []).append(receipt)
                 self._since.setdefault(part["step"], time.monotonic())
                 complete = complete or len(per) == len(self.members)
         if complete or self._stopped.is_set():
@@ -139,7 +143,7 @@ class GroupLeader:
                     entries += [(n, _batch(partials=[to_wire(p)])) for n, p in sorted(per.items())]
                 else:
                     continue
-                receipts += held.values()
+                receipts += (r for rs in held.values() for r in rs)
                 del self._parts[step], self._since[step]
                 self._part_receipts.pop(step, None)
             if self._steps or self._other or self._rejected:

@@ -90,3 +90,47 @@ def test_a_batch_from_a_node_outside_the_group_is_refused_and_counted(tmp_path):
     assert core.rejected == {"node:node_not_in_group": 1}, core.rejected
     assert core.accepted == 0
     core.close()
+
+
+def test_a_members_frame_is_done_only_once_its_step_went_up_and_a_frame_sent_again_waits_with_it(tmp_path):
+    """The receipts of member frames (mindpulse/uplink.Receipt: the leader's server
+    acknowledges a frame once its receipt is done): a partial held for the rest of the group
+    keeps its frame's receipt; a frame sent again (a reconnect) while that partial is held
+    waits with it, rather than being acknowledged as a duplicate."""
+    from mindpulse.uplink import Receipt
+
+    core = AggregatorCore(tmp_path, world_size=2 * RPN, settings={"tensorboard": False,
+                                                                   "world": {"nodes": 2, "ranks_per_node": RPN}})
+    sent: list = []
+
+    def send(entries, on_acked):
+        core.ingest_nodes(entries)
+        sent.append(on_acked)  # acknowledged later, when the test says so
+
+    leader = GroupLeader(0, [0, 1], send)
+    done: list[str] = []
+    pre = [NodePreReducer(n, range(n * RPN, (n + 1) * RPN), world_size=2 * RPN) for n in range(2)]
+    try:
+        for r in pre[1].ranks:
+            pre[1].add(packet(r, 1).encode())
+        batch = pre[1].take()
+        for name in ("first", "again"):
+            receipt = Receipt(lambda name=name: done.append(name))
+            leader.add(1, batch, receipt)
+            receipt.release()  # the server's own hold, once the frame is filed
+        leader.flush()  # the raw packets go up; the partial waits for node 0
+        acked_through = len(sent)
+        for acked in sent[:acked_through]:
+            acked()
+        assert done == [], "a frame was acknowledged while its step is held for the group"
+        for r in pre[0].ranks:
+            pre[0].add(packet(r, 1).encode())
+        leader.add(0, pre[0].take())
+        assert core.last_reduced is not None and core.last_reduced.step == 1
+        assert done == [], "acknowledged before the call up was"
+        for acked in sent[acked_through:]:
+            acked()
+        assert sorted(done) == ["again", "first"], done
+    finally:
+        leader.close()
+    core.close()
