@@ -603,9 +603,8 @@ class RankSession:
         fp, norm = self._fingerprint()
         self._ship(StepPacket(rank=self.rank, step=self.step_offset, ts=time.time(), fingerprint=fp,
                               param_norm=norm))
-        if arm_next:
-            self.injector.before_step(self.step_offset + 1)
-            self.in_step = self.step_offset + 1
+        if arm_next:  # faults and the profiler of the first step (a hand loop's)
+            self.before_step(self.step_offset + 1)
 
     def finish(self, message: str = "") -> None:
         if self.heartbeat is not None:

@@ -309,3 +309,40 @@ def test_the_relay_pushes_leases_and_never_holds_a_packet_behind_them():
         c.close()
         srv.stop()
 
+
+
+def test_a_hand_loop_profiles_from_its_first_step_and_ships_the_profilers_seconds(tmp_path):
+    """`Monitor.start()` then `step()` per step: a profile window from step 1 starts before
+    step 1 (it never started: only the faults were armed) and ends after its last step; the
+    seconds the profiler took go in the packets that follow them (goodput `profile`)."""
+    import time
+
+    from mindpulse.workers.monitor import Monitor
+    from mindpulse.workers.profiler import ProfileWindow
+
+    calls = []
+
+    class Window(ProfileWindow):  # MindSpore's Profiler itself runs in the recipe's launch test
+        def begin(self, step):
+            if self.window is not None and step == self.window[0]:
+                calls.append(("begin", step))
+                time.sleep(0.05)
+
+        def end(self, step, force=False):
+            if self.window is not None and (force or step >= self.window[1]):
+                calls.append(("end", step))
+                self.window = None
+                time.sleep(0.1)
+
+    st = settings(tmp_path, profile=ProfileSettings(steps=(1, 2), ranks=(1,)))
+    ch = Recording()
+    m = Monitor(settings=st, client=ch, rank=1)
+    m.session.profile = Window(1, 1, 2, str(tmp_path / "profile"))
+    m.start()
+    assert calls == [("begin", 1)], "the window's first step is the loop's first: it must start before it"
+    for _ in range(3):
+        m.step(loss=1.0)
+    m.finish()
+    assert calls == [("begin", 1), ("end", 2)], calls
+    spent = {p.step: p.profile_s for p in ch.packets if isinstance(p, StepPacket) and p.step > 0}
+    assert spent[1] >= 0.05 and spent[2] < 0.05 and spent[3] >= 0.1, spent
