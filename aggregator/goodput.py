@@ -37,6 +37,9 @@ from .metrics_store import ATTEMPT, REDUCED, attempt_of
 CAUSES = ("startup", "checkpoint", "eval", "profile", "monitor_wait", "data_wait", "restart", "recomputed", "hang",
           "teardown")
 """The badput causes of `summary.json` `goodput.badput_s`, in this order."""
+STEP_CAUSES = ("data_wait", "monitor_wait", "checkpoint", "eval", "profile")
+"""The causes measured inside the steps' intervals: each a `StepTimes` attribute and a
+`GoodputClock` part."""
 
 
 def _num(x: Any) -> float:
@@ -46,7 +49,7 @@ def _num(x: Any) -> float:
 class StepTimes:
     """One reduced step's share of the timeline."""
 
-    __slots__ = ("step", "ts", "productive", "data_wait", "monitor_wait", "checkpoint", "eval", "profile")
+    __slots__ = ("step", "ts", "productive", *STEP_CAUSES)
 
     def __init__(self, rec: dict[str, Any]):
         self.step = int(rec["step"])
@@ -67,7 +70,10 @@ class StepTimes:
                     "profile_s_max": red.profile_s_max})
 
     def parts(self) -> float:
-        return self.productive + self.data_wait + self.monitor_wait + self.checkpoint + self.eval + self.profile
+        total = self.productive
+        for cause in STEP_CAUSES:  # added in this order, as ever (the same float to the bit)
+            total += getattr(self, cause)
+        return total
 
 
 class GoodputClock:
@@ -76,7 +82,7 @@ class GoodputClock:
     checkpoint step, so a later attempt resuming from one tells which steps were redone
     without keeping every step."""
 
-    PARTS = ("productive", "data_wait", "monitor_wait", "checkpoint", "eval", "profile", "unaccounted", "span")
+    PARTS = ("productive", *STEP_CAUSES, "unaccounted", "span")
     RECENT = 64
     """Steps whose totals are kept until a checkpoint event names one of them."""
 
@@ -104,11 +110,8 @@ class GoodputClock:
         scale = delta / known if known > delta and known > 0 else 1.0
         c = self.cum
         c["productive"] += st.productive * scale
-        c["data_wait"] += st.data_wait * scale
-        c["monitor_wait"] += st.monitor_wait * scale
-        c["checkpoint"] += st.checkpoint * scale
-        c["eval"] += st.eval * scale
-        c["profile"] += st.profile * scale
+        for cause in STEP_CAUSES:
+            c[cause] += getattr(st, cause) * scale
         c["unaccounted"] += max(0.0, delta - known)
         c["span"] += delta
         self.last_ts, self.last_step = max(prev, st.ts), st.step
@@ -175,7 +178,7 @@ def combine(clocks: list[dict[str, Any] | None], started: float, ended: float,
             bad["recomputed"] += cum["span"] - kept["span"]
             productive += kept["productive"]
             unaccounted += kept["unaccounted"]
-            for cause in ("data_wait", "monitor_wait", "checkpoint", "eval", "profile"):
+            for cause in STEP_CAUSES:
                 bad[cause] += kept.get(cause, 0.0)  # (a clock saved before `profile` has none)
             bad["restart" if any_step else "startup"] += max(0.0, clock["first_start"] - prev_end)
             prev_end = max(prev_end, clock["last_ts"])
@@ -200,4 +203,4 @@ def goodput(records: Iterable[dict[str, Any]], started: float, ended: float,
     return combine([clocks[k].to_dict() if k in clocks else None for k in range(n)], started, ended, attempts)
 
 
-__all__ = ["CAUSES", "GoodputClock", "StepTimes", "combine", "goodput", "steps_by_attempt"]
+__all__ = ["CAUSES", "STEP_CAUSES", "GoodputClock", "StepTimes", "combine", "goodput", "steps_by_attempt"]

@@ -192,6 +192,11 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
     return part
 
 
+_SECONDS_MAX = ("dw_max", "ck_max", "ev_max", "pf_max")
+"""A partial's longest seconds over its ranks (data wait, checkpoint, eval, profiler): merged
+by max; absent in a partial from an older node."""
+
+
 def _finite_max(values: Iterable[float]) -> float:
     return max((v for v in values if math.isfinite(v)), default=0.0)
 
@@ -311,10 +316,7 @@ def merge(a: Partial, b: Partial) -> Partial:
         "pnorm": {**a["pnorm"], **b["pnorm"]},
         "extra": {},
         "wait_max": max(a["wait_max"], b["wait_max"]),
-        "dw_max": max(a.get("dw_max", 0.0), b.get("dw_max", 0.0)),
-        "ck_max": max(a.get("ck_max", 0.0), b.get("ck_max", 0.0)),
-        "ev_max": max(a.get("ev_max", 0.0), b.get("ev_max", 0.0)),
-        "pf_max": max(a.get("pf_max", 0.0), b.get("pf_max", 0.0)),
+        **{k: max(a.get(k, 0.0), b.get(k, 0.0)) for k in _SECONDS_MAX},
         "wait_s": a["wait_s"] + b["wait_s"],
         "errors": a["errors"] + b["errors"],
         "h_loss": [x + y for x, y in zip(a["h_loss"], b["h_loss"])],
@@ -373,7 +375,7 @@ def from_wire(w: dict[str, Any]) -> Partial:
         raise ValueError("partial field 'keep' is not a list of ranks")
     part["keep"] = keep
     part["pnorm"] = {int(r): float(v) for r, v in w["pnorm"]}
-    for k in ("dw_max", "ck_max", "ev_max", "pf_max"):  # older nodes send none
+    for k in _SECONDS_MAX:  # older nodes send none
         v = w.get(k, 0.0)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise ValueError(f"partial field {k!r} is not a number of seconds")

@@ -198,10 +198,19 @@ class NodeAgents:
     def flush(self, kill: bool) -> int:
         """Last telemetry sample, relay flushed to the aggregator; returns packets dropped (or
         never acknowledged)."""
+        return sum(end.get("dropped", 0) + end.get("lost", 0) for end in self._stop_all(kill))
+
+    def shutdown(self) -> None:
+        """Stop every agent (killing what it started: msrun, the scheduler) and the actor."""
+        self._stop_all(kill=True, release=True)
+
+    def _stop_all(self, kill: bool, release: bool = False) -> list[dict[str, Any]]:
+        """Ask every agent to stop, wave by wave (`_stop_waves`), each wave's agents at once;
+        returns the ends that came back. `release`: each wave's actors are killed once it stopped."""
         import ray
 
-        dropped = 0
-        for wave in self._stop_waves():  # the agents of a wave stop at once
+        ends = []
+        for wave in self._stop_waves():
             refs = []
             for a in wave:
                 try:
@@ -210,33 +219,15 @@ class NodeAgents:
                     pass
             for ref in refs:
                 try:
-                    end = ray.get(ref, timeout=20)
-                    dropped += end.get("dropped", 0) + end.get("lost", 0)
+                    ends.append(ray.get(ref, timeout=20))
                 except Exception:
                     pass
-        return dropped
-
-    def shutdown(self) -> None:
-        """Stop every agent (killing what it started: msrun, the scheduler) and the actor."""
-        import ray
-
-        for wave in self._stop_waves():
-            refs = []
-            for a in wave:
-                try:
-                    refs.append(a.stop.remote(kill=True))
-                except Exception:
-                    pass
-            for ref in refs:
-                try:
-                    ray.get(ref, timeout=20)
-                except Exception:
-                    pass
-            for a in wave:
+            for a in wave if release else ():
                 try:
                     ray.kill(a, no_restart=True)
                 except Exception:
                     pass
+        return ends
 
     def kill(self, grace_s: float = 3.0) -> None:
         """End every agent within `grace_s` (an interrupted start). Each is asked to stop,

@@ -136,10 +136,6 @@ class Receipt:
         if done is not None:
             done()
 
-    @property
-    def done(self) -> bool:
-        return self._on_done is None
-
 
 class _Acks:
     """One connection's acknowledgements, in frame order: frame `seq` is acknowledged once

@@ -86,13 +86,15 @@ class GroupLeader:
             if node not in self.members:
                 self._rejected["node_not_in_group"] += 1
                 return
-            before = (len(self._steps), len(self._other), sum(self._rejected.values()))
-            self._steps.extend(b for b in batch.get("steps") or [] if isinstance(b, (bytes, bytearray)))
-            self._other.extend(b for b in batch.get("other") or [] if isinstance(b, (bytes, bytearray)))
-            for reason, n in (batch.get("rejected") or {}).items():
-                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                    self._rejected[str(reason)] += n
-            if receipt is not None and before != (len(self._steps), len(self._other), sum(self._rejected.values())):
+            steps = [b for b in batch.get("steps") or [] if isinstance(b, (bytes, bytearray))]
+            other = [b for b in batch.get("other") or [] if isinstance(b, (bytes, bytearray))]
+            counted = [(str(reason), n) for reason, n in (batch.get("rejected") or {}).items()
+                       if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+            self._steps += steps
+            self._other += other
+            for reason, n in counted:
+                self._rejected[reason] += n
+            if receipt is not None and (steps or other or counted):
                 receipt.hold()  # raw packets or counts of this frame wait for the next call up
                 self._raw_receipts.append(receipt)
             for wire in batch.get("partials") or []:
@@ -102,16 +104,13 @@ class GroupLeader:
                     self._rejected["malformed_partial"] += 1
                     continue
                 per = self._parts.setdefault(part["step"], {})
-                if node in per:
-                    self._rejected["duplicate_partial"] += 1
-                    if receipt is not None:  # a frame sent again: acknowledged with the one held
-                        receipt.hold()
-                        self._part_receipts.setdefault(part["step"], {}).setdefault(node, []).append(receipt)
-                    continue
-                per[node] = part
-                if receipt is not None:
+                if receipt is not None:  # a frame sent again while its partial is held waits with it
                     receipt.hold()
                     self._part_receipts.setdefault(part["step"], {}).setdefault(node, []).append(receipt)
+                if node in per:
+                    self._rejected["duplicate_partial"] += 1
+                    continue
+                per[node] = part
                 self._since.setdefault(part["step"], time.monotonic())
                 complete = complete or len(per) == len(self.members)
         if complete or self._stopped.is_set():

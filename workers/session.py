@@ -502,6 +502,26 @@ def schedule_with(base: Schedule, *, collect_freq: int | None = None, max_lag_st
     return dataclasses.replace(base, **changes)
 
 
+@dataclasses.dataclass
+class SincePacket:
+    """Seconds a rank spent outside its steps since its last step packet, by cause; the next
+    packet carries them (goodput badput) and they start again from zero."""
+
+    monitor_wait_s: float = 0.0
+    """Blocked on the aggregator (a verdict, a lease)."""
+    checkpoint_s: float = 0.0
+    """Writing checkpoints."""
+    profile_s: float = 0.0
+    """Starting and stopping the profiler."""
+
+    def take(self) -> dict[str, float]:
+        """The seconds by `StepPacket` field, reset to zero."""
+        out = dict(vars(self))
+        for name in out:
+            setattr(self, name, 0.0)
+        return out
+
+
 class RankSession:
     """Args:
         settings: the run's settings (None outside a launch).
@@ -573,8 +593,8 @@ class RankSession:
         self.started = False
         self.stopped: Directive | None = None
         """The directive that stopped every rank (None while training goes on)."""
-        self.wait_s = 0.0
-        """Seconds blocked on the aggregator since the last step packet (it carries them)."""
+        self.since_packet = SincePacket()
+        """Seconds spent outside the steps since the last step packet (it carries them)."""
         self.errors = 0
         """Errors inside the monitor on this rank (logged and counted; training went on)."""
         self.on_directive: Callable[[Directive], None] | None = None
@@ -630,18 +650,11 @@ class RankSession:
         if self.profile is not None:
             self._profiled(self.profile.end, step)
 
-    profile_s = 0.0
-    """Seconds spent starting and stopping the profiler since the last step packet."""
-
     def _profiled(self, call: Any, step: int) -> float:
         t = time.perf_counter()
         call(step)
         spent = time.perf_counter() - t
-        self.profile_s += spent
-        return spent
-
-    def _take_profile_s(self) -> float:
-        spent, self.profile_s = self.profile_s, 0.0
+        self.since_packet.profile_s += spent
         return spent
 
     # ---- one step --------------------------------------------------------------------------
@@ -722,13 +735,11 @@ class RankSession:
             fingerprint=fp,
             param_norm=norm,
             decision=bool(decision),
-            monitor_wait_s=self._take_wait(),
-            checkpoint_s=self._take_checkpoint_s(),
-            profile_s=self._take_profile_s(),
             eval_s=eval_s,
             extra={str(k): float(as_number(v)) for k, v in (extra or {}).items() if as_number(v) is not None},
             monitor_errors=self.errors,
             weights=weights,
+            **self.since_packet.take(),
         ))
         if self.weight_stats is not None and self.schedule.is_collect(s + 1):
             try:
@@ -784,17 +795,6 @@ class RankSession:
         self.channel.send(pkt.encode())
         self.channel.flush()
 
-    def _take_wait(self) -> float:
-        wait, self.wait_s = self.wait_s, 0.0
-        return wait
-
-    checkpoint_s = 0.0
-    """Seconds spent writing checkpoints since the last step packet (it carries them)."""
-
-    def _take_checkpoint_s(self) -> float:
-        spent, self.checkpoint_s = self.checkpoint_s, 0.0
-        return spent
-
     def _ship(self, pkt: StepPacket) -> None:
         """Ship a step, then make sure the next one may start (the lease)."""
         if self.channel is None:
@@ -803,7 +803,7 @@ class RankSession:
         if pkt.decision:
             t0 = time.monotonic()
             d = self.channel.decide(pkt.encode(), pkt.step, expect=1)
-            self.wait_s += time.monotonic() - t0
+            self.since_packet.monitor_wait_s += time.monotonic() - t0
             self._follow(d, pkt)
         else:
             self.channel.send_step(pkt.encode(), pkt.step)
@@ -818,7 +818,7 @@ class RankSession:
         if need < self.step_offset:
             return  # steps before this attempt's first are never reduced by its aggregator
         lease, waited = self.channel.lease(need)
-        self.wait_s += waited
+        self.since_packet.monitor_wait_s += waited
         if lease is None:
             lost = self.channel.lost_for()
             if lost > self.monitor_settings.decision_timeout_s:
@@ -841,7 +841,7 @@ class RankSession:
             try:
                 self._save(d, pkt)
             finally:
-                self.checkpoint_s += time.perf_counter() - t_save
+                self.since_packet.checkpoint_s += time.perf_counter() - t_save
         if d.action.stops:
             self.stopped = d
         if self.on_directive:
