@@ -37,11 +37,16 @@ share this machine's cores as they do in a one-machine launch; the CPU time each
 used per step is reported next to the step times.
 
 Timing: a callback placed first stamps the start of every step; a step's time runs to the
-next step's start, so it holds the step and every callback's work for it. Each run drops
-its first `WARMUP_STEPS` steps and times the next `--timed-steps-*` (a multiple of 10: every
-run holds the same share of collect, weight-statistics and decision steps). One repeat
-runs every configuration once, `none` and `mp_default` always next to each other, the
-order reversing between repeats. Reported per configuration: the MEAN step over all timed
+next step's start, so it holds the step and every callback's work for it. A repeat times
+`--timed-steps-*` steps of every configuration in `--rounds-*` rounds: each round runs every
+configuration once (`none` and `mp_default` always next to each other, the order reversing
+from round to round and between repeats), and each run drops its first `WARMUP_STEPS`
+steps and times the next `timed / rounds` (a multiple of 10: every run holds the same share
+of collect, weight-statistics and decision steps). Why rounds: on this 2-core machine each
+`Model.train` run settles at its own level (the same configuration run twice in a row
+differs by ~11% in its mean step, sd over runs, whether it times 10 steps or 40), so the
+ratio of two configurations' means over one run each is that noisy; over 4 runs each,
+interleaved, its sd halves (measured: 0.137 -> 0.054 with 10-step runs). Reported per configuration: the MEAN step over all timed
 steps (collect steps included: that is what a run pays) with its spread over repeats (the
 min-max of the per-repeat means), the median step, and the ratio to `none` taken within
 each repeat (mean over repeats and worst repeat). A target counts as met only when its
@@ -50,7 +55,8 @@ worst repeat meets it.
 A repeat run while other processes used the CPU (more than 0.3 cores on average) is
 discarded and run again while `--max-seconds` allows.
 
-Usage: .venv/bin/python bench/overhead.py [--repeats-small 10] [--repeats-larger 4]
+Usage: .venv/bin/python bench/overhead.py [--repeats-small 10] [--repeats-larger 4] [--rounds-small 4]
+       [--rounds-larger 2]
        [--models small,larger] [--configs none,mp_default,...] [--max-seconds 300]
        [--json out.json] [--quick]
 """
@@ -86,10 +92,10 @@ LABELS = {
 MODELS = {
     # the recipe's model (cluster_configs/local_cpu.yaml)
     "small": dict(seq_length=64, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, batch_size=8,
-                  timed=40, repeats=10),
+                  timed=40, repeats=10, rounds=4),
     # sized so that a step takes about 200 ms on this machine
     "larger": dict(seq_length=128, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, batch_size=8,
-                   timed=20, repeats=4),
+                   timed=20, repeats=4, rounds=2),
 }
 CPU_OF = ("rank", "aggregator", "node agent")
 """Processes whose CPU time per step is reported (the rank is this process)."""
@@ -192,7 +198,7 @@ class Rig:
 
         self.name = name
         self.bs = spec["batch_size"]
-        self.timed = spec["timed"]
+        self.timed = spec["timed"] // spec["rounds"]  # per run
         self.steps = WARMUP_STEPS + self.timed + 1  # the last step's end has no next start
         shape = ModelShape(**{k: spec[k] for k in ModelShape.__dataclass_fields__})
         set_mode("graph", "CPU")
@@ -341,6 +347,9 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="none always runs (the baseline)")
     ap.add_argument("--timed-steps-small", type=int, default=MODELS["small"]["timed"])
     ap.add_argument("--timed-steps-larger", type=int, default=MODELS["larger"]["timed"])
+    ap.add_argument("--rounds-small", type=int, default=MODELS["small"]["rounds"],
+                    help="runs per configuration and repeat, interleaved; the timed steps split among them")
+    ap.add_argument("--rounds-larger", type=int, default=MODELS["larger"]["rounds"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="2 repeats, 10 or 20 timed steps (a smoke run)")
     ap.add_argument("--max-seconds", type=float, default=300.0,
@@ -353,9 +362,12 @@ def main() -> None:
     if args.quick:
         args.repeats_small = args.repeats_larger = 2
         args.timed_steps_small, args.timed_steps_larger = 20, 10
-    for k in ("timed_steps_small", "timed_steps_larger"):
-        if getattr(args, k) % COLLECT_FREQ:
-            ap.error(f"--{k.replace('_', '-')} must be a multiple of {COLLECT_FREQ} (collect steps in every run)")
+        args.rounds_small, args.rounds_larger = 2, 1
+    for m in MODELS:
+        timed, rounds = getattr(args, f"timed_steps_{m}"), getattr(args, f"rounds_{m}")
+        if rounds < 1 or timed % (rounds * COLLECT_FREQ):
+            ap.error(f"--timed-steps-{m} ({timed}) must split into --rounds-{m} ({rounds}) runs of a multiple of "
+                     f"{COLLECT_FREQ} steps (collect steps in every run)")
     t0 = time.time()
     load = C.ForeignLoad(interval_s=1.0).start()
     logging.basicConfig(level=logging.WARNING)
@@ -380,15 +392,23 @@ def main() -> None:
     for mname in args.models.split(","):
         spec = dict(MODELS[mname])
         spec["timed"] = getattr(args, f"timed_steps_{mname}")
+        spec["rounds"] = getattr(args, f"rounds_{mname}")
         repeats = getattr(args, f"repeats_{mname}")
         launch = Launch(mname, spec, tmp) if "mp_default" in configs else None
         rig = Rig(mname, spec, launch, tmp)
         for cfg in configs:  # compile outside the measurement
             rig.run(cfg, steps=WARMUP_STEPS + 3)
 
-        def one_repeat(rep: int, rig=rig, mname=mname) -> dict[str, tuple[list[float], dict[str, float]]]:
-            order = configs if rep % 2 == 0 else list(reversed(configs))
-            out = {cfg: rig.run(cfg) for cfg in order}
+        def one_repeat(rep: int, rig=rig, mname=mname, rounds=spec["rounds"]
+                       ) -> dict[str, tuple[list[float], dict[str, float]]]:
+            times: dict[str, list[float]] = {c: [] for c in configs}
+            cpus: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+            for k in range(rounds):
+                for cfg in (configs if (rep + k) % 2 == 0 else list(reversed(configs))):
+                    t, cpu = rig.run(cfg)
+                    times[cfg] += t
+                    cpus[cfg].append(cpu)
+            out = {c: (times[c], {k: statistics.fmean(d[k] for d in cpus[c]) for k in cpus[c][0]}) for c in configs}
             print(f"[overhead] {mname} repeat {rep + 1} done ({time.time() - t0:.0f}s): "
                   + ", ".join(f"{c} {statistics.fmean(v[0]) * 1000:.1f}" for c, v in out.items()),
                   file=sys.stderr, flush=True)
@@ -411,8 +431,9 @@ def main() -> None:
                        "median_ratio": {"mean": statistics.fmean(med_ratios), "min": min(med_ratios),
                                         "max": max(med_ratios)}}
         results[mname] = {
-            "shape": {k: v for k, v in spec.items() if k not in ("timed", "repeats")}, "params": rig.params,
-            "timed_steps": spec["timed"], "repeats": len(g["kept"]), "repeats_asked": repeats,
+            "shape": {k: v for k, v in spec.items() if k not in ("timed", "repeats", "rounds")}, "params": rig.params,
+            "timed_steps": spec["timed"], "rounds": spec["rounds"], "repeats": len(g["kept"]),
+            "repeats_asked": repeats,
             "discarded": g["discarded"], "disturbed_kept": g["disturbed_kept"], "foreign_cores": g["foreign"],
             "waited_s": g["waited_s"], "configs": rows,
             "mindpulse": {"monitor_wait_s": snap.get("monitor_wait_s"), "steps_reduced": snap.get("steps_completed"),
@@ -449,7 +470,8 @@ def render(out: dict) -> str:
             quiet += f"; {C.plural(r['disturbed_kept'], 'repeat')} kept although other processes were busy (no time left)"
         lines.append(f"\n{mname} model: {sh['num_layers']} layers, hidden {sh['hidden_size']}, seq {sh['seq_length']}, "
                      f"batch {sh['batch_size']}, {r['params'] / 1e6:.2f} M parameters; {r['repeats']} repeats x "
-                     f"{r['timed_steps']} timed steps per configuration{quiet}\n")
+                     f"{r['timed_steps']} timed steps per configuration, in {r.get('rounds', 1)} interleaved runs of "
+                     f"{r['timed_steps'] // r.get('rounds', 1)}{quiet}\n")
         rows = []
         base = r["configs"]["none"]["step_s"]["mean"]
         for v in r["configs"].values():
