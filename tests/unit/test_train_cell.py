@@ -190,3 +190,19 @@ def test_fault_grad_scale_counts_every_element(mode, counting):
     grads = [np.abs(np.asarray(g)) + np.float32(0.5) for g in _grads()]  # no zero: inf * 0 would be NaN
     _, stats = _step(cell, grads)
     assert (stats["nan_count"], stats["inf_count"]) == (0, sum(int(np.prod(s)) for s in SHAPES))
+
+
+def test_split_outputs_reads_every_output_shape_a_cell_returns():
+    """Scalar, one-element and multi-element losses, MindSpore's (loss, ...) tuples, our
+    (loss, stats) pair (non-finite counts read as 0), and a plain number."""
+    f32 = ms.float32
+    assert split_outputs(ms.Tensor(2.5, f32)) == (2.5, {})
+    assert split_outputs(ms.Tensor([[2.5]], f32)) == (2.5, {})
+    assert split_outputs(ms.Tensor([1.0, 2.0, 4.5], f32)) == (2.5, {})  # the mean over the elements
+    assert split_outputs(ms.Tensor(np.zeros((0,), np.float32))) == (None, {})
+    assert split_outputs((ms.Tensor(1.5, ms.float16), ms.Tensor(False), ms.Tensor(1024.0, f32))) == (1.5, {})
+    stats = ms.Tensor([3.0, float("inf"), float("nan"), 2.0], f32)
+    loss, s = split_outputs((ms.Tensor(0.25, ms.bfloat16), stats))
+    assert loss == 0.25 and s["grad_norm"] == 3.0 and math.isinf(s["grad_norm_local"])
+    assert (s["nan_count"], s["inf_count"]) == (0, 2), "a non-finite count is read as 0, a finite one as is"
+    assert split_outputs(3.0) == (3.0, {}) and split_outputs(()) == (None, {})
