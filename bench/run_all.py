@@ -51,7 +51,7 @@ PIECES = [
     Piece("npu_smi", "npu_smi_parse.py", ["--seconds", "1.0", "--repeats", "5"], 15),
     Piece("grad_cell", "grad_cell.py", ["--steps", "10", "--repeats", "5"], 80,
           ["--steps", "6", "--repeats", "3"], 50, max_s=110),
-    Piece("overhead", "overhead.py", [], 330, ["--repeats-small", "6", "--repeats-larger", "3"], 220, max_s=300),
+    Piece("overhead", "overhead.py", [], 430, ["--repeats-small", "6", "--repeats-larger", "3"], 260, max_s=430),
     Piece("fanin", "fanin.py", ["--targets", "--repeats", "3", "--seconds", "15"], 200,
           ["--targets", "--repeats", "2", "--seconds", "10"], 120),
     Piece("memory", "memory.py", ["--steps", "100000", "--tensorboard", "off"], 30),
