@@ -170,10 +170,9 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         "pnorm": {r: p.param_norm for r, p in packets.items() if p.param_norm is not None},
         "extra": extra,
         "wait_max": max((p.monitor_wait_s for p in packets.values()), default=0.0),
-        "dw_max": max((p.data_wait_s for p in packets.values()
-                       if p.data_wait_s is not None and math.isfinite(p.data_wait_s)), default=0.0),
         # seconds a rank reports: a NaN or Inf (a broken rank) must not make the partial
         # unreadable (its finite figures still count)
+        "dw_max": _finite_max(p.data_wait_s for p in packets.values() if p.data_wait_s is not None),
         "ck_max": _finite_max(p.checkpoint_s for p in packets.values()),
         "ev_max": _finite_max(p.eval_s for p in packets.values()),
         "pf_max": _finite_max(p.profile_s for p in packets.values()),
