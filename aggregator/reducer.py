@@ -51,13 +51,20 @@ def exact_sum(values: Iterable[float], squares: bool = False) -> int:
     the cost: every finite double is n / 2**k, so the values are summed as small integers
     over their largest 2**k and scaled up once by a shift, instead of one ~1,100-bit
     integer (and its square) per value. This runs for every step of every node."""
+    s, q = exact_sums(values, squares)
+    return q if squares else s
+
+
+def exact_sums(values: Iterable[float], squares: bool = True) -> tuple[int, int]:
+    """(`exact_sum(values)`, `exact_sum(values, squares=True)`) from one pass over the
+    values (the squares only with `squares`; 0 without)."""
     ratios = [float(v).as_integer_ratio() for v in values]
     if not ratios:
-        return 0
+        return 0, 0
     top = max(d for _, d in ratios)
-    if squares:
-        return sum((n * (top // d)) ** 2 for n, d in ratios) << (2 * (_ONE_BITS - top.bit_length() + 1))
-    return sum(n * (top // d) for n, d in ratios) << (_ONE_BITS - top.bit_length() + 1)
+    shift = _ONE_BITS - top.bit_length() + 1
+    scaled = [n * (top // d) for n, d in ratios]
+    return sum(scaled) << shift, (sum(x * x for x in scaled) << (2 * shift)) if squares else 0
 
 
 def _to_bytes(i: int) -> bytes:
@@ -84,13 +91,20 @@ def pstdev_of(total: int, squares: int, n: int) -> float:
 
 
 # ---- extremes with their ranks -------------------------------------------------------------------
-def _argext(items: Iterable[tuple[int, float]], biggest: bool) -> list | None:
+def _argext(items: Iterable[tuple[int, float | None]], biggest: bool) -> list | None:
     """[value, rank] of the smallest (or biggest) value, ties to the lowest rank; a NaN/Inf
     wins over every finite value (it is what the user must see), the lowest such rank first."""
+    items = [(r, v) for r, v in items if v is not None]
+    if not items:
+        return None
+    if all(map(math.isfinite, [v for _, v in items])):  # the usual step: a tuple compare does it
+        if biggest:
+            v, neg = max([(v, -r) for r, v in items])
+            return [v, -neg]
+        v, r = min([(v, r) for r, v in items])
+        return [v, r]
     best: tuple[int, float] | None = None
     for r, v in items:
-        if v is None:
-            continue
         if best is None:
             best = (r, v)
             continue
@@ -102,7 +116,8 @@ def _argext(items: Iterable[tuple[int, float]], biggest: bool) -> list | None:
             continue
         if (v > bv if biggest else v < bv) or (v == bv and r < br):
             best = (r, v)
-    return None if best is None else [best[1], best[0]]
+    assert best is not None
+    return [best[1], best[0]]
 
 
 def _merge_ext(a: list | None, b: list | None, biggest: bool) -> list | None:
@@ -122,14 +137,43 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
     collect step those of the `collect` ranks (`collect_ranks`), marked to be kept through
     `finalize`. `wires`: the packets' validated wire maps (a node agent has them: they
     travel on as they are)."""
-    losses = [(r, p.loss) for r, p in packets.items() if p.loss is not None]
-    finite = [v for _, v in losses if math.isfinite(v)]
-    gns = [p.grad_norm for p in packets.values() if p.grad_norm is not None]
-    lrs = [(r, p.lr) for r, p in packets.items() if p.lr is not None]
-    tfs = [(r, p.tflops) for r, p in packets.items() if _rate(p.tflops)]
-    st_finite = [p.step_time_s for p in packets.values() if p.step_time_s is not None and math.isfinite(p.step_time_s)]
+    # one pass over the packets gathers every field (this runs for every step on every
+    # node: a pass per figure cost ~2x as much)
+    losses, gns, lrs, tfs, sts, gls, nonfinite, pnorm = [], [], [], [], [], [], [], {}
+    waits, dws, cks, evs, pfs, fps, epochs, tss = [], [], [], [], [], [], [], []
+    samples, tok, nan, inf, errors = 0, 0, 0, 0, 0
     extra: dict[str, list] = {}
-    for p in packets.values():
+    for r, p in packets.items():
+        loss = p.loss
+        if loss is not None:
+            losses.append((r, loss))
+        if p.grad_norm is not None:
+            gns.append(p.grad_norm)
+        if p.lr is not None:
+            lrs.append((r, p.lr))
+        if _rate(p.tflops):
+            tfs.append((r, p.tflops))
+        sts.append((r, p.step_time_s))
+        gls.append((r, p.grad_norm_local))
+        if _nonfinite(p):
+            nonfinite.append(r)
+        if p.param_norm is not None:
+            pnorm[r] = p.param_norm
+        if p.fingerprint is not None:
+            fps.append((r, p.fingerprint))
+        waits.append(p.monitor_wait_s)
+        if p.data_wait_s is not None:
+            dws.append(p.data_wait_s)
+        cks.append(p.checkpoint_s)
+        evs.append(p.eval_s)
+        pfs.append(p.profile_s)
+        epochs.append(p.epoch)
+        tss.append(p.ts)
+        samples += p.samples
+        tok += p.tokens
+        nan += p.nan_count
+        inf += p.inf_count
+        errors += p.monitor_errors
         for k, v in p.extra.items():
             # [count, exact sum of the finite values, the non-finite values...]: a NaN or
             # Inf among them makes the mean NaN or Inf, as over the flat list
@@ -139,49 +183,56 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
                 x[1] += exact(v)
             else:
                 x.append(v)
+    finite = [v for _, v in losses if math.isfinite(v)]
+    st_finite = [v for _, v in sts if v is not None and math.isfinite(v)]
+    loss_s, loss_q = exact_sums(finite)
+    st_s, st_q = exact_sums(st_finite)
+    fp: dict[str, list[int]] = {}
+    for r, f in sorted(fps):
+        fp.setdefault(f, []).append(r)
     part: Partial = {
         "step": step,
         "n": len(packets),
-        "epoch": max((p.epoch for p in packets.values()), default=0),
-        "ts": max((p.ts for p in packets.values()), default=0.0),
+        "epoch": max(epochs, default=0),
+        "ts": max(tss, default=0.0),
         "loss_n": len(losses),
         "loss_f": len(finite),
-        "loss_s": exact_sum(finite),
-        "loss_q": exact_sum(finite, squares=True),
+        "loss_s": loss_s,
+        "loss_q": loss_q,
         "loss_min": _argext(losses, False),
         "loss_max": _argext(losses, True),
         "gn_n": len(gns),
-        "gn_bad": any(not math.isfinite(g) for g in gns),
+        "gn_bad": not all(map(math.isfinite, gns)),
         "gn_max": max((g for g in gns if math.isfinite(g)), default=None),
-        "gl_max": _argext(((r, p.grad_norm_local) for r, p in packets.items()), True),
-        "st_min": _argext(((r, p.step_time_s) for r, p in packets.items()), False),
-        "st_max": _argext(((r, p.step_time_s) for r, p in packets.items()), True),
-        "samples": sum(p.samples for p in packets.values()),
-        "tok": sum(p.tokens for p in packets.values()),
+        "gl_max": _argext(gls, True),
+        "st_min": _argext(sts, False),
+        "st_max": _argext(sts, True),
+        "samples": samples,
+        "tok": tok,
         "tf_n": len(tfs),
         "tf_s": exact_sum(v for _, v in tfs),
         "tf_min": _argext(tfs, False),
         "tf_max": _argext(tfs, True),
         "lr": list(min(lrs)) if lrs else None,
-        "nan": sum(p.nan_count for p in packets.values()),
-        "inf": sum(p.inf_count for p in packets.values()),
-        "nonfinite": sorted(r for r, p in packets.items() if _nonfinite(p)),
-        "fp": _fp_groups(packets),
-        "pnorm": {r: p.param_norm for r, p in packets.items() if p.param_norm is not None},
+        "nan": nan,
+        "inf": inf,
+        "nonfinite": sorted(nonfinite),
+        "fp": fp,
+        "pnorm": pnorm,
         "extra": extra,
-        "wait_max": max((p.monitor_wait_s for p in packets.values()), default=0.0),
+        "wait_max": max(waits, default=0.0),
         # seconds a rank reports: a NaN or Inf (a broken rank) must not make the partial
         # unreadable (its finite figures still count)
-        "dw_max": _finite_max(p.data_wait_s for p in packets.values() if p.data_wait_s is not None),
-        "ck_max": _finite_max(p.checkpoint_s for p in packets.values()),
-        "ev_max": _finite_max(p.eval_s for p in packets.values()),
-        "pf_max": _finite_max(p.profile_s for p in packets.values()),
-        "wait_s": exact_sum(p.monitor_wait_s for p in packets.values()),
-        "errors": sum(p.monitor_errors for p in packets.values()),
+        "dw_max": _finite_max(dws),
+        "ck_max": _finite_max(cks),
+        "ev_max": _finite_max(evs),
+        "pf_max": _finite_max(pfs),
+        "wait_s": exact_sum(waits) if any(waits) else 0,
+        "errors": errors,
         "h_loss": _hist(v for _, v in losses),
-        "h_st": _hist(p.step_time_s for p in packets.values()),
-        "st_s": exact_sum(st_finite),
-        "st_q": exact_sum(st_finite, squares=True),
+        "h_st": _hist(v for _, v in sts),
+        "st_s": st_s,
+        "st_q": st_q,
     }
     collect = set(collect).intersection(packets)
     part["all"] = keep_all
@@ -211,15 +262,6 @@ def _hist(values: Iterable[float | None]) -> list[int]:
         if v is not None and math.isfinite(v):
             counts[bisect.bisect_left(HIST_EDGES, v)] += 1
     return counts
-
-
-def _fp_groups(packets: Mapping[int, StepPacket]) -> dict[str, list[int]]:
-    groups: dict[str, list[int]] = {}
-    for r in sorted(packets):
-        fp = packets[r].fingerprint
-        if fp is not None:
-            groups.setdefault(fp, []).append(r)
-    return groups
 
 
 def as_packet(p: StepPacket | dict[str, Any]) -> StepPacket | None:
@@ -402,6 +444,14 @@ def from_wire(w: dict[str, Any]) -> Partial:
     return part
 
 
+def _median(xs: Iterable[float]) -> float:
+    """`statistics.median`, the same value, without its generality (it runs for every rank
+    of the node at every step)."""
+    d = sorted(xs)
+    n = len(d)
+    return d[n // 2] if n % 2 else (d[n // 2 - 1] + d[n // 2]) / 2
+
+
 # ---- stragglers, scored where the packets are ------------------------------------------------------
 class NodeStragglers:
     """Each rank's busy time (data wait + compute before the collective) over a rolling
@@ -430,9 +480,7 @@ class NodeStragglers:
             wait = p.data_wait_s if p.data_wait_s is not None and math.isfinite(p.data_wait_s) else 0.0
             comp = p.compute_s if p.compute_s is not None and math.isfinite(p.compute_s) else common
             self.history.setdefault(r, deque(maxlen=self.window)).append(max(0.0, wait) + max(0.0, comp))
-        import statistics
-
-        meds = sorted(((statistics.median(h), r) for r, h in self.history.items() if len(h) >= self.min_steps),
+        meds = sorted(((_median(h), r) for r, h in self.history.items() if len(h) >= self.min_steps),
                       reverse=True)
         if not meds:
             return None
@@ -472,7 +520,7 @@ class NodeComputeDrops:
             v = float(v)
             h = self.history.setdefault(r, deque(maxlen=self.window))
             if len(h) >= self.min_steps:
-                med = statistics.median(h)
+                med = _median(h)
                 if med > 0 and v < FLAG_RATIO * med:
                     out.append([int(r), v, float(med)])
                     low = self.low.setdefault(r, deque(maxlen=self.window))

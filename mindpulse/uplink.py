@@ -192,6 +192,8 @@ class UplinkServer:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._pushed: bytes | None = None
+        self._out: dict[asyncio.StreamWriter, list[bytes]] = {}
+        """Frames written in this turn of the loop, per connection (see `_write`)."""
         self.stats: Counter[str] = Counter()
 
     async def start(self, host: str) -> Address:
@@ -223,8 +225,24 @@ class UplinkServer:
             if w.is_closing():
                 self._writers.discard(w)
                 continue
-            w.write(frame)
+            self._write(w, frame)
         self.stats["lease_pushes"] += 1
+
+    def _write(self, writer: asyncio.StreamWriter, frame: bytes) -> None:
+        """Send `frame` at the end of this turn of the loop, with whatever else this turn
+        sends the same connection: the lease a node's frame completed and that frame's ack
+        leave in one write, and the node is woken once for both (a wake-up is what costs
+        the node agent most: measured, see docs/architecture.md)."""
+        out = self._out.get(writer)
+        if out is None:
+            out = self._out[writer] = []
+            asyncio.get_running_loop().call_soon(self._flush_out, writer)
+        out.append(frame)
+
+    def _flush_out(self, writer: asyncio.StreamWriter) -> None:
+        out = self._out.pop(writer, None)
+        if out and not writer.is_closing():
+            writer.write(b"".join(out))
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         tasks: set[asyncio.Task] = set()
@@ -239,7 +257,7 @@ class UplinkServer:
                 log.warning("uplink: refused a connection without this run's token")
                 return
             self.stats["connections"] += 1
-            writer.write(encode_frame({"lease": self.lease()}))
+            self._write(writer, encode_frame({"lease": self.lease()}))
             self._writers.add(writer)
             acks = _Acks(writer, asyncio.get_running_loop()) if self.deferred_acks else None
             while True:
@@ -266,7 +284,7 @@ class UplinkServer:
                         self.stats["ingest_errors"] += 1
                         log.warning("uplink: a batch could not be ingested: %s", exc)
                 if receipt is None:
-                    writer.write(encode_frame({"ack": seq}))
+                    self._write(writer, encode_frame({"ack": seq}))
                 else:
                     receipt.release()  # filed: what it holds now is on its way up
                 if op == "decide":
@@ -278,6 +296,7 @@ class UplinkServer:
             pass
         finally:
             self._writers.discard(writer)
+            self._flush_out(writer)  # what this turn still had for it (an answer, an ack)
             for t in tasks:
                 t.cancel()
             writer.close()
@@ -289,7 +308,7 @@ class UplinkServer:
         except Exception as exc:
             raw = Directive.no_directive(step, f"aggregator error: {exc}").encode()
         if not writer.is_closing():
-            writer.write(encode_frame({"seq": seq, "directive": raw}))
+            self._write(writer, encode_frame({"seq": seq, "directive": raw}))
 
 
 # ---- the client: in a node agent's relay loop -------------------------------------------------

@@ -195,6 +195,8 @@ class RelayServer:
         self.port = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._buffer: list[bytes] = []
+        self._held: list[bytes] = []
+        """Step packets not yet filed with the pre-reducer (see `_on_frame`)."""
         self._groups: dict[int, dict[str, Any]] = {}
         self._conns: set[_RankConnection] = set()
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -263,6 +265,8 @@ class RelayServer:
         if op == "decide":
             step, timeout = frame_int(msg.get("step"), 0), frame_timeout(msg.get("timeout"))
             expect = min(self.local_ranks, max(1, frame_int(msg.get("expect"), self.local_ranks)))
+            if packets:  # this rank's part of the step: the held parts go up once all are in
+                self._step_complete(step)
             conn.answer(self._decide(packets, step, timeout, expect))
         elif op == "lease":
             need = msg.get("need")
@@ -272,8 +276,18 @@ class RelayServer:
             else:
                 self._waiting[conn] = frame_int(need, 0)
         else:
-            complete = self._file(packets)
-            if complete or self._queued() >= FLUSH_PACKETS or self._step_complete(msg.get("step")):
+            step = msg.get("step")
+            if self.prereduce is not None and type(step) is int and packets:
+                # a rank's packet of `step`: held, undecoded, until every rank of the node
+                # sent its part, then the step is decoded and reduced in one go. Measured on
+                # a 2-core machine: the same work done frame by frame as the ranks' packets
+                # trickle in costs ~1.4x as much CPU as done at once (each wake-up between
+                # them starts cold)
+                self._held.extend(packets)
+                complete = False
+            else:
+                complete = self._file(packets)
+            if complete or self._queued() >= FLUSH_PACKETS or self._step_complete(step):
                 self._flush()
             elif self._flush_timer is None and self._has_data():
                 # what a step's last rank did not complete goes up within FLUSH_S anyway
@@ -301,16 +315,22 @@ class RelayServer:
             complete = self.prereduce.add(raw) or complete
         return complete
 
+    def _file_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self._file(held)
+
     def _queued(self) -> int:
-        return len(self._buffer) if self.prereduce is None else batch_size(self.prereduce.batch)
+        return len(self._buffer) if self.prereduce is None else batch_size(self.prereduce.batch) + len(self._held)
 
     def _has_data(self) -> bool:
-        return bool(self._buffer) if self.prereduce is None else self.prereduce.has_data()
+        return bool(self._buffer) if self.prereduce is None else bool(self._held) or self.prereduce.has_data()
 
     def _take(self) -> Any:
         if self.prereduce is None:
             batch, self._buffer = self._buffer, []
             return batch
+        self._file_held()
         return self.prereduce.take()
 
     async def flush(self) -> None:

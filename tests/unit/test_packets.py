@@ -118,3 +118,34 @@ def test_mutated_packets_never_crash(data):
         decode(bytes(raw))
     except PacketError:
         pass
+
+
+def test_a_known_packet_shape_still_has_its_values_checked_and_builds_the_same_packet():
+    """The field types of a packet shape are checked once (then looked up): a later packet
+    of that shape is still refused for its values, a packet of another shape is checked
+    whole, and a complete packet built without `__init__` equals one built with it."""
+    from mindpulse.protocol import _MAX_SHAPES, _SHAPES, from_wire
+
+    good = StepPacket(rank=3, step=17, loss=1.25, samples=8, extra={"acc": 0.5})
+    wire = msgpack.unpackb(good.encode())
+    for _ in range(2):  # the second time through the known shape
+        q = from_wire(dict(wire))
+        assert q == good and type(q) is StepPacket and q.extra == {"acc": 0.5}
+    for field, bad in (("rank", -1), ("step", 1 << 41), ("samples", -2), ("nan_count", -1)):
+        with pytest.raises(PacketError, match=field if field != "step" else "out of range"):
+            from_wire(dict(wire, **{field: bad}))
+    with pytest.raises(PacketError, match="extra"):
+        from_wire(dict(wire, extra={"acc": "x"}))
+    with pytest.raises(PacketError, match="bad type str"):
+        from_wire(dict(wire, loss="1.0"))  # a new shape: every field's type is checked
+    with pytest.raises(PacketError, match="bad type bool"):
+        from_wire(dict(wire, samples=True))
+    # a packet without every field (an older rank) still gets the defaults of the rest
+    short = from_wire({"v": SCHEMA_VERSION, "t": "step", "rank": 1, "step": 2})
+    assert short == StepPacket(rank=1, step=2) and short.extra == {} and short.extra is not StepPacket(1, 2).extra
+    # a sender making up new shapes cannot grow the cache past its bound
+    for i in range(_MAX_SHAPES + 10):
+        from_wire({"v": SCHEMA_VERSION, "t": "step", "rank": 1, "step": 2, **{f: 0 for f in
+                   ("samples", "tokens", "nan_count", "inf_count", "monitor_errors", "epoch")[: i % 6]},
+                   "extra": {f"k{i}": 1.0}, "ts": float(i) if i % 2 else i})
+    assert len(_SHAPES) <= _MAX_SHAPES

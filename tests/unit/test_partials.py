@@ -200,3 +200,35 @@ def test_node_partials_drive_the_hang_clock(tmp_path):
     info = core.hang_check(timeout_s=0.1, heartbeat_stale_s=60)
     assert info is not None and info["phase"] == "running" and info["steps"] == {0: 2, 1: 2}, info
     core.close()
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), values), max_size=10, unique_by=lambda x: x[0]), st.booleans())
+@settings(max_examples=500, deadline=None)
+def test_extremes_name_the_first_rank_and_put_nan_and_inf_first(items, biggest):
+    """The extreme over ranks is the smallest (biggest) value, ties to the lowest rank, and
+    any NaN/Inf wins (lowest such rank): checked against a plain sort of the definition,
+    for the all-finite shortcut and the general loop alike."""
+    from mindpulse.aggregator.reducer import _argext
+
+    vals = [(r, v) for r, v in items if v is not None]
+    got = _argext(items, biggest)
+    if not vals:
+        assert got is None
+        return
+    bad = sorted(r for r, v in vals if not math.isfinite(v))
+    if bad:
+        want_rank = bad[0]
+    else:
+        want_rank = sorted(vals, key=lambda x: ((-x[1] if biggest else x[1]), x[0]))[0][0]
+    want = dict(vals)[want_rank]
+    assert got[1] == want_rank, f"{items} biggest={biggest}: got rank {got[1]}, want {want_rank}"
+    assert got[0] is want or got[0] == want or (math.isnan(got[0]) and math.isnan(want))
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_a_sum_and_its_sum_of_squares_from_one_pass_are_the_exact_ones(xs):
+    from mindpulse.aggregator.reducer import exact_sums
+
+    assert exact_sums(xs) == (sum(exact(x) for x in xs), sum(exact(x) ** 2 for x in xs))
+    assert exact_sums(xs, squares=False) == (sum(exact(x) for x in xs), 0)

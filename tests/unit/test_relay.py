@@ -279,3 +279,83 @@ def test_a_lease_too_long_for_the_board_goes_on_it_with_its_reason_cut():
     import os
 
     assert not os.path.exists(path), "the relay removes its board when it stops"
+
+
+class _Transport:
+    def is_closing(self):
+        return False
+
+    def write(self, data):
+        pass
+
+    def close(self):
+        pass
+
+
+class NodeUpstream(Upstream):
+    """Records the node batches (dicts) a pre-reducing relay sends."""
+
+    def send(self, batch):
+        self.sent.append(batch)
+
+    async def decide(self, batch, step, timeout):
+        self.decides.append((step, len(batch["steps"])))
+        self.decided_batches.append(batch)
+        return Directive(step=step, action=Action.CONTINUE, reason="test").encode()
+
+
+def _prereducing_relay(ranks: int):
+    from mindpulse.node.relay import NodePreReducer, _RankConnection
+
+    up = NodeUpstream()
+    srv = RelayServer(up.send, up.decide, local_ranks=ranks, prereduce=NodePreReducer(0, range(ranks)))
+    conns = [_RankConnection(srv) for _ in range(ranks)]
+    for c in conns:
+        c.transport = _Transport()
+    return up, srv, conns
+
+
+def test_a_nodes_step_is_decoded_in_one_go_once_every_rank_sent_it():
+    import asyncio
+
+    async def go():
+        up, srv, conns = _prereducing_relay(4)
+        for r in range(3):
+            srv._on_frame(conns[r], {"op": "send", "packets": [pkt(r, 1)], "step": 1})
+            assert not up.sent, f"the step went up before every rank sent it (after rank {r})"
+            assert not srv.prereduce.batch["steps"], "a packet was decoded before its step was whole"
+        srv._on_frame(conns[3], {"op": "send", "packets": [pkt(3, 1)], "step": 1})
+        assert len(up.sent) == 1, "the step did not go up at its last rank's packet"
+        batch = up.sent[0]
+        assert len(batch["steps"]) == 4 and [p["n"] for p in batch["partials"]] == [4]
+        # a frame that does not say its step is filed at once (and a partial goes up when
+        # it completes one), as before
+        for r in range(4):
+            srv._on_frame(conns[r], {"op": "send", "packets": [pkt(r, 2)]})
+        assert len(up.sent) == 2 and [p["step"] for p in up.sent[1]["partials"]] == [2]
+        srv._flush()  # what a timer would send: nothing is left
+        assert len(up.sent) == 2
+
+    asyncio.run(go())
+
+
+def test_a_decision_sent_before_the_other_ranks_parts_does_not_hold_them_for_the_timer():
+    """Rank 0 asks for the verdict of step 5 first; the other ranks' packets of step 5 then
+    go up as soon as the last one is in (not after the relay's flush timer)."""
+    import asyncio
+
+    async def go():
+        up, srv, conns = _prereducing_relay(4)
+        srv._on_frame(conns[0], {"op": "decide", "packets": [pkt(0, 5, decision=True)], "step": 5,
+                                 "timeout": 5.0, "expect": 1})
+        for _ in range(5):  # the decision goes up with what the node has (rank 0's packet)
+            await asyncio.sleep(0)
+        assert up.decides == [(5, 1)], "the decision did not go up with rank 0's packet alone"
+        for r in (1, 2, 3):
+            srv._on_frame(conns[r], {"op": "send", "packets": [pkt(r, 5)], "step": 5})
+        assert len(up.sent) == 1, "the other ranks' parts of the decided step waited for the timer"
+        assert len(up.sent[0]["steps"]) == 3 and [p["n"] for p in up.sent[0]["partials"]] == [4]
+        for c in conns:
+            c.close()
+
+    asyncio.run(go())

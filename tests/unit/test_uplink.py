@@ -286,3 +286,36 @@ def test_a_peer_without_the_token_or_speaking_garbage_is_cut_off(tmp_path, loops
     assert core.accepted == 0
     agg.run(server.close())
     core.close()
+
+
+def test_what_one_turn_of_the_loop_sends_a_connection_leaves_in_one_write():
+    """The lease a node's frame completed and that frame's ack go out in one write (the node
+    wakes once for both), in the order they were made; a closed connection gets nothing."""
+
+    class Writer:
+        def __init__(self, closing=False):
+            self.writes: list[bytes] = []
+            self.closing = closing
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def is_closing(self):
+            return self.closing
+
+    async def go():
+        server = UplinkServer(lambda entries: None, None, lambda: b"lease")
+        w, gone = Writer(), Writer(closing=True)
+        lease, ack = encode_frame({"lease": b"x"}), encode_frame({"ack": 3})
+        server._write(w, lease)
+        server._write(w, ack)
+        server._write(gone, ack)
+        assert w.writes == [], "written before the turn of the loop ended"
+        await asyncio.sleep(0)
+        assert w.writes == [lease + ack]
+        assert gone.writes == []
+        server._write(w, ack)  # the next turn: a write of its own
+        await asyncio.sleep(0)
+        assert w.writes == [lease + ack, ack]
+
+    asyncio.run(go())
