@@ -220,14 +220,14 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         "fp": fp,
         "pnorm": pnorm,
         "extra": extra,
-        "wait_max": max(waits, default=0.0),
         # seconds a rank reports: a NaN or Inf (a broken rank) must not make the partial
         # unreadable (its finite figures still count)
+        "wait_max": _finite_max(waits),
         "dw_max": _finite_max(dws),
         "ck_max": _finite_max(cks),
         "ev_max": _finite_max(evs),
         "pf_max": _finite_max(pfs),
-        "wait_s": exact_sum(waits) if any(waits) else 0,
+        "wait_s": exact_sum(w for w in waits if w and math.isfinite(w)),
         "errors": errors,
         "h_loss": _hist(v for _, v in losses),
         "h_st": _hist(v for _, v in sts),

@@ -208,7 +208,7 @@ class RelayServer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mindpulse-relay", daemon=True)
         self.stats = {"frames": 0, "packets": 0, "forward_calls": 0, "decide_calls": 0, "bad_frames": 0,
-                      "forward_errors": 0, "lease_pushes": 0, "lease_answers": 0,
+                      "forward_errors": 0, "lease_pushes": 0, "lease_answers": 0, "bad_packets": 0,
                       "refused_connections": 0, "bad_leases": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -317,7 +317,11 @@ class RelayServer:
             return False
         complete = False
         for raw in packets:
-            complete = self.prereduce.add(raw) or complete
+            try:
+                complete = self.prereduce.add(raw) or complete
+            except Exception as exc:  # one packet the reduction cannot take costs only itself
+                self.stats["bad_packets"] += 1
+                log.warning("relay: a packet could not be reduced (%r); the node's others go on", exc)
         return complete
 
     def _file_held(self) -> None:

@@ -232,3 +232,14 @@ def test_a_sum_and_its_sum_of_squares_from_one_pass_are_the_exact_ones(xs):
 
     assert exact_sums(xs) == (sum(exact(x) for x in xs), sum(exact(x) ** 2 for x in xs))
     assert exact_sums(xs, squares=False) == (sum(exact(x) for x in xs), 0)
+
+
+def test_a_rank_reporting_a_non_finite_wait_does_not_break_its_nodes_partial():
+    """Seconds a broken rank reports as NaN or Inf count nowhere, as for the data wait: the
+    node's partial and its merge still come out."""
+    pk = {r: StepPacket(rank=r, step=3, loss=1.0, monitor_wait_s=w, data_wait_s=w)
+          for r, w in enumerate((0.5, math.inf, math.nan, 0.25))}
+    part = partial_of(3, pk)
+    assert part["wait_s"] == exact(0.5) + exact(0.25)
+    assert part["wait_max"] == 0.5 and part["dw_max"] == 0.5
+    assert from_wire(msgpack.unpackb(msgpack.packb(to_wire(part)), strict_map_key=False))["wait_s"] == part["wait_s"]

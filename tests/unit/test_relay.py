@@ -359,3 +359,37 @@ def test_a_decision_sent_before_the_other_ranks_parts_does_not_hold_them_for_the
             c.close()
 
     asyncio.run(go())
+
+
+def test_a_packet_the_pre_reducer_chokes_on_costs_only_itself():
+    """An error while filing one held packet is counted; the node's other packets still go
+    up, and a decision waiting on them is still answered."""
+    import asyncio
+
+    async def go():
+        up, srv, conns = _prereducing_relay(2)
+        real_add = srv.prereduce.add
+        bad = pkt(1, 1)
+
+        def add(raw):
+            if raw == bad:
+                raise OverflowError("a value the reduction cannot take")
+            return real_add(raw)
+
+        srv.prereduce.add = add
+        srv._on_frame(conns[1], {"op": "send", "packets": [bad], "step": 1})
+        srv._on_frame(conns[1], {"op": "send", "packets": [pkt(1, 2)], "step": 2})
+        srv._on_frame(conns[0], {"op": "send", "packets": [pkt(0, 1)], "step": 1})
+        assert len(up.sent) == 1 and len(up.sent[0]["steps"]) == 2, "packets held with the bad one were lost"
+        assert srv.stats["bad_packets"] == 1
+        srv._on_frame(conns[0], {"op": "decide", "packets": [pkt(0, 2, decision=True)], "step": 2,
+                                 "timeout": 5.0, "expect": 1})
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert up.decides == [(2, 1)], "the decision did not go up with rank 0's packet"
+        assert [(p["step"], p["n"]) for p in up.decided_batches[0]["partials"]] == [(2, 2)], \
+            "the decided step's partial lacks a rank's packet filed with the bad one"
+        for c in conns:
+            c.close()
+
+    asyncio.run(go())
