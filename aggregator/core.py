@@ -507,8 +507,7 @@ class AggregatorCore:
         """Which checkpoints rank 0 writes after this step: periodic and/or best."""
         c = self.ckpt
         kinds: list[CheckpointKind] = []
-        every = c.save_checkpoint_steps
-        if every and red.step > 0 and red.step % every == 0:
+        if c.periodic_due(red.step):  # the rule rank 0's schedule waits by
             kinds.append(CheckpointKind.PERIODIC)
         if c.best_due(red.step) and not red.nonfinite_ranks:
             name = c.best_metric

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from mindpulse.protocol import RULE_ACTIONS, Action, FaultKind, MonitorSettings, Schedule, parse_fault
+from mindpulse.protocol import RULE_ACTIONS, Action, FaultKind, MonitorSettings, Schedule, parse_fault, periodic_due
 
 
 class ConfigError(ValueError):
@@ -369,6 +369,10 @@ class CheckpointConfig:
     def best_at_evaluations(self) -> bool:
         """The best is judged on an evaluation's metric (`eval_*`): at every step that has one."""
         return self.best_metric.startswith("eval_")
+
+    def periodic_due(self, step: int) -> bool:
+        """Whether a periodic checkpoint is due after `step` (`mindpulse.protocol.periodic_due`)."""
+        return periodic_due(step, self.save_checkpoint_steps)
 
     def best_due(self, step: int) -> bool:
         """Whether a new best may be judged after `step`: every `best_every_steps` steps,

@@ -845,7 +845,14 @@ class Schedule:
         return step - self.max_lag_steps
 
     def is_save_step(self, step: int) -> bool:
-        return bool(self.save_every and step > 0 and step % self.save_every == 0)
+        return periodic_due(step, self.save_every)
+
+
+def periodic_due(step: int, every: int) -> bool:
+    """Whether `step` is a periodic checkpoint step for `save_checkpoint_steps` = `every`
+    (0: none): the one rule for the rank (its `Schedule`: rank 0 waits for the verdict)
+    and the aggregator (its config: it asks for the save)."""
+    return bool(every and step > 0 and step % every == 0)
 
 
 

@@ -462,3 +462,16 @@ def test_graph_mode_recipe_in_data_parallel_on_cpu_is_refused_before_launch():
     from_dict({"train": {"mode": "graph"}, "world": {"ranks_per_node": 1}})
     from_dict({"train": {"mode": "graph"}, "world": {"ranks_per_node": 8, "device": "ascend"}})
     from_dict({"train": {"mode": "graph"}, "world": {"ranks_per_node": 2}, "job": {"script": "train.py"}})
+
+
+def test_the_rank_and_the_aggregator_agree_on_periodic_checkpoint_steps():
+    """Rank 0 waits for a verdict exactly at the steps where the aggregator asks for a
+    periodic save: both read `mindpulse.protocol.periodic_due`."""
+    from mindpulse.config import schedule_of
+
+    for every in (0, 1, 3, 10):
+        cfg, _ = load_config(None, [f"checkpoint.save_checkpoint_steps={every}"])
+        sched = schedule_of(cfg)
+        due = [s for s in range(0, 31) if cfg.checkpoint.periodic_due(s)]
+        assert due == [s for s in range(0, 31) if sched.is_save_step(s)]
+        assert due == ([] if every == 0 else list(range(every, 31, every)))
