@@ -214,7 +214,8 @@ class NodeAgents:
             refs = []
             for a in wave:
                 try:
-                    refs.append(a.stop.remote(kill=kill))
+                    # at the end (`release`) the ranks were told to end: one still running is killed
+                    refs.append(a.stop.remote(kill=kill, end_ranks=release))
                 except Exception:
                     pass
             for ref in refs:

@@ -378,7 +378,17 @@ class NodeAgent:
             del self.errors[:-20]
 
     # ---- end ------------------------------------------------------------------------------------
-    def stop(self, kill: bool = False) -> dict[str, Any]:
+    def stop(self, kill: bool = False, end_ranks: bool = False) -> dict[str, Any]:
+        """Last telemetry sample, relay flushed, uplink closed. `kill`: msrun and the
+        scheduler are killed; `end_ranks` (the launch is over, its ranks were told to end):
+        this node's rank processes still running after RANK_EXIT_GRACE_S are killed."""
+        if end_ranks:
+            # only ranks whose start time is known: a pid alone may be another process by now
+            known = {pid: self._tracked[pid] for pid in self.rank_pids.values() if pid in self._tracked}
+            ended = end_lingering(known, RANK_EXIT_GRACE_S)
+            if ended:
+                self.errors.append(f"rank processes {ended} still ran {RANK_EXIT_GRACE_S:g} s after the run "
+                                   "ended: killed")
         if self.sampler is not None:
             self.sampler.stop()
             try:
@@ -555,6 +565,33 @@ class NodeAgent:
             except OSError:
                 pass
         return killed
+
+
+RANK_EXIT_GRACE_S = 5.0
+"""How long a rank process may take to exit once its run ended, before it is killed."""
+
+
+def end_lingering(targets: dict[int, float | None], grace_s: float) -> list[int]:
+    """Wait up to `grace_s` for the processes `targets` ({pid: create time or None}) to
+    exit, then SIGKILL those still running; returns their pids. A Ray rank's process can
+    outlive its actor's end while it tears down (MindSpore's and gRPC's exit work, or a
+    hang there), and nothing of a run may outlive its launch. The create time keeps a pid
+    the system gave to another process since from being killed."""
+    deadline = time.monotonic() + grace_s
+    left = dict(targets)
+    while True:
+        left = {pid: ct for pid, ct in left.items() if pid != os.getpid() and process_alive(pid, ct)}
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    killed = []
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+    return killed
 
 
 def _wait(proc: subprocess.Popen | None, timeout_s: float) -> int | None:

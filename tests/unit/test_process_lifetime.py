@@ -236,3 +236,31 @@ def test_ray_runs_the_node_agent_as_a_threaded_actor():
     from mindpulse.node.agent import NodeAgent
 
     assert not has_async_methods(NodeAgent), "NodeAgent has a coroutine method: Ray would run it as an async actor"
+
+
+def test_a_rank_process_still_running_after_its_run_ended_is_killed_after_the_grace():
+    """`end_lingering` (the node agent's last stop): a process that exits within the grace
+    is left to exit, one still running after it is killed, and a pid whose start time does
+    not match (the system gave it to another process) is never touched."""
+    from mindpulse.node.agent import end_lingering
+
+    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    leaving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ct = {p.pid: psutil.Process(p.pid).create_time() for p in (lingering, leaving, other)}
+        t0 = time.monotonic()
+        killed = end_lingering({lingering.pid: ct[lingering.pid], leaving.pid: ct[leaving.pid],
+                                other.pid: ct[other.pid] - 100.0}, grace_s=1.5)
+        took = time.monotonic() - t0
+        assert killed == [lingering.pid], f"killed {killed}"
+        assert lingering.wait(5) == -signal.SIGKILL
+        assert leaving.wait(5) == 0, "a process that ended within the grace was killed"
+        assert other.poll() is None, "a process with another start time was killed"
+        assert 1.0 <= took < 5.0, f"the grace was not waited out ({took:.2f} s)"
+        assert end_lingering({}, grace_s=10.0) == []
+    finally:
+        for p in (lingering, leaving, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
