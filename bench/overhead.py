@@ -71,6 +71,7 @@ os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
 import argparse  # noqa: E402
 import logging  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -148,7 +149,11 @@ class Launch:
         token = secrets.token_hex(16)
         self.nodes = NodeAgents(cfg)
         self.nodes.place(self.aggregator, token)
-        self.nodes.start_telemetry({0: os.getpid()}, lambda m: print(f"[overhead] {m}", file=sys.stderr))
+        # the rank's process, for the telemetry's per-process figures: a stand-in, as in
+        # bench/fanin.py, not this process (the agent's last stop ends a run's ranks still
+        # running, and the rank here is the benchmark itself)
+        self.stand_in = subprocess.Popen(["sleep", "86400"])
+        self.nodes.start_telemetry({0: self.stand_in.pid}, lambda m: print(f"[overhead] {m}", file=sys.stderr))
         self.pids = {"aggregator": ray.get(self.aggregator.ping.remote(), timeout=60),
                      "node agent": self.nodes.pids()[0]}
         self.settings = rank_settings(cfg, run_dir=str(self.run_dir), run_id=self.name, attempt=0,
@@ -167,6 +172,8 @@ class Launch:
             print(f"[overhead] aggregator close: {exc}", file=sys.stderr)
         self.nodes.shutdown()
         self.nodes.release()
+        self.stand_in.kill()
+        self.stand_in.wait()
         try:
             ray.kill(self.aggregator, no_restart=True)
         except Exception:

@@ -442,10 +442,11 @@ class RelayServer:
         return await group["done"]
 
     async def _send_group(self, step: int, group: dict[str, Any], timeout: float) -> None:
-        try:
-            await asyncio.wait_for(group["full"].wait(), GROUP_WAIT_S)
-        except TimeoutError:
-            pass
+        if not group["full"].is_set():  # one rank decides (rank 0 at a candidate): no wait
+            try:
+                await asyncio.wait_for(group["full"].wait(), GROUP_WAIT_S)
+            except TimeoutError:
+                pass
         self._groups.pop(step, None)
         # everything queued goes in the same call, so the aggregator sees it before deciding
         batch = self._take()

@@ -74,6 +74,31 @@ def test_tables_every_per_print_step(tmp_path):
     assert core.drain_console() == []
 
 
+def test_deferred_views_come_after_the_decision_and_are_all_drawn(tmp_path):
+    """The actor's core (`defer_sinks`): a reduced step's lease and directive are there at
+    once, its TensorBoard event and console table only once `run_sinks` draws them (the
+    actor does, after the lease and directive were written); the console, a snapshot and
+    the close draw what is still waiting, oldest first."""
+    core = AggregatorCore(tmp_path, world_size=2, per_print_step=2)
+    core.defer_sinks = True
+    drawn = []
+    core.tb.on_reduced = lambda red, also: drawn.append(red.step)
+    for s in (1, 2):
+        core.ingest([step(0, s), step(1, s)])
+        assert core.directive_for(s) is not None and core.lease().reduced_through == s
+    assert drawn == [] and list(core.console) == [], "a view was drawn before run_sinks"
+    core.run_sinks()
+    assert drawn == [1, 2] and len(core.console) == 1 and "step 2" in core.console[0]
+    for s in (3, 4):
+        core.ingest([step(0, s), step(1, s)])
+    assert drawn == [1, 2]
+    lines = core.drain_console()
+    assert drawn == [1, 2, 3, 4] and len(lines) == 2 and "step 4" in lines[1], lines
+    core.ingest([step(0, 5), step(1, 5)])
+    core.close()
+    assert drawn == [1, 2, 3, 4, 5], "the close draws the last views"
+
+
 def test_snapshot_fingerprints_losses_and_rank_info(tmp_path):
     core = AggregatorCore(tmp_path, world_size=2)
     core.ingest([EventPacket(rank=0, kind="start", pid=11, host="a").encode(),

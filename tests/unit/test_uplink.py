@@ -319,3 +319,70 @@ def test_what_one_turn_of_the_loop_sends_a_connection_leaves_in_one_write():
         assert w.writes == [lease + ack, ack]
 
     asyncio.run(go())
+
+
+def test_a_decide_frame_that_decides_its_step_is_answered_in_the_write_of_its_ack():
+    """Rank 0's decision at a checkpoint candidate: when ingesting the frame decided the step,
+    the directive leaves with the frame's ack and the lease, in one write, without a task
+    waiting for it (each write wakes the node agent, and rank 0 waits for this one)."""
+    from mindpulse.protocol import decode_frame_body
+
+    class Writer:
+        def __init__(self):
+            self.writes: list[bytes] = []
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def is_closing(self):
+            return False
+
+        async def drain(self):
+            await asyncio.sleep(0)
+
+        def close(self):
+            pass
+
+    def frames(data: bytes) -> list[dict]:
+        out, at = [], 0
+        while at < len(data):
+            n = int.from_bytes(data[at:at + 4], "big")
+            out.append(decode_frame_body(data[at + 4:at + 4 + n]))
+            at += 4 + n
+        return out
+
+    async def go():
+        decided: dict[int, bytes] = {}
+        leases = iter([b"lease-0", b"lease-7"])
+        lease = {"now": next(leases)}
+
+        def ingest(entries):  # the frame completes step 7: decided, the lease moves
+            decided[7] = Directive(step=7, save="best").encode()
+            lease["now"] = next(leases)
+            server.push_lease()
+
+        async def slow_directive(step, timeout):
+            await asyncio.sleep(0.5)
+            return Directive.no_directive(step, "asked the slow way").encode()
+
+        server = UplinkServer(ingest, slow_directive, lambda: lease["now"], directive_now=decided.get)
+        server._writers = set()
+        reader, w = asyncio.StreamReader(), Writer()
+        reader.feed_data(encode_frame({"op": "hello", "token": server.token, "node": 0}))
+        client = asyncio.ensure_future(server._client(reader, w))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert [frames(x) for x in w.writes] == [[{"lease": b"lease-0"}]], w.writes
+        reader.feed_data(encode_frame({"op": "decide", "seq": 1, "entries": [[0, {"steps": []}]], "step": 7,
+                                       "timeout": 5.0}))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(w.writes) == 2, f"the answer came in {len(w.writes) - 1} writes: {w.writes[1:]}"
+        got = frames(w.writes[1])
+        assert got[0] == {"lease": b"lease-7"} and {"ack": 1} in got, got
+        answer = [f for f in got if "directive" in f]
+        assert answer and answer[0]["seq"] == 1 and Directive.decode(answer[0]["directive"]).save == "best", got
+        reader.feed_eof()
+        await client
+
+    asyncio.run(go())

@@ -110,6 +110,10 @@ def test_the_learning_rate_of_a_step_from_a_tensor_of_rates():
     # a rate changed by the script is read as it is now
     sched.learning_rate.set_data(ms.Tensor(rates * 10))
     assert lr_of_step(opt, 2) == pytest.approx(3.0)
+    # ... and one written in place into the table's storage (the host view is kept)
+    ms.ops.assign(sched.learning_rate, ms.Tensor(rates * 100))
+    assert lr_of_step(opt, 2) == pytest.approx(30.0)
+    assert lr_of_step(opt, 0) == pytest.approx(10.0)
     # the other kinds, as before: a constant, and a schedule cell
     assert lr_of_step(nn.SGD(net.trainable_params(), 0.05), 7) == pytest.approx(0.05)
     cos = nn.CosineDecayLR(0.01, 0.1, 10)
