@@ -7,7 +7,10 @@ Works in PYNATIVE and GRAPH mode, in one process and in data parallel.
 
 The statistics cost passes over the gradients and kernel launches, not arithmetic, so
 they are built to make as few of both as possible (measured on this repo's 2-core CPU
-machine, MindSpore 2.9; see docs/monitoring.md):
+machine, MindSpore 2.9; see docs/monitoring.md). On CPU one fused kernel of our own
+(`grad_stats.cc`, built and loaded by `grad_stats_kernel.py`) does all of it: every
+gradient read once where it lies, the counts taken only for a tensor whose sum of squares
+is not finite. Elsewhere (Ascend, or where the kernel cannot be built) the graph path:
 
 - a norm is one sum of squares over a few concatenations: the gradients are grouped by
   their trailing shape, each group is concatenated along its first axis (one copy, no
@@ -29,6 +32,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .faults import cell_faults_armed
+from .grad_stats_kernel import fused_grad_stats_op, fused_op_unavailable_reason, reads_dtypes
 from .model_params import FAULT_PARAM_PREFIX
 from .settings import rank_id
 
@@ -143,13 +147,21 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
     and its gradients, `mindpulse_fault_grad_scale` multiplies the local gradients
     before the reduction. Both are 1.0 unless a fault is injected.
 
-    `count_every_step`: take the NaN/Inf counts every step (True) or only when the local
-    sum of squares is not finite (False); None, the default, decides by the number of
-    gradient values (`COUNT_EVERY_STEP_MAX_VALUES`). Both give the same statistics.
+    `stats_kernel`: "auto" (the default) computes the statistics with the fused kernel
+    where it runs (CPU, a C++ compiler to build it once, floating-point gradients) and with
+    graph ops otherwise; "fused" insists on the kernel (an error says why it cannot run);
+    "graph" always uses graph ops. The same statistics either way, except that the fused
+    kernel sums squares in double: finite gradients whose squares overflow float32 give a
+    finite norm there and an Inf norm (with zero counts) on the graph path.
+
+    `count_every_step` (graph path): take the NaN/Inf counts every step (True) or only when
+    the local sum of squares is not finite (False); None, the default, decides by the
+    number of gradient values (`COUNT_EVERY_STEP_MAX_VALUES`). Both give the same statistics.
     """
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, sens: float | None = None,
-                 fault_armed: bool | None = None, count_every_step: bool | None = None):
+                 fault_armed: bool | None = None, count_every_step: bool | None = None,
+                 stats_kernel: str = "auto"):
         super().__init__(network, optimizer, sens)
         # the scaling ops are only in the graph when a fault may be injected in this rank
         # (known at launch, from the run's settings): a normal run pays nothing for them
@@ -170,6 +182,25 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
         if count_every_step is None:
             count_every_step = sum(math.prod(s) for s in shapes) <= COUNT_EVERY_STEP_MAX_VALUES
         self.count_every_step = bool(count_every_step)
+        self.stats_op = self._choose_stats_op(stats_kernel)
+        self.fused_stats = self.stats_op is not None
+
+    def _choose_stats_op(self, stats_kernel: str):
+        if stats_kernel not in ("auto", "fused", "graph"):
+            raise ValueError(f"stats_kernel must be 'auto', 'fused' or 'graph', not {stats_kernel!r}")
+        if stats_kernel == "graph":
+            return None
+        dtypes = [w.dtype for w in self.weights]
+        if not dtypes or not reads_dtypes(dtypes):
+            why = "nothing to train" if not dtypes else f"gradient dtypes {sorted({str(d) for d in dtypes})}"
+            if stats_kernel == "fused":
+                raise ValueError(f"stats_kernel='fused' cannot read these gradients ({why}); use 'auto' or 'graph'")
+            return None
+        op = fused_grad_stats_op()
+        if op is None and stats_kernel == "fused":
+            why = fused_op_unavailable_reason()
+            raise RuntimeError(f"stats_kernel='fused': the fused kernel cannot run here ({why}); use 'auto' or 'graph'")
+        return op
 
     def enable_pre_reduce_timing(self) -> bool:
         """PYNATIVE only: time-stamp the moment the local gradients are ready, just before
@@ -218,6 +249,14 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
         grads = self.grad(self.network, self.weights)(*inputs, sens)
         if self.fault_armed:
             grads = self.hyper_map(ops.partial(_scale, self.fault_grad_scale), grads)
+        if self.fused_stats:  # one kernel: [norm, NaN count, Inf count] of the local gradients
+            local = self.stats_op(*grads)
+            grads = self.grad_reducer(grads)
+            # data parallel: the norm of the all-reduced gradients; else the reducer is the identity
+            global_norm = self.stats_op(*grads)[0] if self.reducer_flag else local[0]
+            stats = ops.stack([global_norm, local[0], local[1], local[2]])
+            loss = ops.depend(loss, self.optimizer(grads))
+            return loss, stats
         # mutable: without it the tuple is a compile-time constant and recompiles every step
         local = local_grad_stats(ms.mutable(grads), self.stat_groups, self.count_every_step)
         grads = self.grad_reducer(grads)

@@ -93,17 +93,21 @@ class _GradIsInput(nn.Cell):
         return loss
 
 
-@pytest.fixture(params=["count_if_not_finite", "count_every_step"])
+@pytest.fixture(params=["fused", "graph:count_if_not_finite", "graph:count_every_step"])
 def counting(request):
-    """Both ways the cell takes the counts: behind a branch on the sum of squares (large
-    gradients) and every step on the concatenated gradients (small ones)."""
-    return request.param == "count_every_step"
+    """Every way the cell takes the statistics: the fused kernel (CPU), and the graph path
+    with the counts behind a branch on the sum of squares (large gradients) or taken every
+    step on the concatenated gradients (small ones)."""
+    return request.param
 
 
-def _grad_cell(count_every_step, fault_armed=False):
+def _grad_cell(counting, fault_armed=False):
     net = _GradIsInput()
-    return MonitoredTrainOneStepCell(net, nn.SGD(net.trainable_params(), 0.01), fault_armed=fault_armed,
-                                     count_every_step=count_every_step)
+    kernel = "fused" if counting == "fused" else "graph"
+    cell = MonitoredTrainOneStepCell(net, nn.SGD(net.trainable_params(), 0.01), fault_armed=fault_armed,
+                                     count_every_step=counting == "graph:count_every_step", stats_kernel=kernel)
+    assert cell.fused_stats is (kernel == "fused")
+    return cell
 
 
 def _grads(seed=1):
@@ -118,7 +122,8 @@ def _step(cell, grads):
 def test_square_sum_groups_concatenate_by_trailing_shape():
     assert square_sum_groups(SHAPES) == ((0, 2), (1, 3), (4,), (5,))
     assert square_sum_groups([(7,), (8, 2), (9, 2)]) == ((0,), (1, 2))
-    cell = _grad_cell(None)
+    net = _GradIsInput()
+    cell = MonitoredTrainOneStepCell(net, nn.SGD(net.trainable_params(), 0.01), fault_armed=False)
     assert cell.stat_groups == ((0, 2), (1, 3), (4,), (5,))
     assert cell.count_every_step  # 67 values: counting costs less than the branch
 
@@ -174,13 +179,18 @@ def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode, counting):
 
 
 def test_an_overflowing_sum_of_squares_is_counted_not_guessed(mode, counting):
-    """Finite gradients whose squares overflow float32: the norm is Inf, and the counts,
-    taken because the sum is not finite, say that no element is NaN or Inf."""
+    """Finite gradients whose squares overflow float32: the counts, taken because the
+    float32 sum is not finite, say that no element is NaN or Inf. The fused kernel then
+    sums the squares in double (the norm is exact); the graph path reports Inf."""
     cell = _grad_cell(counting)
     grads = _grads()
     grads[0][0, 0] = 3e19
     _, stats = _step(cell, grads)
-    assert stats["grad_norm_local"] == math.inf
+    if counting == "fused":
+        assert stats["grad_norm_local"] == pytest.approx(3e19, rel=1e-6)
+        assert stats["grad_norm"] == stats["grad_norm_local"]
+    else:
+        assert stats["grad_norm_local"] == math.inf
     assert stats["nan_count"] == 0 and stats["inf_count"] == 0
 
 
