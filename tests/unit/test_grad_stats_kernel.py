@@ -115,6 +115,7 @@ def test_build_failures_say_why(tmp_path, monkeypatch):
     assert b.path is None and "no C++ compiler" in b.reason, b.reason
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_cell_uses_its_graph_path_and_says_why(tmp_path):
     """A rank on a machine without a C++ compiler: the cell warns once, with the reason, and
     returns the same statistics from graph ops; asking for the kernel explicitly is an error

@@ -93,12 +93,17 @@ class _GradIsInput(nn.Cell):
         return loss
 
 
-@pytest.fixture(params=["fused", "graph:count_if_not_finite", "graph:count_every_step"])
+@pytest.fixture(params=[("pynative", "fused"), ("graph", "fused"), ("graph", "graph:count_if_not_finite"),
+                        ("graph", "graph:count_every_step")], ids=lambda p: "-".join(p))
 def counting(request):
-    """Every way the cell takes the statistics: the fused kernel (CPU), and the graph path
-    with the counts behind a branch on the sum of squares (large gradients) or taken every
-    step on the concatenated gradients (small ones)."""
-    return request.param
+    """Every way the cell takes the statistics: the fused kernel (CPU; in both modes), and
+    the graph path with the counts behind a branch on the sum of squares (large gradients)
+    or taken every step on the concatenated gradients (small ones). The graph path's
+    statistics are one `ms.jit` function, compiled as a graph in either mode: GRAPH only."""
+    mode, how = request.param
+    ms.set_context(mode=ms.PYNATIVE_MODE if mode == "pynative" else ms.GRAPH_MODE, device_target="CPU")
+    yield how
+    ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
 def _grad_cell(counting, fault_armed=False):
@@ -137,7 +142,7 @@ def test_counts_every_step_only_on_small_gradients():
         assert cell.count_every_step is every
 
 
-def test_finite_gradients_give_zero_counts_and_the_host_norm(mode, counting):
+def test_finite_gradients_give_zero_counts_and_the_host_norm(counting):
     cell = _grad_cell(counting)
     grads = _grads()
     expected = math.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum()) for g in grads))
@@ -149,7 +154,7 @@ def test_finite_gradients_give_zero_counts_and_the_host_norm(mode, counting):
         assert stats["nan_count"] == 0 and stats["inf_count"] == 0
 
 
-def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode, counting):
+def test_nan_and_inf_counts_when_a_gradient_is_not_finite(counting):
     cell = _grad_cell(counting)
     finite = _grads()
     _, stats = _step(cell, finite)  # a healthy step first: the same compiled step must count afterwards
@@ -178,7 +183,7 @@ def test_nan_and_inf_counts_when_a_gradient_is_not_finite(mode, counting):
     assert stats["nan_count"] == 0 and stats["inf_count"] == 0 and math.isfinite(stats["grad_norm"])
 
 
-def test_an_overflowing_sum_of_squares_is_counted_not_guessed(mode, counting):
+def test_an_overflowing_sum_of_squares_is_counted_not_guessed(counting):
     """Finite gradients whose squares overflow float32: the counts, taken because the
     float32 sum is not finite, say that no element is NaN or Inf. The fused kernel then
     sums the squares in double (the norm is exact); the graph path reports Inf."""
@@ -194,7 +199,7 @@ def test_an_overflowing_sum_of_squares_is_counted_not_guessed(mode, counting):
     assert stats["nan_count"] == 0 and stats["inf_count"] == 0
 
 
-def test_fault_grad_scale_counts_every_element(mode, counting):
+def test_fault_grad_scale_counts_every_element(counting):
     cell = _grad_cell(counting, fault_armed=True)
     cell.fault_grad_scale.set_data(ms.Tensor(float("inf"), ms.float32))
     grads = [np.abs(np.asarray(g)) + np.float32(0.5) for g in _grads()]  # no zero: inf * 0 would be NaN
