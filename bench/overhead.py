@@ -70,6 +70,7 @@ os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -94,10 +95,17 @@ MODELS = {
     # the recipe's model (cluster_configs/local_cpu.yaml)
     "small": dict(seq_length=64, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, batch_size=8,
                   timed=40, repeats=10, rounds=4),
-    # sized so that a step takes about 200 ms on this machine
+    # sized so that a step takes about 200 ms on the machine it was first measured on
     "larger": dict(seq_length=128, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, batch_size=8,
                    timed=20, repeats=4, rounds=2),
 }
+STEP_TARGET_MS = {"small": 13.0, "larger": 200.0}
+"""The bare step each target is stated for (issue 13: <= 1.15x "at the 13 ms step", <= 1.03x
+"at the ~200 ms step"). Fixed costs weigh less against a longer step, so on a machine where
+the default batch gives a much longer step the batch is lowered to bring the bare step
+closest to these (`calibrate_batch`); the batch sizes tried and their steps are reported."""
+CALIBRATE_SLACK = 1.2
+"""A bare step up to this factor over its target keeps the batch it has."""
 CPU_OF = ("rank", "aggregator", "node agent")
 """Processes whose CPU time per step is reported (the rank is this process)."""
 TARGETS = {"small": 1.15, "larger": 1.03}
@@ -329,6 +337,44 @@ class Rig:
         return sum(getattr(m.session.checkpoints, "asked", 0) for m in self.monitors)
 
 
+def calibrate_batch(mname: str, spec: dict) -> tuple[int, dict[int, float]]:
+    """The batch size (the default, or a halving of it) whose bare `TrainOneStepCell` step
+    is closest to `STEP_TARGET_MS[mname]` on this machine, and the median step (ms) of every
+    batch tried. Starts at the default and halves while the step is over the target by more
+    than `CALIBRATE_SLACK`; never raises the batch (a faster machine keeps the default)."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from mindpulse.workers.recipes.llama_finetune import ModelShape, build_model, set_mode
+
+    target = STEP_TARGET_MS[mname]
+    shape = ModelShape(**{k: spec[k] for k in ModelShape.__dataclass_fields__})
+    tried: dict[int, float] = {}
+    bs = spec["batch_size"]
+    while bs >= 1:
+        set_mode("graph", "CPU")
+        ms.set_seed(1234)
+        net = build_model(shape, bs)
+        set_mode("graph", "CPU")
+        cell = nn.TrainOneStepCell(net, nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.0))
+        cell.set_train()
+        x = ms.Tensor(np.random.RandomState(0).randint(0, 256, (bs, shape.seq_length + 1)).astype(np.int32))
+        for _ in range(3):
+            cell(x).asnumpy()
+        times = []
+        t_end = time.perf_counter() + max(1.0, 10 * target / 1000)
+        while len(times) < 5 or time.perf_counter() < t_end:
+            t = time.perf_counter()
+            cell(x).asnumpy()
+            times.append(time.perf_counter() - t)
+        tried[bs] = statistics.median(times) * 1000
+        if tried[bs] <= target * CALIBRATE_SLACK:
+            break
+        bs //= 2
+    best = min(tried, key=lambda b: abs(math.log(tried[b] / target)))
+    return best, tried
+
+
 def _cpu(proc) -> float:
     try:
         t = proc.cpu_times()
@@ -357,6 +403,10 @@ def main() -> None:
     ap.add_argument("--rounds-small", type=int, default=MODELS["small"]["rounds"],
                     help="runs per configuration and repeat, interleaved; the timed steps split among them")
     ap.add_argument("--rounds-larger", type=int, default=MODELS["larger"]["rounds"])
+    for m in MODELS:
+        ap.add_argument(f"--batch-{m}", default="auto",
+                        help=f"batch size, or 'auto': the default ({MODELS[m]['batch_size']}) halved until the bare "
+                             f"step is within {CALIBRATE_SLACK}x of the ~{STEP_TARGET_MS[m]:.0f} ms its target names")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="2 repeats, 10 or 20 timed steps (a smoke run)")
     ap.add_argument("--max-seconds", type=float, default=300.0,
@@ -398,6 +448,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     for mname in args.models.split(","):
         spec = dict(MODELS[mname])
+        batch_arg = getattr(args, f"batch_{mname}")
+        calibration: dict[int, float] = {}
+        if batch_arg == "auto":
+            spec["batch_size"], calibration = calibrate_batch(mname, spec)
+            print(f"[overhead] {mname}: batch {spec['batch_size']} (bare step ms by batch: "
+                  + ", ".join(f"{b}: {t:.1f}" for b, t in calibration.items()) + ")", file=sys.stderr, flush=True)
+        else:
+            spec["batch_size"] = int(batch_arg)
         spec["timed"] = getattr(args, f"timed_steps_{mname}")
         spec["rounds"] = getattr(args, f"rounds_{mname}")
         repeats = getattr(args, f"repeats_{mname}")
@@ -439,6 +497,7 @@ def main() -> None:
                                         "max": max(med_ratios)}}
         results[mname] = {
             "shape": {k: v for k, v in spec.items() if k not in ("timed", "repeats", "rounds")}, "params": rig.params,
+            "step_target_ms": STEP_TARGET_MS.get(mname), "batch_calibration": calibration,
             "timed_steps": spec["timed"], "rounds": spec["rounds"], "repeats": len(g["kept"]),
             "repeats_asked": repeats,
             "discarded": g["discarded"], "disturbed_kept": g["disturbed_kept"], "foreign_cores": g["foreign"],
@@ -479,6 +538,11 @@ def render(out: dict) -> str:
                      f"batch {sh['batch_size']}, {r['params'] / 1e6:.2f} M parameters; {r['repeats']} repeats x "
                      f"{r['timed_steps']} timed steps per configuration, in {r.get('rounds', 1)} interleaved runs of "
                      f"{r['timed_steps'] // r.get('rounds', 1)}{quiet}\n")
+        if r.get("batch_calibration"):
+            cal = r["batch_calibration"]
+            lines.append(f"batch {sh['batch_size']} chosen so the bare step is closest to the ~{r['step_target_ms']:.0f} "
+                         "ms its target names (bare TrainOneStepCell, median step by batch size: "
+                         + ", ".join(f"{b}: {t:.1f} ms" for b, t in cal.items()) + ")\n")
         rows = []
         base = r["configs"]["none"]["step_s"]["mean"]
         for v in r["configs"].values():
