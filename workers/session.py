@@ -63,7 +63,7 @@ from mindpulse.protocol import (
 
 from .checkpoint_writer import CheckpointWriter
 from .faults import FaultInjector, faults_for
-from .fingerprint import fingerprint_of, param_sums
+from .fingerprint import HostViews, fingerprint_of, param_sums
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
 from .heartbeat import Heartbeat
 from .model_params import model_parameters
@@ -588,7 +588,7 @@ class RankSession:
                                    connect=lambda: connect(settings, self.rank)) if settings else None
         self.weight_stats: WeightStats | None = None
         self._last_sums: Any = None
-        self._params: tuple[Any, list] | None = None
+        self._params: tuple[Any, list, HostViews] | None = None
         """(network, its parameters) as last listed for the fingerprint."""
         self.started = False
         self.stopped: Directive | None = None
@@ -860,8 +860,9 @@ class RankSession:
             return None, None
         try:
             if self._params is None or self._params[0] is not self.network:
-                self._params = (self.network, model_parameters(self.network))  # the same tensors every step
-            self._last_sums = param_sums(self._params[1])
+                params = model_parameters(self.network)  # the same tensors every step
+                self._params = (self.network, params, HostViews(params))
+            self._last_sums = param_sums(self._params[1], views=self._params[2])
             return fingerprint_of(self._last_sums)
         except Exception as exc:
             log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)

@@ -87,6 +87,9 @@ class WeightStats:
         self.grads_source = grads_source  # a MonitoredTrainOneStepCell with captured grads (PYNATIVE)
         self.on_host = weights_on_host(self.params) if on_host is None else on_host
         """Read the weights on the host (a CPU target) rather than reduce them on the device."""
+        from .fingerprint import HostViews
+
+        self.views = HostViews(self.params) if self.on_host else None
 
     def keep_previous(self) -> None:
         """Copy the weights (on the host for a CPU target, else on the device) so the next
@@ -95,11 +98,9 @@ class WeightStats:
 
         limit = self.params[:MAX_LAYERS]
         if self.on_host:
-            from .fingerprint import host_array
-
             # one block for all of them: one allocation (a fresh one per parameter costs
             # its page faults again every time: 10x the copy itself here)
-            views = [host_array(p) for p in limit]
+            views = [self.views[i] for i in range(len(limit))]
             room = [-(-v.nbytes // 8) * 8 for v in views]  # each one 8-byte aligned
             block = np.empty(sum(room), np.uint8)
             self.prev, at = {}, 0
@@ -118,11 +119,11 @@ class WeightStats:
         assert self.prev is not None
         idx = sorted(self.prev)
         if self.on_host:
-            from .fingerprint import host_array, square_sum
+            from .fingerprint import square_sum
 
             out = []
             for i in idx:
-                now, before = host_array(self.params[i]), self.prev[i]
+                now, before = self.views[i], self.prev[i]
                 if now.dtype != np.float32:
                     now, before = now.astype(np.float32), before.astype(np.float32)
                 out.append(math.sqrt(square_sum(now, minus=before)))
@@ -147,7 +148,7 @@ class WeightStats:
         hists = {}
         for i in self.hist_idx:
             p = self.params[i]
-            hists[self.names[i]] = histogram(p.asnumpy() if self.on_host else p.value().asnumpy())
+            hists[self.names[i]] = histogram(self.views[i] if self.on_host else p.value().asnumpy())
         if hists:
             out["hist"] = hists
         grads = getattr(self.grads_source, "captured_grads", None) if self.grads_source is not None else None

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from mindspore import nn
 
-from mindpulse.workers.fingerprint import fingerprint_of, param_sums, weights_on_host
+from mindpulse.workers import fingerprint as fingerprint_mod
+from mindpulse.workers.fingerprint import HostViews, fingerprint_of, param_sums, weights_on_host
 from mindpulse.workers.model_params import model_parameters
 from mindpulse.workers.monitor import lr_of_step
 from mindpulse.workers.weight_stats import WeightStats
@@ -66,6 +67,31 @@ def test_the_fingerprint_follows_the_weights_after_every_step(mode):
     a.reshape(-1)[0] += np.float32(1e-4)
     p.set_data(ms.Tensor(a))
     assert fingerprint_of(param_sums(params))[0] != after[0]
+
+
+def test_kept_host_views_follow_every_step_and_new_storage(mode, monkeypatch):
+    """The views a rank keeps of its weights (read once per parameter, not every collect
+    step) show each step's update, as a fresh `asnumpy()` does, and a parameter given new
+    storage (a checkpoint loaded, the desync fault) is read anew."""
+    net, step = trained()
+    params = model_parameters(net)
+    reads = []
+    real = fingerprint_mod.host_array
+    monkeypatch.setattr(fingerprint_mod, "host_array", lambda p: reads.append(p.name) or real(p))
+    views = HostViews(params)
+    first = param_sums(params, on_host=True, views=views)
+    np.testing.assert_array_equal(first, param_sums(params, on_host=True))
+    for _ in range(3):
+        step()
+        np.testing.assert_array_equal(param_sums(params, on_host=True, views=views), param_sums(params, on_host=True))
+    # one read per parameter for the kept views (the rest are the fresh reads compared against)
+    assert reads.count(params[0].name) == 1 + 4
+    p = params[0]
+    a = p.asnumpy().copy()
+    a.reshape(-1)[0] += np.float32(1e-3)
+    p.set_data(ms.Tensor(a))
+    np.testing.assert_array_equal(views[0], a.reshape(-1))
+    assert fingerprint_of(param_sums(params, on_host=True, views=views)) == fingerprint_of(param_sums(params))
 
 
 def test_update_ratios_on_the_host_and_on_the_device_agree(mode):
