@@ -62,6 +62,26 @@ PIECES = [
 ]
 
 
+REFERENCE_CARDS_PER_S = 26607.0
+"""`npu_smi_parse.py`'s median rate (all fixtures in turn, pure Python) on the reference
+machine the planned times are for (Intel Xeon, 2 cores, 2026-12-04 08:00). The first piece
+measures it here: a machine whose Python runs more than `SLOW_FACTOR` times slower takes
+every piece's reduced arguments, reserves more time for the pieces to come, and gives each
+piece a timeout scaled to its speed (measured on an AMD EPYC VM on 2026-12-04: 4.0x slower,
+and two pieces were killed at the reference machine's timeouts)."""
+SLOW_FACTOR = 1.5
+
+
+def python_slowdown() -> float:
+    """How many times slower than the reference machine this one runs pure Python (from the
+    npu_smi piece's result; 1.0 when it is missing)."""
+    r = _load("npu_smi")
+    try:
+        return max(1.0, REFERENCE_CARDS_PER_S / float(r["cards_per_s"]["median"]))
+    except (TypeError, KeyError, ValueError, ZeroDivisionError):
+        return 1.0
+
+
 @dataclass
 class Attempt:
     args: list[str]
@@ -126,18 +146,26 @@ def main() -> None:
 
     attempts: dict[str, list[Attempt]] = {}
     waited = 0.0
+    slowdown = 1.0
     for i, p in enumerate(pieces):
         rest = pieces[i + 1:]
+        if i and pieces[i - 1].name == "npu_smi":
+            slowdown = python_slowdown()
+            machine["python_slowdown"] = round(slowdown, 2)
+            print(f"=== this machine runs Python {slowdown:.1f}x slower than the reference machine"
+                  + (": reduced arguments for every piece" if slowdown > SLOW_FACTOR else ""), flush=True)
+        slow = slowdown > SLOW_FACTOR
+        mult = min(slowdown, 2.0) if slow else 1.0  # time reserved for the pieces to come
         left = args.budget_s - (time.time() - t_start)
         need_full = p.planned_s + sum(x.reduced_s or x.planned_s for x in rest)
-        use_reduced = bool(p.reduced_args) and left < need_full * 1.1
+        use_reduced = bool(p.reduced_args) and (slow or left < need_full * 1.1)
         piece_args = p.reduced_args if use_reduced else p.args
         planned = (p.reduced_s if use_reduced else p.planned_s) or p.planned_s
         slack = left - planned - sum(x.reduced_s or x.planned_s for x in rest)
         waited += wait_quiet(load, max(0.0, min(45.0, slack * 0.5)))
         left = args.budget_s - (time.time() - t_start)
-        reserve = sum(x.reduced_s or x.planned_s for x in rest)
-        timeout = max(planned * 1.5, left - reserve)
+        reserve = sum(x.reduced_s or x.planned_s for x in rest) * mult
+        timeout = max(planned * 1.5 * min(slowdown, 4.0), left - reserve)
         if p.max_s:
             gate_s = max(planned, min(p.max_s, left - reserve - 20))
             piece_args = [*piece_args, "--max-seconds", f"{gate_s:.0f}"]
@@ -167,7 +195,7 @@ def main() -> None:
                 break
             reason = "failed" if not a.ok else f"foreign load {a.foreign['mean_cores']:.2f} cores"
             print(f"=== {p.name}: running again ({reason})", flush=True)
-            timeout = max(planned * 1.5, args.budget_s - (time.time() - t_start) - reserve)
+            timeout = max(planned * 1.5 * min(slowdown, 4.0), args.budget_s - (time.time() - t_start) - reserve)
         for a in att:
             a.kept = a is kept
         attempts[p.name] = att
@@ -346,7 +374,10 @@ def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) 
         "",
         "| | |",
         "| --- | --- |",
-        f"| machine | {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM |",
+        f"| machine | {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM"
+        + (f"; pure Python {m['python_slowdown']:.1f}x slower than the reference machine the planned times are "
+           "for (npu_smi parse rate)" + ("; every piece ran its reduced arguments" if m['python_slowdown'] > SLOW_FACTOR
+                                         else "") if m.get("python_slowdown") else "") + " |",
         f"| OS | {m['os']} |",
         f"| software | Python {m['python']}, MindSpore {m['mindspore']} (CPU), MindFormers {m['mindformers']}, "
         f"Ray {m['ray']}, msgpack {m['msgpack']} |",
