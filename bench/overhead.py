@@ -518,9 +518,11 @@ def main() -> None:
         if mname not in TARGETS or "mp_default" not in r["configs"]:
             continue
         ra = r["configs"]["mp_default"]["ratio"]
+        floor = r["configs"].get("loss_monitor", {}).get("ratio")
         targets.append({"model": mname, "none_step_s": r["configs"]["none"]["step_s"]["mean"],
                         "limit": TARGETS[mname], "mean_ratio": ra["mean"], "worst_ratio": ra["worst"],
-                        "met": ra["worst"] <= TARGETS[mname], "repeats": r["repeats"]})
+                        "met": ra["worst"] <= TARGETS[mname], "repeats": r["repeats"],
+                        "noise_floor_worst": floor["worst"] if floor else None})
     out = {"results": results, "targets": targets}
     print(render(out))
     C.write_result(args.json, "overhead", out, t0)
@@ -570,6 +572,12 @@ def render(out: dict) -> str:
             f"- target ({t['model']} model, {t['none_step_s'] * 1000:.0f} ms step): default mindpulse path "
             f"<= {t['limit']:.2f}x a bare TrainOneStepCell, mean step over all steps, worst repeat: "
             f"{t['worst_ratio']:.3f} (mean over repeats {t['mean_ratio']:.3f}): {'met' if t['met'] else 'MISSED'}")
+        if t.get("noise_floor_worst") is not None:
+            lines.append(
+                f"  - noise floor in the same run: MindSpore's LossMonitor (one scalar read a step) has a worst repeat of "
+                f"{t['noise_floor_worst']:.3f}x" + (" — above the limit itself: on this machine a repeat's ratio moves "
+                                                    "by more than the target for reasons other than monitoring"
+                                                    if t["noise_floor_worst"] > t["limit"] else ""))
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import _common as C
 
@@ -135,7 +135,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1140.0, help="total wall-time budget (default 19 min)")
     ap.add_argument("--only", default="", help="comma-separated pieces (default: all)")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument("--docs-only", action="store_true",
+                    help="rewrite docs/benchmarks.md from the last run's results (bench/results), running nothing")
     args = ap.parse_args()
+    if args.docs_only:
+        rewrite_docs(args.budget_s)
+        return
     t_start = time.time()
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     pieces = [p for p in PIECES if not args.only or p.name in args.only.split(",")]
@@ -216,6 +221,25 @@ def main() -> None:
         sys.exit(1)
 
 
+def rewrite_docs(budget_s: float) -> None:
+    """docs/benchmarks.md again from the stored results of the last full run (after a change
+    to how results are rendered; every figure stays the one that run measured)."""
+    run = json.loads((RESULTS / "run_all.json").read_text())
+    names = {f.name for f in fields(Attempt)}
+    attempts = {}
+    for k, v in run["attempts"].items():
+        atts = []
+        for d in v:
+            a = Attempt(**{n: d[n] for n in names if n in d})
+            a.kept = d.get("kept", False)
+            atts.append(a)
+        attempts[k] = atts
+    report = build_report(PIECES, attempts, run["machine"], run["started"], run["total_s"],
+                          run["waited_for_quiet_s"], budget_s)
+    DOC.write_text(report["doc"])
+    print(f"wrote {DOC.relative_to(C.ROOT)}")
+
+
 # ---- the report ------------------------------------------------------------------------
 def _load(name: str) -> dict | None:
     p = RESULTS / f"{name}.json"
@@ -234,7 +258,9 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
             rows.append([f"default monitoring (monitored cell + Monitor + relay + aggregator) <= {t['limit']:.2f}x a bare "
                          f"TrainOneStepCell, mean step over all steps, worst repeat ({t['model']} model, "
                          f"{t['none_step_s'] * 1000:.0f} ms step)",
-                         f"worst of {t['repeats']}: {t['worst_ratio']:.3f}x (mean {t['mean_ratio']:.3f}x)",
+                         f"worst of {t['repeats']}: {t['worst_ratio']:.3f}x (mean {t['mean_ratio']:.3f}x)"
+                         + (f"; noise floor: LossMonitor's worst repeat {t['noise_floor_worst']:.3f}x"
+                            if t.get("noise_floor_worst") is not None else ""),
                          "met" if t["met"] else "missed",
                          f"{t['limit'] - t['worst_ratio']:.3f} under the limit" if t["met"] else
                          f"{t['worst_ratio'] - t['limit']:.3f} over the limit"])
