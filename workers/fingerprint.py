@@ -76,9 +76,6 @@ class HostViews:
         self.params = list(params)
         self._kept: list[tuple[int, int, np.ndarray] | None] = [None] * len(self.params)
 
-    def __len__(self) -> int:
-        return len(self.params)
-
     def __getitem__(self, i: int) -> np.ndarray:
         p = self.params[i]
         try:

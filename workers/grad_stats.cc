@@ -59,6 +59,9 @@ struct F16 {
 struct BF16 {
   static float get(const void* p, int64_t i) { return bf16_to_f32(static_cast<const uint16_t*>(p)[i]); }
 };
+struct F64 {
+  static double get(const void* p, int64_t i) { return static_cast<const double*>(p)[i]; }
+};
 
 // The fast pass: blocks of 512 values summed in 8 independent float lanes (the compiler
 // vectorises them without reordering any sum), each block's total added in double. A
@@ -86,7 +89,8 @@ double square_sum_fast(const void* p, int64_t n) {
 }
 
 // The exact pass, only for a tensor whose fast sum is not finite: counts NaN and Inf and
-// sums the finite squares in double (finite float32 squares cannot overflow a double).
+// sums the finite squares in double (finite float32 squares cannot overflow a double; a
+// float64 gradient past 1e154 still may).
 template <class T>
 double square_sum_exact(const void* p, int64_t n, double* nan, double* inf) {
   double total = 0.0;
@@ -114,26 +118,11 @@ double tensor_square_sum(const void* p, int64_t n, double* nan, double* inf) {
   return std::isfinite(s) ? s : square_sum_exact<T>(p, n, nan, inf);
 }
 
-double f64_square_sum(const double* x, int64_t n, double* nan, double* inf) {
+double f64_square_sum(const void* p, int64_t n, double* nan, double* inf) {
+  const double* x = static_cast<const double*>(p);
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) total += x[i] * x[i];
-  if (std::isfinite(total)) return total;
-  double exact = 0.0;
-  int64_t nans = 0, infs = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (std::isnan(x[i])) {
-      ++nans;
-    } else if (std::isinf(x[i])) {
-      ++infs;
-    } else {
-      exact += x[i] * x[i];  // may overflow: a float64 gradient past 1e154
-    }
-  }
-  *nan += double(nans);
-  *inf += double(infs);
-  if (nans) return std::nan("");
-  if (infs) return HUGE_VAL;
-  return exact;
+  return std::isfinite(total) ? total : square_sum_exact<F64>(p, n, nan, inf);
 }
 
 }  // namespace
@@ -159,7 +148,7 @@ extern "C" int MindpulseGradStats(int nparam, void** params, int* ndims, int64_t
     } else if (!std::strcmp(dt, "bfloat16")) {
       sq += tensor_square_sum<BF16>(p, n, &nan, &inf);
     } else if (!std::strcmp(dt, "float64") || !std::strcmp(dt, "double")) {
-      sq += f64_square_sum(static_cast<const double*>(p), n, &nan, &inf);
+      sq += f64_square_sum(p, n, &nan, &inf);
     } else {
       return 3;  // not a floating-point gradient: the caller checks dtypes before using the op
     }

@@ -115,29 +115,27 @@ def build(source: Path = SOURCE, directory: Path | None = None) -> KernelBuild:
 
 
 _lock = threading.Lock()
-_op_cache: dict[str, object] = {}
-_reason: list[str] = []
+_made: tuple[object, str] | None = None
+"""(the op or None, why it is None): made once per process."""
 
 
 def fused_op_unavailable_reason() -> str:
     """Why `fused_grad_stats_op()` returned None in this process ('' when it did not)."""
-    return _reason[0] if _reason else ""
+    return _made[1] if _made is not None else ""
 
 
 def fused_grad_stats_op():
     """The Custom op (one per process), or None where it cannot be used here (logged once,
     with the reason). Call with the gradients as positional inputs: `op(*grads)`."""
+    global _made
     with _lock:
-        if "op" in _op_cache:
-            return _op_cache["op"]
-        op, reason = _make_op()
-        _op_cache["op"] = op
-        if op is None:
-            _reason.append(reason)
-            log.warning("the fused grad-statistics kernel is not used (%s): the cell computes the statistics "
-                        "with MindSpore graph ops instead (same values; on CPU a few ms a step more on large "
-                        "models)", reason)
-        return op
+        if _made is None:
+            _made = _make_op()
+            if _made[0] is None:
+                log.warning("the fused grad-statistics kernel is not used (%s): the cell computes the statistics "
+                            "with MindSpore graph ops instead (same values; on CPU a few ms a step more on large "
+                            "models)", _made[1])
+        return _made[0]
 
 
 def _make_op():

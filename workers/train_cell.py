@@ -255,16 +255,15 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
             # data parallel: the norm of the all-reduced gradients; else the reducer is the identity
             global_norm = self.stats_op(*grads)[0] if self.reducer_flag else local[0]
             stats = ops.stack([global_norm, local[0], local[1], local[2]])
-            loss = ops.depend(loss, self.optimizer(grads))
-            return loss, stats
-        # mutable: without it the tuple is a compile-time constant and recompiles every step
-        local = local_grad_stats(ms.mutable(grads), self.stat_groups, self.count_every_step)
-        grads = self.grad_reducer(grads)
-        if self.reducer_flag:  # data parallel: the norm of the all-reduced gradients
-            global_sq = square_sum(ms.mutable(grads), self.stat_groups)
-        else:  # the reducer is the identity: the global norm is the local one
-            global_sq = local[0]
-        stats = ops.stack([ops.sqrt(global_sq), ops.sqrt(local[0]), local[1], local[2]])
+        else:
+            # mutable: without it the tuple is a compile-time constant and recompiles every step
+            local = local_grad_stats(ms.mutable(grads), self.stat_groups, self.count_every_step)
+            grads = self.grad_reducer(grads)
+            if self.reducer_flag:  # data parallel: the norm of the all-reduced gradients
+                global_sq = square_sum(ms.mutable(grads), self.stat_groups)
+            else:  # the reducer is the identity: the global norm is the local one
+                global_sq = local[0]
+            stats = ops.stack([ops.sqrt(global_sq), ops.sqrt(local[0]), local[1], local[2]])
         loss = ops.depend(loss, self.optimizer(grads))
         return loss, stats
 
