@@ -383,12 +383,7 @@ class NodeAgent:
         scheduler are killed; `end_ranks` (the launch is over, its ranks were told to end):
         this node's rank processes still running after RANK_EXIT_GRACE_S are killed."""
         if end_ranks:
-            # only ranks whose start time is known: a pid alone may be another process by now
-            known = {pid: self._tracked[pid] for pid in self.rank_pids.values() if pid in self._tracked}
-            ended = end_lingering(known, RANK_EXIT_GRACE_S)
-            if ended:
-                self.errors.append(f"rank processes {ended} still ran {RANK_EXIT_GRACE_S:g} s after the run "
-                                   "ended: killed")
+            self.end_ranks()
         if self.sampler is not None:
             self.sampler.stop()
             try:
@@ -418,6 +413,17 @@ class NodeAgent:
                      "dropped": self.uplink.dropped, "lost": lost, "relay": dict(self.relay.stats), "group": group,
                      "uplink": dict(self.uplink.stats), "members": dict(self.server.stats) if self.server else {}}
         return self._end
+
+    def end_ranks(self, grace_s: float | None = None) -> list[int]:
+        """Wait up to `grace_s` (default RANK_EXIT_GRACE_S) for this node's rank processes to
+        exit (their run ended), then kill those still running; returns the killed pids. Only
+        ranks whose start time is known: a pid alone may be another process by now."""
+        grace_s = RANK_EXIT_GRACE_S if grace_s is None else grace_s
+        known = {pid: self._tracked[pid] for pid in self.rank_pids.values() if pid in self._tracked}
+        ended = end_lingering(known, grace_s)
+        if ended:
+            self.errors.append(f"rank processes {ended} still ran {grace_s:g} s after the run ended: killed")
+        return ended
 
     stack_ready: set[int] = set()
 

@@ -83,6 +83,13 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     for name in ("config.yaml", "logs/rank_0.log", "logs/rank_1.log", "logs/scheduler.log", "metrics.msgpack"):
         assert (r.run_dir / name).exists(), f"{name} missing in the run directory"
     assert "seq_length" in (r.run_dir / "config.yaml").read_text()
+    # a normal end leaves the scheduler up until every rank left the cluster: none retried
+    # or failed to unregister (MindSpore does it at the rank's exit)
+    for rank in (0, 1):
+        log = (r.run_dir / "logs" / f"rank_{rank}.log").read_text(errors="replace")
+        assert "Failed to unregister" not in log, f"rank {rank} could not leave the cluster:\n{log[-2000:]}"
+    sched = (r.run_dir / "logs" / "scheduler.log").read_text(errors="replace")
+    assert sched.count("has unregistered") == 2, f"the scheduler did not see both ranks leave:\n{sched[-2000:]}"
     # the tables were printed: one per per_print_step, one row per rank and a cluster row
     assert r.stdout.count("grad norm") >= steps // 4, r.output
     assert "\nall " in r.stdout and "succeeded" in r.stdout

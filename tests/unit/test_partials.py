@@ -7,6 +7,7 @@ import math
 import random
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,6 +79,7 @@ def _nan_safe(x):
     return x
 
 
+@pytest.mark.slow  # a long property search: the full suite only
 @settings(max_examples=150, deadline=None)
 @given(a_step(), st.randoms(use_true_random=False))
 def test_merged_node_partials_are_exactly_the_flat_reduction(case, rnd):

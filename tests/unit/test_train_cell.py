@@ -93,8 +93,11 @@ class _GradIsInput(nn.Cell):
         return loss
 
 
-@pytest.fixture(params=[("pynative", "fused"), ("graph", "fused"), ("graph", "graph:count_if_not_finite"),
-                        ("graph", "graph:count_every_step")], ids=lambda p: "-".join(p))
+@pytest.fixture(params=[("pynative", "fused"), ("graph", "fused"),
+                        # the graph path compiles a graph per test and shape: the full suite only
+                        pytest.param(("graph", "graph:count_if_not_finite"), marks=pytest.mark.slow),
+                        pytest.param(("graph", "graph:count_every_step"), marks=pytest.mark.slow)],
+                ids=lambda p: "-".join(p))
 def counting(request):
     """Every way the cell takes the statistics: the fused kernel (CPU; in both modes), and
     the graph path with the counts behind a branch on the sum of squares (large gradients)
