@@ -152,7 +152,9 @@ def make_evaluator(model, windows: np.ndarray, batch_size: int, max_batches: int
 
 
 def build_model(shape: ModelShape, batch_size: int):
-    from mindformers.models.llama import LlamaConfig, LlamaForCausalLM
+    from mindpulse.workers.lean_mindformers import model_classes
+
+    LlamaConfig, LlamaForCausalLM = model_classes()  # noqa: N806 (classes)
 
     cfg = LlamaConfig(
         batch_size=batch_size,
