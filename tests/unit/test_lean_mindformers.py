@@ -57,7 +57,8 @@ LEAN = textwrap.dedent("""
         bleu = str(exc)
     import jieba
     print(json.dumps({"model": model_cls.__module__ + "." + model_cls.__name__, "config": cfg_cls.__name__,
-                      "loaded": loaded, "bleu": bleu, "jieba_real": type(jieba).__name__ == "module" and callable(jieba.cut),
+                      "loaded": loaded, "bleu": bleu,
+                      "jieba_real": type(jieba).__name__ == "module" and callable(jieba.cut),
                       "metric_jieba_real": type(metric.jieba).__name__ == "module", "seconds": seconds}))
 """)
 
