@@ -589,7 +589,7 @@ class RankSession:
         self.weight_stats: WeightStats | None = None
         self._last_sums: Any = None
         self._params: tuple[Any, list, HostViews] | None = None
-        """(network, its parameters) as last listed for the fingerprint."""
+        """(network, its parameters, their host views) as last listed (`_listed`)."""
         self.started = False
         self.stopped: Directive | None = None
         """The directive that stopped every rank (None while training goes on)."""
@@ -855,14 +855,21 @@ class RankSession:
         self.checkpoints.write(d, pkt.step, pkt.epoch, self.train_cell)
 
     # ---- what the packets carry about the weights --------------------------------------------
+    def _listed(self) -> tuple[list, HostViews]:
+        """The network's parameters (the same tensors every step) and one set of host views
+        of them, shared by the fingerprint and the weight statistics; listed again for a new
+        network."""
+        if self._params is None or self._params[0] is not self.network:
+            params = model_parameters(self.network)
+            self._params = (self.network, params, HostViews(params))
+        return self._params[1], self._params[2]
+
     def _fingerprint(self) -> tuple[str | None, float | None]:
         if self.network is None:
             return None, None
         try:
-            if self._params is None or self._params[0] is not self.network:
-                params = model_parameters(self.network)  # the same tensors every step
-                self._params = (self.network, params, HostViews(params))
-            self._last_sums = param_sums(self._params[1], views=self._params[2])
+            params, views = self._listed()
+            self._last_sums = param_sums(params, views=views)
             return fingerprint_of(self._last_sums)
         except Exception as exc:
             log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)
@@ -876,9 +883,9 @@ class RankSession:
         if self.rank != 0 or self.network is None or not self.monitor_settings.weight_stats:
             return
         try:
-            params = model_parameters(self.network)
+            params, views = self._listed()
             self.weight_stats = WeightStats(params, self.monitor_settings.histogram_regex or DEFAULT_HIST_REGEX,
-                                            self.train_cell)
+                                            self.train_cell, views=views)
             text = structure_text(params)
             if self.channel is not None:
                 pkt = EventPacket(rank=self.rank, kind=EventKind.STRUCTURE.value, ts=time.time(),

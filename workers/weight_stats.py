@@ -76,8 +76,11 @@ class WeightStats:
     pass of numpy); on a device the copy stays on the device and the change's norms are
     one compiled graph, whose small result alone comes to the host."""
 
-    def __init__(self, params, histogram_regex: str = "", grads_source: Any = None, on_host: bool | None = None):
-        from .fingerprint import weights_on_host
+    def __init__(self, params, histogram_regex: str = "", grads_source: Any = None, on_host: bool | None = None,
+                 views: Any = None):
+        """`views`: host views of these same parameters (`fingerprint.HostViews`) kept by the
+        caller too; made here when not given."""
+        from .fingerprint import HostViews, weights_on_host
 
         self.params = list(params)
         self.names = [p.name for p in self.params]
@@ -87,9 +90,7 @@ class WeightStats:
         self.grads_source = grads_source  # a MonitoredTrainOneStepCell with captured grads (PYNATIVE)
         self.on_host = weights_on_host(self.params) if on_host is None else on_host
         """Read the weights on the host (a CPU target) rather than reduce them on the device."""
-        from .fingerprint import HostViews
-
-        self.views = HostViews(self.params) if self.on_host else None
+        self.views = (views if views is not None else HostViews(self.params)) if self.on_host else None
 
     def keep_previous(self) -> None:
         """Copy the weights (on the host for a CPU target, else on the device) so the next
