@@ -75,7 +75,7 @@ class NodeAgents:
         self.node_ips = [by_id.get(nid, "") for _, nid in
                          sorted(placement_group_table(pg).get("bundles_to_node_id", {}).items())]
         devices = node_devices(self.cfg)
-        group = self.cfg.monitor.groups_of(w.nodes)  # a leader also answers its members' lease polls
+        group = self.cfg.monitor.groups_of(w.nodes)  # a leader also passes the lease down to its members
         for n in range(w.nodes):
             self.agents.append(ray.remote(NodeAgent).options(
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),

@@ -186,8 +186,8 @@ class MonitorConfig:
     """Each node's agent samples its cards (npu-smi/DCMI, NVML or psutil) this often (0: off)."""
     group_size: int = 0
     """Node agents per group: a group's first agent (its leader) merges its members' step
-    partials and shares one lease poll, so the aggregator takes one call per group and step
-    (0: groups of 64 once the job has more than 64 nodes; 1: never group)."""
+    partials and passes the lease down to them, so the aggregator takes one frame per group
+    and step (0: groups of 64 once the job has more than 64 nodes; 1: never group)."""
 
     def groups_of(self, nodes: int) -> int:
         """The nodes per group this job uses (1: no groups)."""
@@ -232,8 +232,9 @@ class AnomalyRuleConfig:
     """Label used in messages and anomalies.json (default: the rule kind)."""
     metric: str = ""
     """threshold: reduced metric (loss, loss_max, grad_norm, grad_norm_local_max, step_time_max,
-    samples_per_s, the recipe's eval_loss and eval_ppl when evaluation is on, or a metric declared
-    in eval.metrics; any other name is refused); card_overload: temp_c, memory_pct or power_w."""
+    samples_per_s, tokens_per_s, mfu, tflops, the recipe's eval_loss and eval_ppl when evaluation
+    is on, or a metric declared in eval.metrics; any other name is refused); card_overload:
+    temp_c, memory_pct or power_w."""
     op: str = ">"
     """threshold: comparison, one of >, >=, <, <=."""
     threshold: float | None = None
@@ -441,7 +442,8 @@ class RunConfig:
     name: str = "run"
     """Run name: letters, digits, `.`, `_`, `-` (it becomes a folder name)."""
     backend: Backend = Backend.RAY
-    """How ranks are started: `ray` (rank actors)."""
+    """How ranks are started: `ray` (a rank actor per card) or `msrun` (one msrun per
+    node, run by its node agent)."""
     ray: RayConfig = field(default_factory=RayConfig)
     msrun: MsrunConfig = field(default_factory=MsrunConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
@@ -454,7 +456,9 @@ class RunConfig:
     anomalies: list[AnomalyRuleConfig] = field(default_factory=list)
     """Anomaly rules added to (or replacing) the defaults; see docs/anomalies.md."""
     max_restarts: int = 0
-    """After a failure, relaunch every rank from the newest valid checkpoint, up to N times."""
+    """After a failure, relaunch every rank from the newest valid checkpoint, up to N times
+    (injected faults fire in the first attempt only; each attempt's logs go to
+    `logs/attempt_<k>/`)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every rank (e.g. HCCL_CONNECT_TIMEOUT, LD_PRELOAD); variables
     mindpulse sets or relies on (MS_ROLE, MS_SCHED_*, RANK_*, DEVICE_ID, *_VISIBLE_DEVICES,

@@ -74,8 +74,8 @@ class CheckpointKind(str, enum.Enum):
 
 
 class Action(str, enum.Enum):
-    """The one action enum: what a rule asks for (warn, stop, save_and_stop) and what a
-    directive tells every rank to do after a step (continue, stop)."""
+    """The one action enum: what a rule asks for (warn, stop, save_and_stop, rollback) and
+    what a directive tells every rank to do after a step (continue, stop)."""
 
     CONTINUE = "continue"
     WARN = "warn"

@@ -160,10 +160,16 @@ def test_default_config_path_exists():
     assert default_config_path().exists()
 
 
-def test_readme_documents_every_field():
+def test_readme_documents_every_field_with_its_default():
+    import re
+
     readme = (ROOT / "README.md").read_text()
     missing = [p for p, _, _ in describe_fields() if f"`{p}`" not in readme]
     assert not missing, f"README's config reference lacks {missing}"
+    # the table's rows: | `path` | `default` | meaning |
+    table = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w.]+)` \| `(.*?)` \| ", readme, re.M)}
+    wrong = {p: (table.get(p), d) for p, d, _ in describe_fields() if table.get(p) != d}
+    assert not wrong, f"README's config reference gives other defaults than the code (README, code): {wrong}"
 
 
 # ---- floats must be finite (NaN/Inf in a timeout kills or deafens the job) ---------------------
