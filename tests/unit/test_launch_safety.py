@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -233,13 +234,23 @@ def test_run_directory_files_follow_the_output_mode(tmp_path, mode, fmode, dmode
 def test_write_atomic_fsyncs_the_folder_after_the_rename(tmp_path, monkeypatch):
     from mindpulse.aggregator import rundir_io
 
+    # os is one module for the whole process: a thread another test left behind (a metrics
+    # store closing late) may fsync while this runs, so only this thread's calls count.
     calls = []
+    me = threading.get_ident()
     real_replace, real_fsync = os.replace, os.fsync
-    monkeypatch.setattr(rundir_io.os, "replace", lambda a, b: (calls.append("rename"), real_replace(a, b))[1])
+
+    def replace(a, b):
+        if threading.get_ident() == me:
+            calls.append("rename")
+        return real_replace(a, b)
 
     def fsync(fd):
-        calls.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        if threading.get_ident() == me:
+            calls.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
         return real_fsync(fd)
+
+    monkeypatch.setattr(rundir_io.os, "replace", replace)
 
     monkeypatch.setattr(rundir_io.os, "fsync", fsync)
     rundir_io.write_atomic(tmp_path / "job.json", b"{}")
