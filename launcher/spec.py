@@ -145,6 +145,10 @@ RANK_MAIN_MODULE = "mindpulse.workers.rank_main"
 SCHEDULER_MODULE = "mindpulse.workers.scheduler"
 GLOG_DEFAULT = "2"
 """MindSpore's C++ log level for ranks unless the launching shell sets GLOG_v (2: warnings)."""
+MF_LOG_ENV = "LOG_MF_PATH"
+"""MindFormers' log folder (it adds rank_N/ with info.log and error.log). Unset, it is
+./output/log in the rank's working directory: the user's, shared by every run started
+there, and outside the run directory that holds the rest of the run's logs."""
 
 
 def node_devices(cfg: RunConfig) -> list[int]:
@@ -234,6 +238,8 @@ def rank_specs(cfg: RunConfig, *, run_dir: str = RUN_DIR, logs_dir: str | None =
     # read from the launching shell, as MindSpore users set it; the plan shows the value a
     # launch from the same shell would pass
     glog = os.environ.get("GLOG_v", GLOG_DEFAULT)
+    # the attempt's own folder unless the shell or the config's env: names one
+    mf_logs = os.environ.get(MF_LOG_ENV) or f"{logs_dir}/mindformers"
     specs = []
     for node in range(w.nodes):
         for local in range(w.ranks_per_node):
@@ -248,6 +254,7 @@ def rank_specs(cfg: RunConfig, *, run_dir: str = RUN_DIR, logs_dir: str | None =
                 "RANK_ID": str(rank),
                 "RANK_SIZE": str(world),
                 "DEVICE_ID": str(local),
+                MF_LOG_ENV: mf_logs,
                 **heartbeat_env(cfg),
             }
             if w.device is Device.ASCEND:

@@ -238,6 +238,7 @@ def test_msrun_names_the_crashed_rank_not_the_nodes_lowest(run_cli):
     assert ranks[1]["exit_code"] == 1 and ranks[0]["exit_code"] is None, ranks
     assert "stopped after another rank failed" in ranks[0]["error"]
     assert "root cause rank 1" in r.stdout
+    assert (r.run_dir / "logs" / "mindformers" / "rank_1" / "info.log").exists(), "msrun's ranks lost LOG_MF_PATH"
     # msrun killed rank 0 and then waited for its scheduler, which waits for the killed rank's
     # heartbeats to time out: the node agent ended both instead of waiting
     msrun_log = (r.run_dir / "logs" / "msrun_node0.log").read_text(errors="replace")

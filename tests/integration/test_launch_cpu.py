@@ -80,7 +80,9 @@ def test_recipe_two_ranks_data_parallel(run_cli):
     last = statistics.fmean(statistics.fmean(by_step[i]) for i in (steps - 2, steps - 1, steps))
     assert last < first, f"loss did not fall: first steps {first:.4f}, last steps {last:.4f}"
     # the run directory
-    for name in ("config.yaml", "logs/rank_0.log", "logs/rank_1.log", "logs/scheduler.log", "metrics.msgpack"):
+    # MindFormers' own logs too, not in ./output/log of the directory the launch ran in
+    for name in ("config.yaml", "logs/rank_0.log", "logs/rank_1.log", "logs/scheduler.log", "metrics.msgpack",
+                 "logs/mindformers/rank_0/info.log", "logs/mindformers/rank_1/info.log"):
         assert (r.run_dir / name).exists(), f"{name} missing in the run directory"
     assert "seq_length" in (r.run_dir / "config.yaml").read_text()
     # a normal end leaves the scheduler up until every rank left the cluster: none retried

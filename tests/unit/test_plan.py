@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,10 @@ PLANS = ROOT / "tests" / "fixtures" / "plans"
 
 
 def plan_json(config: str, *extra: str) -> list[dict]:
+    # the plan reads these from the launching shell: the expected plans are a bare shell's
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOG_v", "LOG_MF_PATH")}
     proc = subprocess.run([sys.executable, "-m", "mindpulse.launcher.cli", "plan", config, "--json", *extra],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -49,6 +52,19 @@ def test_910b_plan_is_what_a_mindspore_user_writes_by_hand():
                 "--cluster_time_out=7200", "--log_dir=${RUN_DIR}/logs"):
         assert opt in cmd, opt
     assert cmd[-5:] == ["python", "-m", "mindpulse.workers.rank_main", "--job", "${RUN_DIR}/job.json"]
+
+
+def test_mindformers_logs_go_to_the_attempts_log_folder_unless_the_shell_or_env_names_one(monkeypatch):
+    """Unset, MindFormers writes ./output/log/rank_N in the rank's working directory: the
+    user's, shared by every run started there."""
+    monkeypatch.delenv("LOG_MF_PATH", raising=False)
+    cfg = from_dict({"world": {"ranks_per_node": 2}})
+    specs = rank_specs(cfg, run_dir="/runs/a", logs_dir="/runs/a/logs/attempt_1")
+    assert [s.env["LOG_MF_PATH"] for s in specs] == ["/runs/a/logs/attempt_1/mindformers"] * 2
+    monkeypatch.setenv("LOG_MF_PATH", "/shared/mf")
+    assert rank_specs(cfg, run_dir="/runs/a")[0].env["LOG_MF_PATH"] == "/shared/mf"
+    cfg = from_dict({"world": {"ranks_per_node": 2}, "env": {"LOG_MF_PATH": "/mine"}})
+    assert rank_specs(cfg, run_dir="/runs/a")[0].env["LOG_MF_PATH"] == "/mine"
 
 
 def test_two_node_plan_ranks_and_devices():
