@@ -22,7 +22,7 @@ from mindpulse.config import Backend, RunConfig
 from . import interrupts as waits
 from .node_agents import NodeAgents
 from .rundir import PidFile
-from .spec import RankOutcome, RankSpec, scheduler_env
+from .spec import MF_LOG_ENV, RankOutcome, RankSpec, scheduler_env
 
 SCHED_EXIT_WAIT_S = 40.0
 """How long a graceful end waits for the rank actors to end, and the scheduler to see every
@@ -319,11 +319,12 @@ def loopback_env(sched_host: str) -> dict[str, str]:
 
 def msrun_env(cfg: RunConfig, spec: RankSpec) -> dict[str, str]:
     """What a node's msrun is given of its ranks' environment: msrun sets MS_*, RANK_* and
-    DEVICE_ID per rank itself; the rest (mindpulse's, visibility, the user's) passes through,
+    DEVICE_ID per rank itself; the rest (mindpulse's, visibility, MindFormers' log folder,
+    the user's) passes through,
     and MS_WORKER_IP=127.0.0.1 when the node's ranks meet on loopback (`loopback_env`)."""
     passed = {k: v for k, v in spec.env.items()
               if k.startswith("MINDPULSE_") or k in cfg.env or k in (
-                  "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GLOG_v")}
+                  "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GLOG_v", MF_LOG_ENV)}
     return {**loopback_env(spec.env.get("MS_SCHED_HOST", "")), **passed}
 
 

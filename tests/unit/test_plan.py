@@ -65,6 +65,13 @@ def test_mindformers_logs_go_to_the_attempts_log_folder_unless_the_shell_or_env_
     assert rank_specs(cfg, run_dir="/runs/a")[0].env["LOG_MF_PATH"] == "/shared/mf"
     cfg = from_dict({"world": {"ranks_per_node": 2}, "env": {"LOG_MF_PATH": "/mine"}})
     assert rank_specs(cfg, run_dir="/runs/a")[0].env["LOG_MF_PATH"] == "/mine"
+    # msrun passes on only what it does not set itself: this must reach its ranks
+    from mindpulse.launcher.worker_group import msrun_env
+
+    monkeypatch.delenv("LOG_MF_PATH")
+    cfg = from_dict({"backend": "msrun", "world": {"ranks_per_node": 2}})
+    spec = rank_specs(cfg, run_dir="/runs/a")[0]
+    assert msrun_env(cfg, spec)["LOG_MF_PATH"] == "/runs/a/logs/mindformers"
 
 
 def test_two_node_plan_ranks_and_devices():
