@@ -146,9 +146,10 @@ SCHEDULER_MODULE = "mindpulse.workers.scheduler"
 GLOG_DEFAULT = "2"
 """MindSpore's C++ log level for ranks unless the launching shell sets GLOG_v (2: warnings)."""
 MF_LOG_ENV = "LOG_MF_PATH"
-"""MindFormers' log folder (it adds rank_N/ with info.log and error.log). Unset, it is
-./output/log in the rank's working directory: the user's, shared by every run started
-there, and outside the run directory that holds the rest of the run's logs."""
+"""MindFormers' log folder (it adds rank_N/ with info.log and error.log): the attempt's
+logs/mindformers unless the launching shell sets it. Unset, it is ./output/log in the
+rank's working directory: the user's, shared by every run started there, and outside the
+run directory that holds the rest of the run's logs."""
 
 
 def node_devices(cfg: RunConfig) -> list[int]:
@@ -238,7 +239,7 @@ def rank_specs(cfg: RunConfig, *, run_dir: str = RUN_DIR, logs_dir: str | None =
     # read from the launching shell, as MindSpore users set it; the plan shows the value a
     # launch from the same shell would pass
     glog = os.environ.get("GLOG_v", GLOG_DEFAULT)
-    # the attempt's own folder unless the shell or the config's env: names one
+    # the attempt's own folder unless the launching shell names one (env: may not)
     mf_logs = os.environ.get(MF_LOG_ENV) or f"{logs_dir}/mindformers"
     specs = []
     for node in range(w.nodes):
@@ -254,7 +255,6 @@ def rank_specs(cfg: RunConfig, *, run_dir: str = RUN_DIR, logs_dir: str | None =
                 "RANK_ID": str(rank),
                 "RANK_SIZE": str(world),
                 "DEVICE_ID": str(local),
-                MF_LOG_ENV: mf_logs,
                 **heartbeat_env(cfg),
             }
             if w.device is Device.ASCEND:
@@ -270,6 +270,7 @@ def rank_specs(cfg: RunConfig, *, run_dir: str = RUN_DIR, logs_dir: str | None =
             # there has always lost to the launching shell's)
             env[SETTINGS_ENV] = settings_path
             env["GLOG_v"] = glog
+            env[MF_LOG_ENV] = mf_logs
             if cfg.backend is Backend.MSRUN:
                 # msrun also starts the scheduler from rank_main on every "master" node: it
                 # runs only where this is 0

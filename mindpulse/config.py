@@ -855,6 +855,8 @@ ENV_RESERVED: dict[str, str] = {
                                               "by Ray cannot import MindSpore; it has no config key",
     "GLOG_v": "mindpulse gives every rank the GLOG_v of the shell that runs it (default 2), which would "
               "silently replace this value; set GLOG_v in that shell",
+    "LOG_MF_PATH": "mindpulse writes MindFormers' logs into the run directory (logs/mindformers) unless the "
+                   "shell that runs it sets LOG_MF_PATH; set it in that shell",
 }
 """Variables mindpulse sets for ranks (or relies on), refused in `env:` with the key to use instead."""
 ENV_RESERVED_PREFIXES: dict[str, str] = {
