@@ -35,6 +35,7 @@ from mindpulse.protocol import (
 from mindpulse.uplink import UplinkServer
 
 from . import tables
+from .advice import Advice
 from .anomaly_log import AnomalyLog
 from .card_peaks import peak_dtype
 from .compute import ComputeWatch, compute_drop_window
@@ -156,6 +157,8 @@ class AggregatorCore:
         """When each rank last finished a new step; absent while it is starting up."""
         self.in_step: dict[int, int] = {}
         """The step each rank's loop was inside at its last heartbeat (absent: between steps)."""
+        self.advice = Advice(world_size)
+        """Ranks without a Monitor, callbacks of several ranks writing one directory (advice.py)."""
         # rules changed on the running job (`mindpulse rules`), kept across restarts: rule_changes.py
         self.live_rules = LiveRules(self.run_dir, self.policies, settings, replay=replay,
                                     straggler_threshold=self.straggler_threshold, say=self.console.append,
@@ -327,6 +330,10 @@ class AggregatorCore:
             return out
         if isinstance(pkt, EventPacket):
             info = self.rank_info.setdefault(pkt.rank, {})
+            if pkt.kind in (EventKind.START, EventKind.NO_MONITOR, EventKind.ADVICE):
+                said = self.advice.on_event(pkt)
+                if not self.replaying:
+                    self.console.extend(said)
             if pkt.kind == EventKind.START:
                 info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
             elif pkt.kind == EventKind.CHECKPOINT:
@@ -639,6 +646,7 @@ class AggregatorCore:
             "goodput": self.goodput.to_dict(),
             "compute": self.compute.summary(),
             "rule_changes": list(self.live_rules.changes),
+            "advice": self.advice.to_list(),
             "last_step": self.last_reduced.to_record() if self.last_reduced else None,
         }
 
@@ -666,7 +674,8 @@ class AggregatorCore:
         not inside the next step that others are inside (the others wait for them in its
         collective), else every rank at that step."""
         now = time.time()
-        live = [r for r in range(self.world_size) if r not in self.ended]
+        # a rank that trains without a Monitor reports no steps: not a hang (advice.py names it)
+        live = [r for r in range(self.world_size) if r not in self.ended and r not in self.advice.no_monitor]
         if not live:
             return None
         rpn = self.reducer.ranks_per_node

@@ -126,8 +126,14 @@ def _merge_ext(a: list | None, b: list | None, biggest: bool) -> list | None:
 
 # ---- one node's partial ------------------------------------------------------------------------
 def _nonfinite(p: StepPacket) -> bool:
-    return bool(p.nan_count or p.inf_count or (p.loss is not None and not math.isfinite(p.loss))
-                or (p.grad_norm_local is not None and not math.isfinite(p.grad_norm_local)))
+    """A NaN/Inf loss, or non-finite gradients the step did not skip: a loss-scale cell that
+    reports overflow skipped the update, so its non-finite gradients are expected (the scale
+    comes down; `overflow_steps` counts them)."""
+    if p.loss is not None and not math.isfinite(p.loss):
+        return True
+    if p.overflow:
+        return False
+    return bool(p.nan_count or p.inf_count or (p.grad_norm_local is not None and not math.isfinite(p.grad_norm_local)))
 
 
 def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = False,
@@ -140,15 +146,21 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
     # one pass over the packets gathers every field (this runs for every step on every
     # node: a pass per figure cost ~2x as much)
     losses, gns, lrs, tfs, sts, gls, nonfinite, pnorm = [], [], [], [], [], [], [], {}
-    waits, dws, cks, evs, pfs, fps, epochs, tss = [], [], [], [], [], [], [], []
-    samples, tok, nan, inf, errors = 0, 0, 0, 0, 0
+    waits, dws, cks, evs, pfs, fps, epochs, tss, scales = [], [], [], [], [], [], [], [], []
+    samples, tok, nan, inf, errors, ovf, ovf_steps = 0, 0, 0, 0, 0, 0, 0
     extra: dict[str, list] = {}
     for r, p in packets.items():
         loss = p.loss
         if loss is not None:
             losses.append((r, loss))
-        if p.grad_norm is not None:
+        if p.grad_norm is not None and not p.overflow:  # an overflow step's norm is Inf by design
             gns.append(p.grad_norm)
+        if p.loss_scale is not None:
+            scales.append((r, p.loss_scale))
+        if p.overflow:
+            ovf += 1
+        if p.overflow_steps > ovf_steps:
+            ovf_steps = p.overflow_steps
         if p.lr is not None:
             lrs.append((r, p.lr))
         if _rate(p.tflops):
@@ -233,6 +245,10 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         "h_st": _hist(v for _, v in sts),
         "st_s": st_s,
         "st_q": st_q,
+        "ls_min": _argext(scales, False),
+        "ls_max": _argext(scales, True),
+        "ovf": ovf,
+        "ovf_steps": ovf_steps,
     }
     collect = set(collect).intersection(packets)
     part["all"] = keep_all
@@ -368,6 +384,10 @@ def merge(a: Partial, b: Partial) -> Partial:
         "all": a["all"] and b["all"],
         "keep": sorted(a.get("keep", []) + b.get("keep", [])),
         "strag": a.get("strag", []) + b.get("strag", []),
+        "ls_min": _merge_ext(a.get("ls_min"), b.get("ls_min"), False),
+        "ls_max": _merge_ext(a.get("ls_max"), b.get("ls_max"), True),
+        "ovf": a.get("ovf", 0) + b.get("ovf", 0),
+        "ovf_steps": max(a.get("ovf_steps", 0), b.get("ovf_steps", 0)),
     }
     if "cdrop" in a or "cdrop" in b:  # the nodes' compute-drop flags (NodeComputeDrops)
         out["cdrop"] = a.get("cdrop", []) + b.get("cdrop", [])
@@ -398,7 +418,8 @@ def to_wire(part: Partial) -> dict[str, Any]:
 
 def from_wire(w: dict[str, Any]) -> Partial:
     """Raises ValueError (or PacketError) on anything malformed."""
-    w = {"tok": 0, "tf_n": 0, "tf_s": b"\x00", "tf_min": None, "tf_max": None, **w}  # older nodes send none
+    w = {"tok": 0, "tf_n": 0, "tf_s": b"\x00", "tf_min": None, "tf_max": None, "ls_min": None, "ls_max": None,
+         "ovf": 0, "ovf_steps": 0, **w}  # older nodes send none
     part = dict(w)
     for k in _EXACT:
         if not isinstance(w[k], (bytes, bytearray)):
@@ -426,11 +447,11 @@ def from_wire(w: dict[str, Any]) -> Partial:
         if not (isinstance(w[k], list) and len(w[k]) == len(HIST_EDGES) + 1
                 and all(type(c) is int for c in w[k]) and min(w[k]) >= 0):
             raise ValueError(f"partial field {k!r} is not a histogram")
-    for k in ("tf_min", "tf_max"):
+    for k in ("tf_min", "tf_max", "ls_min", "ls_max"):
         x = w[k]
         if x is not None and not (isinstance(x, list) and len(x) == 2 and _rate(x[0]) and not isinstance(x[0], bool)
                                   and type(x[1]) is int and x[1] >= 0):
-            raise ValueError(f"partial field {k!r} is not [TFLOPS, rank]")
+            raise ValueError(f"partial field {k!r} is not [value, rank]")
     if "cdrop" in w:
         cd = w["cdrop"]
         if not (isinstance(cd, list) and all(
@@ -438,7 +459,8 @@ def from_wire(w: dict[str, Any]) -> Partial:
                 and all(_rate(v) and not isinstance(v, bool) for v in x[1:]) for x in cd)):
             raise ValueError("partial field 'cdrop' is not a list of [rank, TFLOPS, median]")
         part["cdrop"] = [[x[0], float(x[1]), float(x[2])] for x in cd]
-    for k in ("step", "n", "epoch", "loss_n", "loss_f", "gn_n", "samples", "nan", "inf", "errors", "tok", "tf_n"):
+    for k in ("step", "n", "epoch", "loss_n", "loss_f", "gn_n", "samples", "nan", "inf", "errors", "tok", "tf_n", "ovf",
+              "ovf_steps"):
         if not isinstance(part[k], int) or isinstance(part[k], bool) or part[k] < 0:
             raise ValueError(f"partial field {k!r} is not a count")
     return part
@@ -642,6 +664,16 @@ class ReducedStep:
     """[rank, TFLOPS, its rolling median] of the ranks whose TFLOPS fell below 0.95 x their own
     median (NodeComputeDrops): from the nodes' partials, or the aggregator's own tracker on the
     flat path (None until one of them set it)."""
+    loss_scale_min: float | None = None
+    """The smallest loss scale over ranks (None: no loss-scale cell runs)."""
+    loss_scale_min_rank: int | None = None
+    loss_scale_max: float | None = None
+    loss_scale_max_rank: int | None = None
+    overflow_ranks: int = 0
+    """Ranks whose loss-scale cell skipped this step for overflow (the flag is all-reduced in
+    data parallel: 0 or every rank). Rule metric `overflow` (`>= 1` for N steps: N in a row)."""
+    overflow_steps: int = 0
+    """Steps skipped for overflow so far in this attempt (the most any rank counted)."""
 
     def set_peak(self, peak: float | None) -> None:
         """MFU from the achieved TFLOPS and the card's peak (None or not positive: no MFU)."""
@@ -658,7 +690,8 @@ class ReducedStep:
     def metric(self, name: str) -> float | None:
         """A reduced metric by name, for rules and best-checkpoint choice."""
         aliases = {"loss": "loss_mean", "grad_norm_global": "grad_norm", "throughput": "samples_per_s",
-                   "mfu": "mfu_mean", "tflops": "tflops_mean"}
+                   "mfu": "mfu_mean", "tflops": "tflops_mean", "loss_scale": "loss_scale_min",
+                   "overflow": "overflow_ranks"}
         key = aliases.get(name, name)
         if key in self.extra:
             return self.extra[key]
@@ -720,6 +753,7 @@ def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedS
 
     (lmin, lmin_r), (lmax, lmax_r), (gl, gl_r) = ext("loss_min"), ext("loss_max"), ext("gl_max")
     (tmin, tmin_r), (_, tmax_r) = ext("st_min"), ext("st_max")
+    (lsmin, lsmin_r), (lsmax, lsmax_r) = (tuple(part.get(k) or (None, None)) for k in ("ls_min", "ls_max"))
     return ReducedStep(
         step=part["step"],
         epoch=part["epoch"],
@@ -768,6 +802,12 @@ def finalize(part: Partial, world_size: int, keep_all: bool = False) -> ReducedS
         tflops_max=tfmax,
         tflops_max_rank=tfmax_r,
         compute_flags=[list(x) for x in part["cdrop"]] if "cdrop" in part else None,
+        loss_scale_min=lsmin,
+        loss_scale_min_rank=lsmin_r,
+        loss_scale_max=lsmax,
+        loss_scale_max_rank=lsmax_r,
+        overflow_ranks=part.get("ovf", 0),
+        overflow_steps=part.get("ovf_steps", 0),
     )
 
 
@@ -1010,9 +1050,20 @@ class RunTotals:
         """Seconds ranks blocked on the aggregator, summed over ranks and steps."""
         self.monitor_errors = 0
         """Errors inside the ranks' monitors (the counts their newest packets carry)."""
+        self.loss_scale: dict[str, Any] | None = None
+        """The newest loss scale (min, max over ranks, its step), where a loss-scale cell runs."""
+        self.overflow_steps = 0
+        self.overflow_per_rank: dict[int, int] = {}
+        """Steps skipped for overflow: in all, and per rank (the counts the kept packets carry)."""
 
     def add(self, red: ReducedStep) -> None:
         self.monitor_wait_s += red.monitor_wait_sum
+        if red.loss_scale_min is not None:
+            self.loss_scale = {"min": red.loss_scale_min, "max": red.loss_scale_max, "step": red.step}
+            self.overflow_steps = max(self.overflow_steps, red.overflow_steps)
+            for r, p in red.per_rank.items():
+                if p.overflow_steps:
+                    self.overflow_per_rank[r] = max(self.overflow_per_rank.get(r, 0), p.overflow_steps)
         self.monitor_errors = max(self.monitor_errors, red.monitor_errors)
         loss = red.loss_mean
         if loss is not None:
@@ -1034,4 +1085,8 @@ class RunTotals:
             "fingerprints_equal": (len(fps) == 1) if fps else None,
             "monitor_wait_s": self.monitor_wait_s,
             "monitor_errors": self.monitor_errors,
+            "loss_scale": self.loss_scale,
+            "overflow_steps": ({"total": self.overflow_steps,
+                                "per_rank": {str(r): n for r, n in sorted(self.overflow_per_rank.items())}}
+                               if self.loss_scale is not None else None),
         }

@@ -68,6 +68,13 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
             what = f"other ranks (shown: {min(shown)}..{max(shown)})"
         rows.append([f"+{hidden}", red.step, "", "", "", "", "", "", "", what])
     note = f"lr {_num(red.lr, '.2e')}"
+    if red.loss_scale_min is not None:  # a loss-scale cell runs: its scale and the steps it skipped
+        scale = _num(red.loss_scale_min, ".4g")
+        if red.loss_scale_max is not None and red.loss_scale_max != red.loss_scale_min:
+            scale += f"..{_num(red.loss_scale_max, '.4g')}"
+        note += f"  loss scale {scale}  overflow steps {red.overflow_steps}"
+        if red.overflow_ranks:
+            note += " (this step skipped)"
     if red.extra:
         note += "  " + "  ".join(f"{k} {_num(v)}" for k, v in red.extra.items())
     rows.append(

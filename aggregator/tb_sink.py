@@ -50,6 +50,13 @@ _CLUSTER_SCALARS: tuple[tuple[str, str], ...] = (
     ("step_time/max", "step_time_max"),
     ("monitor/wait_s", "monitor_wait_max"),
 )
+_LOSS_SCALE_SCALARS: tuple[tuple[str, str], ...] = (
+    ("loss_scale/min", "loss_scale_min"),
+    ("loss_scale/max", "loss_scale_max"),
+    ("overflow/steps", "overflow_steps"),
+    ("overflow/ranks", "overflow_ranks"),
+)
+"""Written only where a loss-scale cell runs (its scale and overflow flag reach the packets)."""
 _RANK_SCALARS: tuple[tuple[str, str], ...] = (
     ("loss", "loss"),
     ("grad_norm_local", "grad_norm_local"),
@@ -257,6 +264,8 @@ class TensorBoardSink:
         wt = red.ts if _number(red.ts) and red.ts > 0 else None
         scalars = [(tag, getattr(red, attr, None)) for tag, attr in _CLUSTER_SCALARS]
         scalars += [(f"extra/{_tag_part(name)}", value) for name, value in (red.extra or {}).items()]
+        if getattr(red, "loss_scale_min", None) is not None:  # a loss-scale cell runs
+            scalars += [(tag, getattr(red, attr, None)) for tag, attr in _LOSS_SCALE_SCALARS]
         window = collect_ranks(step, red.world_size, self.collect_freq)
         every_rank = bool(window)
         matter = red.ranks_that_matter(self.straggler_threshold) | set(window)

@@ -59,6 +59,16 @@ def final_status(result: RunResult, snap: dict[str, Any]) -> RunStatus:
     return status
 
 
+def no_steps_reason(snap: dict[str, Any]) -> str | None:
+    """Why no step was reduced, and what to add (None when steps were reduced)."""
+    if snap.get("steps_completed"):
+        return None
+    missing = [a for a in snap.get("advice") or [] if a.get("kind") == "no_monitor"]
+    if missing:
+        return "; ".join(f"{a['message']}: its steps are never reported. To fix: {a['fix']}" for a in missing)
+    return None
+
+
 def _say_final_summary(cfg: RunConfig, run_dir: Path, summary: dict[str, Any], say: Callable[[str], None]) -> Any:
     """The end-of-run summary in the report's order: the status and why first, then wall time
     (as dates), steps, loss first → best → last, throughput, world and cards, checkpoints,
@@ -120,8 +130,12 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "fingerprints_equal": snap.get("fingerprints_equal"),
         "monitor_wait_s": snap.get("monitor_wait_s", 0.0),
         "monitor_errors": snap.get("monitor_errors", 0),
+        "loss_scale": snap.get("loss_scale"),
+        "overflow_steps": snap.get("overflow_steps"),
         "packets": dict(snap.get("packets", {}), dropped=history.dropped_packets,
                         aggregator_restarts=snap.get("aggregator_restarts", 0)),
+        "advice": snap.get("advice") or [],
+        "no_steps_reason": no_steps_reason(snap),
         "pids": pids,
         "started": started,
         "wall_time_s": time.time() - started,

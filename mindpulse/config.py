@@ -130,6 +130,11 @@ class JobConfig:
     """A user training script run in every rank (it uses `mindpulse.workers.Monitor`)."""
     args: list[str] = field(default_factory=list)
     """Command-line arguments passed to `script`."""
+    auto_monitor: bool = True
+    """`script` only: add mindpulse's Monitor to `Model.train`/`Model.fit` calls that have none,
+    and take the gradient statistics around the train cell `Model` builds or is given (no edit
+    needed; a Monitor the script adds itself is never doubled). false: the script runs
+    untouched, and a rank that trains without a Monitor is named at once."""
 
 
 @dataclass
@@ -787,12 +792,15 @@ REDUCED_METRICS = (
     "profile_s_max",
     "monitor_errors", "tokens", "tokens_per_s", "tflops_mean", "tflops_min", "tflops_min_rank", "tflops_max",
     "tflops_max_rank", "peak_tflops", "mfu_mean", "mfu_min", "mfu_min_rank", "mfu_max", "mfu_max_rank",
+    "loss_scale_min", "loss_scale_min_rank", "loss_scale_max", "loss_scale_max_rank", "overflow_ranks",
+    "overflow_steps",
 )
 """The numeric fields of the aggregator's `ReducedStep`, which rules and the best checkpoint can
 name. Listed here because config sits below the aggregator (it must not import it);
 tests/unit/test_config.py fails when this drifts from `ReducedStep`."""
-METRIC_ALIASES = ("loss", "grad_norm_global", "throughput", "mfu", "tflops")
-"""`ReducedStep.metric`'s other names: loss_mean, grad_norm, samples_per_s, mfu_mean and tflops_mean."""
+METRIC_ALIASES = ("loss", "grad_norm_global", "throughput", "mfu", "tflops", "loss_scale", "overflow")
+"""`ReducedStep.metric`'s other names: loss_mean, grad_norm, samples_per_s, mfu_mean, tflops_mean,
+loss_scale_min and overflow_ranks."""
 RECIPE_METRICS: dict[str, tuple[str, ...]] = {"llama_finetune": ("eval_loss", "eval_ppl")}
 """What each built-in recipe reports (as extra metrics) when evaluation is on."""
 

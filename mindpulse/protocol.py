@@ -63,6 +63,12 @@ class EventKind(str, enum.Enum):
     CARD_CHECK = "card_check"
     """The rank's pre-flight card check result: `message` is JSON (matmul GFLOP/s, all-reduce
     GB/s, errors), sent after the matmul and again after the all-reduce."""
+    NO_MONITOR = "no_monitor"
+    """The rank trains without mindpulse's Monitor (its steps will not be reported): `message`
+    says how it was seen and what to add. Sent once, at its first training step or call."""
+    ADVICE = "advice"
+    """Something in the rank's own setup worth changing (e.g. two ranks' `ModelCheckpoint`
+    writing one directory): `message` is JSON {"kind", "callback", "directory", "text"}."""
 
 
 class CheckpointKind(str, enum.Enum):
@@ -174,6 +180,14 @@ class StepPacket(Packet):
     profile_s: float = 0.0
     """Seconds this rank spent starting and stopping MindSpore's profiler (`profile.steps`)
     since its previous step packet, outside its step time (goodput)."""
+    loss_scale: float | None = None
+    """The loss scale the step ran with, where a loss-scale cell runs (MindSpore's or
+    MindFormers'); None otherwise."""
+    overflow: bool | None = None
+    """True when the loss-scale cell found the step's gradients overflowed and skipped the
+    update (its non-finite gradients are then expected, not an anomaly); None without one."""
+    overflow_steps: int = 0
+    """Steps this rank's loss-scale cell skipped for overflow so far (this attempt)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Additional named scalars (user metrics); reduced like the loss."""
     weights: dict[str, Any] = field(default_factory=dict)
@@ -205,6 +219,9 @@ class StepPacket(Packet):
         "checkpoint_s": _NUM,
         "eval_s": _NUM,
         "profile_s": _NUM,
+        "loss_scale": _OPT_NUM,
+        "overflow": (bool, type(None)),
+        "overflow_steps": (int,),
         "extra": (dict,),
         "weights": (dict,),
     }

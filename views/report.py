@@ -594,7 +594,7 @@ def _why(data: RunData, steps_done: int | None, steps_total: int | None, last_st
     if status == "succeeded":
         if steps_total and steps_done is not None and steps_done >= steps_total:
             return f"completed all {steps_total:,} steps{after}", ""
-        return f"completed {_plural(steps_done or 0, 'step')}{after}", ""
+        return f"completed {_plural(steps_done or 0, 'step')}{after}", _first_line(s.get("no_steps_reason"))
     if status == "anomaly_stop" and stop:
         rank = stop.get("rank")
         who = f" on rank {rank}" if rank is not None else ""
@@ -1504,6 +1504,11 @@ def _final_tables(data: RunData) -> str:
     parts.append("\n".join(f"  {k:<{width}}  {v}" for k, v in _headline_rows(h, data)))
     if not data.has_steps and data.metrics_read:
         parts.append("no data: metrics.msgpack holds no step packets")
+    advice = data.summary.get("advice") if isinstance(data.summary, dict) else None
+    if isinstance(advice, list) and advice:
+        parts.append("advice\n" + "\n".join(f"  - {a.get('message')}" + (f" (to fix: {a['fix']})" if a.get("fix")
+                                                                          and a.get("kind") == "no_monitor" else "")
+                                            for a in advice if isinstance(a, dict)))
     if data.anomalies:
         shown = data.anomalies[:_CONSOLE_ANOMALIES]
         more = len(data.anomalies) - len(shown)

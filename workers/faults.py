@@ -63,6 +63,23 @@ def card_check_repeats(rank: int, faults: list[Fault] | None = None) -> int:
     return 1
 
 
+def _fault_param(train_cell: Any, name: str) -> Any:
+    """A fault scalar: on a `MonitoredTrainOneStepCell`, or, where mindpulse attached to a
+    cell it did not build (workers/grad_probe.py), on its gradient reducer (`fault_grad_scale`)
+    or its loss network (`fault_loss_scale`); searched through the cells inside `train_cell`."""
+    if train_cell is None:
+        return None
+    param = getattr(train_cell, name, None)
+    if param is not None:
+        return param
+    cells = getattr(train_cell, "cells_and_names", None)
+    for _, cell in (cells() if callable(cells) else ()):
+        param = getattr(cell, name, None)
+        if param is not None:
+            return param
+    return None
+
+
 class FaultInjector:
     """Applies this rank's faults around each step (`before_step` / `after_step`)."""
 
@@ -81,9 +98,10 @@ class FaultInjector:
     def _set(self, name: str, value: float) -> None:
         import mindspore as ms
 
-        param = getattr(self.train_cell, name, None)
+        param = _fault_param(self.train_cell, name)
         if param is None:
-            log.warning("[rank %d] cannot inject: the train cell is not a MonitoredTrainOneStepCell", self.rank)
+            log.warning("[rank %d] cannot inject: the train cell has no %s (neither a MonitoredTrainOneStepCell "
+                        "nor a cell mindpulse attached its statistics to)", self.rank, name)
             return
         param.set_data(ms.Tensor(value, ms.float32))
 

@@ -22,6 +22,7 @@ from mindspore.train.callback import Callback
 from mindpulse.protocol import Directive, RankSettings
 
 from .errors import StopTraining
+from .grad_probe import probe_of, read_stats
 from .session import UNLAUNCHED_SCHEDULE, Channel, RankSession, StepOutcome, schedule_with
 from .settings import load_settings
 from .train_cell import split_outputs
@@ -29,6 +30,9 @@ from .train_cell import split_outputs
 log = logging.getLogger(__name__)
 
 __all__ = ["Monitor", "StepOutcome", "lr_of_step"]
+
+STEP_STATS = ("grad_norm", "grad_norm_local", "nan_count", "inf_count", "loss_scale", "overflow")
+"""What a step's outputs (or the statistics wrapper) may add to its packet."""
 
 
 def lr_of_step(optimizer: Any, step_index: int) -> float | None:
@@ -179,6 +183,9 @@ class Monitor(Callback):
         self._t0: float | None = None
         self._last_end: float | None = None
         self._data_wait: float | None = None
+        self._probe: Any = None
+        """The statistics wrapper mindpulse attached to a train cell it did not build
+        (workers/grad_probe.py), read after each step; None for our own cell or none."""
 
     # ---- what scripts may read -----------------------------------------------------------
     @property
@@ -265,7 +272,7 @@ class Monitor(Callback):
             samples=samples,
             tokens=tokens,
             extra=extra,
-            **{k: stats[k] for k in ("grad_norm", "grad_norm_local", "nan_count", "inf_count") if k in stats},
+            **{k: stats[k] for k in STEP_STATS if k in stats},
         )
         s.after_step(s.step)
         s.before_step(s.step + 1)  # faults (and the profiler) of the loop's next step
@@ -280,6 +287,7 @@ class Monitor(Callback):
         inner = getattr(net, "network", net)
         if s.train_cell is None:
             s.train_cell = net
+        self._probe = probe_of(s.train_cell)
         if hasattr(s.train_cell, "enable_pre_reduce_timing"):
             s.train_cell.enable_pre_reduce_timing()
         if s.batch_size is None:
@@ -309,6 +317,11 @@ class Monitor(Callback):
         cb = run_context.original_args()
         now = time.perf_counter()
         loss, stats = self._split(cb.net_outputs)
+        if self._probe is not None:
+            try:
+                stats.update(read_stats(self._probe))
+            except Exception as exc:
+                s.monitor_error("reading the gradient statistics", exc)
         step = s.step_offset + int(cb.cur_step_num)
         s.after_step(step)
         # with dataset sinking one callback covers `sink` steps: report the mean step time
@@ -316,11 +329,13 @@ class Monitor(Callback):
         start = self._t0 if self._t0 is not None else self._last_end
         step_time = (now - start) / nsteps if start is not None else None
         optimizer = getattr(cb, "optimizer", None) or getattr(cb.train_network, "optimizer", None)
+        lr = lr_of_step(optimizer, step - 1)
+        out_lr = stats.pop("lr", None)  # a MindFormers cell's own rate of the step
         outcome = s.record(
             loss,
             step=step,
             epoch=(step - 1) // s.epoch_steps + 1 if s.epoch_steps else int(getattr(cb, "cur_epoch_num", 1)),
-            lr=lr_of_step(optimizer, step - 1),
+            lr=lr if lr is not None else out_lr,
             step_time_s=step_time,
             samples=(s.batch_size or 0) * nsteps,
             data_wait_s=self._data_wait,

@@ -46,9 +46,7 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
 
             card_check(settings)
         elif job.script:
-            sys.argv = [job.script] + list(job.args)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(job.script)))
-            runpy.run_path(job.script, run_name="__main__")
+            run_script(settings, rank, job.script, list(job.args), job.auto_monitor)
         else:
             from mindpulse.workers.recipes import llama_finetune
 
@@ -68,6 +66,22 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
     sys.stdout.flush()
     sys.stderr.flush()
     return {"rank": rank, "exit_code": code, "error": error, "traceback": tb, "pid": os.getpid()}
+
+
+def run_script(settings: RankSettings, rank: int, script: str, args: list[str], auto_monitor: bool) -> None:
+    """The user's script as `__main__`, watched without an edit (workers/auto_attach.py):
+    `job.auto_monitor` adds the Monitor and the gradient statistics; either way a script that
+    trains without a Monitor is named at once."""
+    from mindpulse.workers.auto_attach import install
+
+    attached = install(settings, rank, auto_monitor)
+    sys.argv = [script] + args
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        attached.at_script_end()
+    finally:
+        attached.uninstall()
 
 
 def release_communication(rank: int) -> None:

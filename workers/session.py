@@ -522,6 +522,15 @@ class SincePacket:
         return out
 
 
+_created = 0
+"""RankSessions (Monitors) created in this process: a script that trains without one is
+named at once (workers/auto_attach.py)."""
+
+
+def sessions_created() -> int:
+    return _created
+
+
 class RankSession:
     """Args:
         settings: the run's settings (None outside a launch).
@@ -552,6 +561,8 @@ class RankSession:
         tokens_per_step: int | None = None,
         flops_per_token: float | None = None,
     ):
+        global _created
+        _created += 1
         self.settings = settings
         declared = list(metrics or [])
         if settings is not None:
@@ -597,6 +608,8 @@ class RankSession:
         """Seconds spent outside the steps since the last step packet (it carries them)."""
         self.errors = 0
         """Errors inside the monitor on this rank (logged and counted; training went on)."""
+        self.overflow_steps = 0
+        """Steps this rank's loss-scale cell skipped for overflow (every packet carries it)."""
         self.on_directive: Callable[[Directive], None] | None = None
         self.tokens_per_step = tokens_per_step
         """Tokens this rank trains on per step (None: not known, no TFLOPS reported)."""
@@ -686,8 +699,12 @@ class RankSession:
         data_wait_s: float | None = None,
         compute_s: float | None = None,
         tokens: int | None = None,
+        loss_scale: float | None = None,
+        overflow: bool | None = None,
     ) -> StepOutcome:
         self.step = s = step if step is not None else self.step + 1
+        if overflow:
+            self.overflow_steps += 1
         fp = norm = None
         weights: dict[str, Any] = {}
         if self.schedule.is_collect(s):
@@ -739,6 +756,9 @@ class RankSession:
             extra={str(k): float(as_number(v)) for k, v in (extra or {}).items() if as_number(v) is not None},
             monitor_errors=self.errors,
             weights=weights,
+            loss_scale=as_number(loss_scale),
+            overflow=None if overflow is None else bool(overflow),
+            overflow_steps=self.overflow_steps,
             **self.since_packet.take(),
         ))
         if self.weight_stats is not None and self.schedule.is_collect(s + 1):

@@ -268,14 +268,45 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
         return loss, stats
 
 
+def _scalar(x) -> float | None:
+    """A one-value tensor (or number) as a float; None for anything else."""
+    if isinstance(x, Tensor):
+        return float(x.item()) if x.size == 1 else None
+    if isinstance(x, (int, float, bool)):
+        return float(x)
+    return None
+
+
+def _loss_scale_outputs(outputs) -> dict[str, float | bool]:
+    """A loss-scale cell's outputs: MindSpore's `TrainOneStepWithLossScaleCell` returns
+    (loss, overflow flag, loss scale); MindFormers' train cells (loss, overflow, loss scale,
+    learning rate[, global norm]) — the norm MindFormers computes for its gradient clipping,
+    after the all-reduce. Anything else: nothing."""
+    if len(outputs) < 3:
+        return {}
+    flag, scale = outputs[1], outputs[2]
+    if not (isinstance(flag, Tensor) and flag.dtype == ms.bool_ and flag.size == 1):
+        return {}
+    scale_v = _scalar(scale)
+    if scale_v is None:
+        return {}
+    out: dict[str, float | bool] = {"overflow": bool(flag.item()), "loss_scale": scale_v}
+    if len(outputs) >= 4 and (lr := _scalar(outputs[3])) is not None:
+        out["lr"] = lr
+    if len(outputs) >= 5 and (gn := _scalar(outputs[4])) is not None:
+        out["grad_norm"] = gn
+    return out
+
+
 def split_outputs(outputs) -> tuple[float | None, dict[str, float]]:
     """Network outputs of one step → (loss, stats dict). Accepts our cell's output,
     a plain loss tensor, or a tuple whose first element is the loss (MindSpore's
-    convention, e.g. loss-scale cells)."""
+    convention), with the overflow flag and loss scale of a loss-scale cell."""
     stats: dict[str, float] = {}
     loss_t = outputs
     if isinstance(outputs, (tuple, list)):
         loss_t = outputs[0] if outputs else None
+        stats.update(_loss_scale_outputs(outputs))
         if len(outputs) == 2 and isinstance(outputs[1], Tensor) and outputs[1].shape == (STATS_LEN,):
             # tolist(), not asnumpy(): the same float32 values as Python floats, without the
             # buffer-format parsing asnumpy() pays in numpy (~4 us a call, every step)

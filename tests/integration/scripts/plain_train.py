@@ -1,0 +1,65 @@
+"""A user's data-parallel MindSpore script as MindSpore's tutorials write it: no mindpulse
+import, its own callbacks (LossMonitor, TimeMonitor, ModelCheckpoint), `init()` and
+DATA_PARALLEL as in the msrun tutorial, `Model.train` with dataset sink mode on.
+
+`--cell model`: Model builds the train cell (network + loss_fn + optimizer);
+`--cell own`: the script builds `nn.TrainOneStepCell` itself and hands it to Model;
+`--cell loss_scale`: the script builds `nn.TrainOneStepWithLossScaleCell` with a dynamic scale;
+`--loop hand`: a hand-written loop calling its own train cell (no Model.train).
+"""
+
+import argparse
+import os
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+from mindspore.communication import get_group_size, get_rank, init
+from mindspore.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--mode", choices=["pynative", "graph"], default="graph")
+parser.add_argument("--cell", choices=["model", "own", "loss_scale"], default="model")
+parser.add_argument("--loop", choices=["model", "hand"], default="model")
+parser.add_argument("--ckpt-dir", default="./ckpt")
+parser.add_argument("--overflow-at", type=int, default=0, help="make the inputs of this step overflow (1-based)")
+args = parser.parse_args()
+
+ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE, device_target="CPU")
+init()
+rank, size = get_rank(), get_group_size()
+ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+ms.set_seed(3)
+
+rng = np.random.RandomState(100 + rank)
+w_true = np.linspace(-1, 1, 16).astype(np.float32).reshape(16, 1)
+x = rng.randn(args.steps * 8, 16).astype(np.float32)
+y = x @ w_true
+if args.overflow_at:
+    x[(args.overflow_at - 1) * 8 : args.overflow_at * 8] = 3e38  # its squares overflow float32
+
+net = nn.Dense(16, 1)
+loss_fn = nn.MSELoss()
+opt = nn.Momentum(net.trainable_params(), learning_rate=0.05, momentum=0.9)
+if args.cell == "model":
+    model = Model(net, loss_fn, opt)
+    train_cell = None
+elif args.cell == "own":
+    train_cell = nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)
+    model = Model(train_cell)
+else:
+    scale = nn.DynamicLossScaleUpdateCell(loss_scale_value=2**12, scale_factor=2, scale_window=4)
+    train_cell = nn.TrainOneStepWithLossScaleCell(nn.WithLossCell(net, loss_fn), opt, scale_sense=scale)
+    model = Model(train_cell)
+
+if args.loop == "hand":
+    cell = train_cell or nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)
+    for i in range(args.steps):
+        loss = cell(ms.Tensor(x[i * 8 : (i + 1) * 8]), ms.Tensor(y[i * 8 : (i + 1) * 8]))
+else:
+    ds = ms.dataset.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(8)
+    ckpt = ModelCheckpoint(prefix="plain", directory=os.path.abspath(args.ckpt_dir),
+                           config=CheckpointConfig(save_checkpoint_steps=args.steps, keep_checkpoint_max=1))
+    model.train(1, ds, callbacks=[LossMonitor(), TimeMonitor(), ckpt], dataset_sink_mode=True)
+print(f"rank {rank}/{size} done", flush=True)

@@ -1,0 +1,270 @@
+"""Watch a user's script without an edit (`job.auto_monitor`, on by default).
+
+Installed by the rank's entry point (rank_main.py) before it runs `job.script`, removed
+when the script ends. What it patches, all in MindSpore's own classes, in this process only:
+
+- `mindspore.train.Model.train` and `Model.fit`: when the call's callbacks hold no mindpulse
+  `Monitor`, one is added (with the launch's settings) and the rank's log says so once. A
+  Monitor the script added itself is never doubled. The callbacks are also looked at for
+  MindSpore's `ModelCheckpoint` and `SummaryCollector`: their directories are reported, so
+  the aggregator can warn when two ranks write the same one (it never changes them).
+- `Model._build_train_network` (where `Model` builds or takes the train cell): the cell's
+  gradient reducer is wrapped for the gradient statistics (workers/grad_probe.py), so a
+  `Model(network, loss_fn, optimizer, ...)`, with or without `amp_level` or a loss-scale
+  manager, or a script's own `nn.TrainOneStepCell` / `TrainOneStepWithLossScaleCell`
+  handed to `Model`, reports the global and local grad norms and the NaN/Inf counts.
+- `nn.TrainOneStepCell.__call__` and `nn.Optimizer.__call__`, until their first call: a
+  script that trains (a hand loop, or `Model.train` with auto-attach off) while no Monitor
+  exists in the process is named to the aggregator at once (`EventKind.NO_MONITOR`), not
+  after a hang timeout. In GRAPH mode a compiled train step calls neither from Python; the
+  script's end without a Monitor is then what names it.
+
+With `job.auto_monitor: false` only the naming stays: the script runs untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindpulse.protocol import EventKind, EventPacket, RankSettings
+
+from .errors import StopTraining
+from .session import connect, sessions_created
+
+log = logging.getLogger(__name__)
+
+ADD_MONITOR = ("add `callbacks=[Monitor()]` to Model.train (from mindpulse.workers import Monitor), "
+               "or set job.auto_monitor: true")
+HAND_LOOP = ("a hand-written loop needs one line: `monitor = Monitor()` before it and "
+             "`monitor.step(outputs, optimizer=opt)` after each step (README: Use your own script)")
+
+
+@dataclass
+class AutoAttach:
+    """What is installed in this process, and what was told already."""
+
+    settings: RankSettings | None
+    rank: int
+    enabled: bool
+    """job.auto_monitor: add the Monitor and the statistics; False: only name a missing Monitor."""
+    told_added: bool = False
+    named: bool = False
+    """A NO_MONITOR event went out (once per process)."""
+    reported_dirs: set[tuple[str, str]] = field(default_factory=set)
+    _restore: list[tuple[Any, str, Any]] = field(default_factory=list)
+
+    # ---- installing ------------------------------------------------------------------------
+    def install(self) -> AutoAttach:
+        from mindspore import nn
+        from mindspore.train import Model
+
+        for name in ("train", "fit"):
+            self._patch(Model, name, self._wrap_train(getattr(Model, name), name))
+        if self.enabled:
+            self._patch(Model, "_build_train_network", self._wrap_build(Model._build_train_network))
+        for cls in (nn.TrainOneStepCell, nn.Optimizer):
+            self._patch(cls, "__call__", self._first_call_sentinel(cls))
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, old in reversed(self._restore):
+            if old is _ABSENT:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, name, old)
+        self._restore.clear()
+
+    def _patch(self, owner: Any, name: str, new: Any) -> None:
+        self._restore.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+        setattr(owner, name, new)
+
+    # ---- Model.train / Model.fit -----------------------------------------------------------
+    def _wrap_train(self, original: Any, api: str) -> Any:
+        state = self
+
+        @functools.wraps(original)
+        def train(model: Any, *args: Any, **kwargs: Any) -> Any:
+            callbacks, put_back = _callbacks_arg(original, args, kwargs)
+            cbs = _as_list(callbacks)
+            state._report_directories(cbs)
+            added = None
+            if not any(_is_monitor(cb) for cb in cbs):
+                if state.enabled:
+                    # first: at the step a stop directive ends, it must see the directive
+                    # before the script's own callbacks react to that step (e.g. LossMonitor
+                    # raising on the NaN loss that made the rules stop every rank)
+                    added = state._new_monitor()
+                    put_back([added] + cbs)
+                    if not state.told_added:
+                        state.told_added = True
+                        log.info("[rank %d] mindpulse added its Monitor to Model.%s's callbacks (job.auto_monitor; "
+                                 "set it to false to turn this off)", state.rank, api)
+                else:
+                    state.name_missing(f"Model.{api} runs without mindpulse's Monitor (job.auto_monitor is false)",
+                                       ADD_MONITOR)
+            try:
+                return original(model, *put_back.args, **put_back.kwargs)
+            except Exception as exc:
+                stopped = added.stopped if added is not None else None
+                if stopped is None:
+                    raise
+                # every rank stops after this step: an error the script's own callbacks
+                # raise at it (the anomaly that stopped the run) is that stop, not a crash
+                log.warning("[rank %d] Model.%s raised %s: %s at the step mindpulse stops every rank after "
+                            "(%s): taken as that stop", state.rank, api, type(exc).__name__, exc, stopped.reason)
+                added.session.finish("stopped: " + stopped.reason)
+                raise StopTraining(stopped.reason) from exc
+
+        return train
+
+    def _new_monitor(self) -> Any:
+        from .monitor import Monitor
+
+        return Monitor(settings=self.settings)
+
+    # ---- the train cell's statistics ---------------------------------------------------------
+    def _wrap_build(self, original: Any) -> Any:
+        state = self
+
+        @functools.wraps(original)
+        def build(model: Any) -> Any:
+            network = original(model)
+            try:
+                from .grad_probe import attach_grad_stats
+
+                done = attach_grad_stats(network, state.rank)
+                if done == "attached":
+                    log.info("[rank %d] mindpulse takes the gradient statistics around %s's gradient reducer",
+                             state.rank, type(network).__name__)
+                elif done != "already":
+                    log.info("[rank %d] no gradient statistics for this network: %s", state.rank, done)
+            except Exception as exc:  # the monitor never breaks the training it watches
+                log.warning("[rank %d] could not attach the gradient statistics (training goes on without them): "
+                            "%s: %s", state.rank, type(exc).__name__, exc)
+            return network
+
+        return build
+
+    # ---- a script that trains without a Monitor ----------------------------------------------
+    def _first_call_sentinel(self, cls: Any) -> Any:
+        state = self
+        original = cls.__call__  # inherited (Cell.__call__) or the class's own
+
+        def call(cell: Any, *args: Any, **kwargs: Any) -> Any:
+            if not state.named and sessions_created() == 0:
+                state.name_missing(f"it trains ({type(cell).__name__} called) without mindpulse's Monitor",
+                                   ADD_MONITOR + "; " + HAND_LOOP)
+            return original(cell, *args, **kwargs)
+
+        return call
+
+    def at_script_end(self) -> None:
+        """The script ended: one that never created a Monitor is named now."""
+        if not self.named and sessions_created() == 0:
+            self.name_missing("the script ended without creating mindpulse's Monitor", ADD_MONITOR + "; " + HAND_LOOP)
+
+    def name_missing(self, why: str, fix: str) -> None:
+        """Tell the aggregator (once) that this rank's steps will not be reported, and why."""
+        if self.named:
+            return
+        self.named = True
+        log.warning("[rank %d] mindpulse sees no steps from this rank: %s. To fix: %s", self.rank, why, fix)
+        self._send(EventKind.NO_MONITOR, json.dumps({"why": why, "fix": fix}))
+
+    # ---- callbacks that clash across ranks ---------------------------------------------------
+    def _report_directories(self, callbacks: list[Any]) -> None:
+        for cb in callbacks:
+            d = _callback_directory(cb)
+            if d is None:
+                continue
+            key = (type(cb).__name__, d)
+            if key in self.reported_dirs:
+                continue
+            self.reported_dirs.add(key)
+            self._send(EventKind.ADVICE, json.dumps({"kind": "shared_directory", "callback": key[0],
+                                                     "directory": d}))
+
+    def _send(self, kind: EventKind, message: str) -> None:
+        if self.settings is None:
+            return
+        try:
+            channel = connect(self.settings, self.rank)
+            pkt = EventPacket(rank=self.rank, kind=kind.value, ts=time.time(), pid=os.getpid(),
+                              host=socket.gethostname(), message=message)
+            channel.send(pkt.encode())
+            channel.flush()
+            channel.close()
+        except Exception as exc:  # the monitor never breaks the training it watches
+            log.warning("[rank %d] could not tell the aggregator (%s): %s", self.rank, kind.value, exc)
+
+
+_ABSENT = object()
+
+
+def _is_monitor(cb: Any) -> bool:
+    from .monitor import Monitor
+
+    return isinstance(cb, Monitor)
+
+
+def _as_list(callbacks: Any) -> list[Any]:
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, (list, tuple)):
+        return list(callbacks)
+    return [callbacks]
+
+
+class _PutBack:
+    """Puts the callbacks back where the call had them (keyword or position)."""
+
+    def __init__(self, args: tuple, kwargs: dict, index: int | None):
+        self.args, self.kwargs, self.index = args, kwargs, index
+
+    def __call__(self, callbacks: Any) -> None:
+        if self.index is not None and self.index < len(self.args):
+            args = list(self.args)
+            args[self.index] = callbacks
+            self.args = tuple(args)
+        else:
+            self.kwargs = dict(self.kwargs, callbacks=callbacks)
+
+
+def _callbacks_arg(original: Any, args: tuple, kwargs: dict) -> tuple[Any, _PutBack]:
+    """The call's `callbacks` argument (by keyword or position, after `self`)."""
+    import inspect
+
+    names = [p for p in inspect.signature(original).parameters][1:]  # without self
+    index = names.index("callbacks") if "callbacks" in names else None
+    if "callbacks" in kwargs:
+        return kwargs["callbacks"], _PutBack(args, kwargs, None)
+    if index is not None and index < len(args):
+        return args[index], _PutBack(args, kwargs, index)
+    return None, _PutBack(args, kwargs, None)
+
+
+def _callback_directory(cb: Any) -> str | None:
+    """Where MindSpore's ModelCheckpoint or SummaryCollector writes (absolute), else None."""
+    name = type(cb).__name__
+    if name == "ModelCheckpoint":
+        d = getattr(cb, "_directory", None)
+    elif name == "SummaryCollector":
+        d = getattr(cb, "_summary_dir", None)
+    else:
+        return None
+    return os.path.abspath(str(d)) if d else None
+
+
+def install(settings: RankSettings | None, rank: int, enabled: bool) -> AutoAttach:
+    """Patch this process's MindSpore for `job.script` (see the module docstring)."""
+    return AutoAttach(settings, rank, enabled).install()

@@ -1,0 +1,89 @@
+"""MindSpore's loss-scale train cells on CPU: overflow found with IsFinite, not the NPU float status.
+
+`nn.TrainOneStepWithLossScaleCell` (and every MindFormers train cell built on it:
+`MFTrainOneStepCell`, `MFPipelineWithLossScaleCell`) picks its overflow check in
+`get_overflow_status` from three flags it reads in `__init__`: GPU, Ascend 910B, and "else",
+which it takes for Ascend 910A. On CPU all three flags are false, so the cell takes the 910A
+branch: `NPUGetFloatStatusV2`/`NPUClearFloatStatusV2`, which have Ascend kernels only, and
+graph compilation fails with "Unsupported op [NPUGetFloatStatusV2] on CPU".
+
+`enable_cpu_overflow_check()` gives the cell, in a CPU process, the check MindSpore itself runs
+on Ascend 910B in "infnan" mode when the fused AllFinite kernel is off: IsFinite on every
+gradient, the per-gradient flags summed, that sum all-reduced over the data-parallel group when
+the cell is distributed, overflow = sum >= 1 (MindSpore's own
+`_get_distributed_overflow_status_on_infnan_mode` with its `_ascend_grad_overflow`). IsFinite,
+AddN and AllReduce have CPU kernels. Nothing else changes: the cell still skips the optimizer
+step on overflow and the loss-scale manager (e.g. `DynamicLossScaleUpdateCell`) still halves or
+grows the scale from the same flag.
+
+The patch is made on the base class, at its two documented overflow hooks
+(`start_overflow_check`, `get_overflow_status`), so the cells derived from it get it too; it is
+made only when MindSpore's device target is CPU, and a process's device target cannot change
+once its runtime has started, so no Ascend or GPU cell ever sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mindspore as ms
+from mindspore import nn
+from mindspore.common import dtype as mstype
+from mindspore.nn.wrap import loss_scale as _loss_scale
+
+# what the patch reuses from MindSpore's loss-scale module: the 910B infnan path's helper and
+# its per-gradient IsFinite function (both private: checked before patching)
+_INFNAN_HELPER = "_get_distributed_overflow_status_on_infnan_mode"
+_ISFINITE_FUNC = "_ascend_grad_overflow"
+
+_ascend_grad_overflow = getattr(_loss_scale, _ISFINITE_FUNC, None)
+
+
+def _cpu_start_overflow_check(self: Any, pre_cond: Any, compute_input: Any) -> tuple[Any, Any]:
+    """CPU: there is no float-status register to clear; the status is unused (IsFinite reads
+    the gradients themselves). Same outputs as MindSpore's GPU/910B path."""
+    status = ms.Tensor([0] * 8, mstype.int32)
+    return status, compute_input
+
+
+def _cpu_get_overflow_status(self: Any, status: Any, compute_output: Any) -> Any:
+    """CPU: MindSpore's Ascend 910B infnan check without AllFinite: IsFinite over the
+    gradients, flags summed, all-reduced over the group when distributed, overflow = sum >= 1."""
+    return self._get_distributed_overflow_status_on_infnan_mode(_ascend_grad_overflow, compute_output)
+
+
+def _device_target() -> str:
+    return str(ms.get_context("device_target"))
+
+
+def _check_mindspore_layout() -> None:
+    """The patch calls MindSpore internals: say which one is missing instead of failing at graph
+    compile time with a less clear message."""
+    if _ascend_grad_overflow is None:
+        raise RuntimeError(f"mindspore {ms.__version__}: mindspore.nn.wrap.loss_scale has no {_ISFINITE_FUNC}; "
+                           "the CPU overflow check (mindpulse.workers.mindformers_cpu) needs updating")
+    if not hasattr(nn.TrainOneStepWithLossScaleCell, _INFNAN_HELPER):
+        raise RuntimeError(f"mindspore {ms.__version__}: TrainOneStepWithLossScaleCell has no {_INFNAN_HELPER}; "
+                           "the CPU overflow check (mindpulse.workers.mindformers_cpu) needs updating")
+
+
+def is_enabled() -> bool:
+    """Whether this process's loss-scale cells use the CPU overflow check."""
+    return nn.TrainOneStepWithLossScaleCell.__dict__.get("get_overflow_status") is _cpu_get_overflow_status
+
+
+def enable_cpu_overflow_check() -> bool:
+    """In a CPU process, make `nn.TrainOneStepWithLossScaleCell` and the cells derived from it
+    detect overflow with IsFinite + all-reduce (module docstring). Call it once the device
+    target is set (after MindFormers' `build_context`) and before the train cell is compiled;
+    calling it again does nothing. Returns whether the CPU check is in place: False (and no
+    change) when the device target is not CPU."""
+    if _device_target() != "CPU":
+        return False
+    if is_enabled():
+        return True
+    _check_mindspore_layout()
+    cell = nn.TrainOneStepWithLossScaleCell
+    cell.start_overflow_check = _cpu_start_overflow_check
+    cell.get_overflow_status = _cpu_get_overflow_status
+    return True
