@@ -127,7 +127,7 @@ class JobConfig:
     """A built-in recipe and its options (give either `recipe` or `script`; with
     neither, the built-in `llama_finetune` recipe runs)."""
     script: str = ""
-    """A user training script run in every rank (it uses `mindpulse.workers.Monitor`)."""
+    """A user training script run in every rank, as it is (no mindpulse import needed: see `job.auto_monitor`)."""
     args: list[str] = field(default_factory=list)
     """Command-line arguments passed to `script`."""
     auto_monitor: bool = True

@@ -295,7 +295,7 @@ RULE = {"rule": "threshold", "op": ">", "threshold": 1.0}
     [
         ({"anomalies": [dict(RULE, metric="lossx")]},
          "anomalies[0].metric: 'lossx' is not a metric this job reports; use one of loss, grad_norm_global, "
-         "throughput, mfu, tflops, step, epoch"),
+         "throughput, mfu, tflops, loss_scale, overflow, step, epoch"),
         ({"anomalies": [RULE, dict(RULE, metric="grad_nrom", enabled=False)]}, "anomalies[0].metric: a threshold"),
         ({"anomalies": [dict(RULE, metric="loss"), dict(RULE, metric="grad_nrom")]},
          "anomalies[1].metric: 'grad_nrom' is not a metric this job reports"),

@@ -188,3 +188,24 @@ def test_startup_timeout_must_not_be_negative():
     assert from_dict({}).monitor.startup_timeout_s == 0
     with pytest.raises(ConfigError, match="monitor.startup_timeout_s"):
         from_dict({"monitor": {"startup_timeout_s": -1}})
+
+
+def test_ranks_that_train_without_a_monitor_are_named_not_hung(tmp_path, clock):
+    """A rank that said it trains without a Monitor (workers/auto_attach.py) reports no step:
+    its silence is no hang; once its Monitor starts after all, its clock runs again."""
+    import json
+
+    core = make(tmp_path, msrun={"cluster_time_out": 30})
+    for r in (0, 1):
+        core.ingest([EventPacket(rank=r, kind=EventKind.NO_MONITOR.value, message=json.dumps(
+            {"why": "it trains without mindpulse's Monitor", "fix": "add Monitor()"})).encode()])
+    clock.now += 3600
+    assert core.hang_check(TIMEOUT, STALE) is None
+    said = core.drain_console()
+    assert len([line for line in said if "without mindpulse's Monitor" in line]) == 1, said  # once, not per rank
+    advice = core.snapshot()["advice"]
+    assert advice == [{"kind": "no_monitor", "ranks": [0, 1], "message": "rank(s) 0,1: it trains without "
+                       "mindpulse's Monitor", "fix": "add Monitor()"}], advice
+    core.ingest([EventPacket(rank=1, kind=EventKind.START.value).encode()])
+    info = core.hang_check(TIMEOUT, STALE)
+    assert info is not None and info["stuck"] == [1] and info["phase"] == "startup", info

@@ -218,7 +218,14 @@ def test_split_outputs_reads_every_output_shape_a_cell_returns():
     assert split_outputs(ms.Tensor([[2.5]], f32)) == (2.5, {})
     assert split_outputs(ms.Tensor([1.0, 2.0, 4.5], f32)) == (2.5, {})  # the mean over the elements
     assert split_outputs(ms.Tensor(np.zeros((0,), np.float32))) == (None, {})
-    assert split_outputs((ms.Tensor(1.5, ms.float16), ms.Tensor(False), ms.Tensor(1024.0, f32))) == (1.5, {})
+    # a loss-scale cell's (loss, overflow flag, scale), and MindFormers' (..., learning rate, global norm)
+    assert split_outputs((ms.Tensor(1.5, ms.float16), ms.Tensor(False), ms.Tensor(1024.0, f32))) == (
+        1.5, {"overflow": False, "loss_scale": 1024.0})
+    assert split_outputs((ms.Tensor(1.5, f32), ms.Tensor(True), ms.Tensor(512.0, f32), ms.Tensor(1e-4, f32),
+                          ms.Tensor(7.0, f32))) == (1.5, {"overflow": True, "loss_scale": 512.0,
+                                                          "lr": pytest.approx(1e-4), "grad_norm": 7.0})
+    # a (loss, something) tuple that is not a loss-scale cell's adds nothing
+    assert split_outputs((ms.Tensor(1.5, f32), ms.Tensor(1.0, f32), ms.Tensor(2.0, f32))) == (1.5, {})
     stats = ms.Tensor([3.0, float("inf"), float("nan"), 2.0], f32)
     loss, s = split_outputs((ms.Tensor(0.25, ms.bfloat16), stats))
     assert loss == 0.25 and s["grad_norm"] == 3.0 and math.isinf(s["grad_norm_local"])

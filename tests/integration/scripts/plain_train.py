@@ -36,8 +36,9 @@ rng = np.random.RandomState(100 + rank)
 w_true = np.linspace(-1, 1, 16).astype(np.float32).reshape(16, 1)
 x = rng.randn(args.steps * 8, 16).astype(np.float32)
 y = x @ w_true
-if args.overflow_at:
-    x[(args.overflow_at - 1) * 8 : args.overflow_at * 8] = 3e38  # its squares overflow float32
+if args.overflow_at:  # a finite loss whose gradients, times the loss scale, overflow float32
+    x[(args.overflow_at - 1) * 8 : args.overflow_at * 8] *= 1e10
+    y[(args.overflow_at - 1) * 8 : args.overflow_at * 8] *= 1e10
 
 net = nn.Dense(16, 1)
 loss_fn = nn.MSELoss()
@@ -49,7 +50,7 @@ elif args.cell == "own":
     train_cell = nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)
     model = Model(train_cell)
 else:
-    scale = nn.DynamicLossScaleUpdateCell(loss_scale_value=2**12, scale_factor=2, scale_window=4)
+    scale = nn.DynamicLossScaleUpdateCell(loss_scale_value=2.0**64, scale_factor=2, scale_window=4)
     train_cell = nn.TrainOneStepWithLossScaleCell(nn.WithLossCell(net, loss_fn), opt, scale_sense=scale)
     model = Model(train_cell)
 

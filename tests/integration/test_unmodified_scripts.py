@@ -1,0 +1,137 @@
+"""End to end: a user's MindSpore script with no mindpulse import, launched as it is
+(`job.script`), two real ranks in data parallel on CPU (workers/auto_attach.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mindpulse.aggregator.metrics_store import read_records
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "plain_train.py"
+
+
+def launch(run_cli, tmp_path: Path, *script_args: str, steps: int = 12, extra: tuple[str, ...] = ()):
+    args = ", ".join(f"'{a}'" for a in ("--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(steps), *script_args))
+    return run_cli("launch", "--set", f"job.script={SCRIPT}", "--set", f"job.args=[{args}]",
+                   "--set", "train.steps=0", "--set", "monitor.per_print_step=4", "--set", "output.report=false",
+                   *extra, timeout=400)
+
+
+def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    wire = list(read_records(run_dir / "metrics.msgpack"))
+    return [o for o in wire if o.get("t") == "step"], [o for o in wire if o.get("t") == "reduced"]
+
+
+def test_model_train_script_is_watched_without_an_edit(run_cli, tmp_path):
+    """GRAPH mode, Model builds the train cell, sink mode on, MindSpore's own callbacks with a
+    ModelCheckpoint every rank points at one directory."""
+    r = launch(run_cli, tmp_path, "--mode", "graph", "--cell", "model")
+    assert r.returncode == 0, r.output
+    s = r.summary
+    assert s["status"] == "succeeded" and s["steps_completed"] == 12, s
+    assert s["no_steps_reason"] is None
+    # the cluster table, with a reduced loss and global grad norm
+    assert "step 12  epoch 1  ranks 2" in r.stdout and "\nall     12 " in r.stdout, r.output
+    pk, red = records(r.run_dir)
+    assert {(o["rank"], o["step"]) for o in pk} >= {(rk, st) for rk in (0, 1) for st in range(13)}
+    assert s["packets"]["duplicates"] == 0, "the Monitor was doubled"
+    assert all(o["grad_norm"] is not None and o["grad_norm_local"] is not None for o in pk if o["step"] > 0)
+    # the global norm is taken after the all-reduce: equal on both ranks; the local ones differ
+    by_step = {}
+    for o in pk:
+        if o["step"] > 0:
+            by_step.setdefault(o["step"], {})[o["rank"]] = o
+    for step, ranks in by_step.items():
+        assert ranks[0]["grad_norm"] == pytest.approx(ranks[1]["grad_norm"], rel=1e-5), step
+    assert any(ranks[0]["grad_norm_local"] != ranks[1]["grad_norm_local"] for ranks in by_step.values())
+    assert all(o["overflow"] is None and o["loss_scale"] is None for o in pk), "no loss-scale cell runs here"
+    red_steps = {o["step"]: o for o in red}
+    assert red_steps[12]["loss_mean"] is not None and red_steps[12]["grad_norm"] is not None
+    assert s["last_loss"] == pytest.approx(red_steps[12]["loss_mean"])
+    # the Monitor was added once per rank, said so once; the statistics attached
+    for rank in (0, 1):
+        log = (r.run_dir / "logs" / f"rank_{rank}.log").read_text()
+        assert log.count("mindpulse added its Monitor to Model.train's callbacks") == 1, log[-3000:]
+        assert "gradient statistics around TrainOneStepCell's gradient reducer" in log
+        assert "rank 1/2 done" in log or rank == 0
+    # the script's own callbacks kept working: MindSpore's LossMonitor printed, ModelCheckpoint wrote
+    assert "loss is" in (r.run_dir / "logs" / "rank_0.log").read_text()
+    assert list((tmp_path / "ckpt").glob("plain*.ckpt")), "the script's ModelCheckpoint wrote nothing"
+    # ... and writes one directory from both ranks: said on the console and in summary.json
+    shared = [a for a in s["advice"] if a["kind"] == "shared_directory"]
+    assert len(shared) == 1 and shared[0]["callback"] == "ModelCheckpoint", s["advice"]
+    assert shared[0]["ranks"] == [0, 1] and shared[0]["directory"] == str(tmp_path / "ckpt")
+    assert "advice: ModelCheckpoint of all 2 ranks writes the same directory" in r.stdout
+    assert s["best_checkpoint"] and Path(s["best_checkpoint"]["path"]).exists()
+
+
+def test_own_train_cell_nan_grad_stops_every_rank_after_one_step(run_cli, tmp_path):
+    """PYNATIVE, the script's own nn.TrainOneStepCell handed to Model: an injected NaN
+    gradient on rank 1 stops both ranks after the same step, though the script's own
+    LossMonitor raises on the NaN loss of the step the stop ends."""
+    r = launch(run_cli, tmp_path, "--mode", "pynative", "--cell", "own", extra=("--inject", "nan_grad@1:5"))
+    assert r.returncode == 3, r.output
+    s = r.summary
+    assert s["status"] == "anomaly_stop" and s["stop"]["rule"] == "nonfinite", s["stop"]
+    assert s["stop"]["rank"] == 1 and s["stop"]["decided_at"] == 5
+    assert [x["last_step"] for x in s["ranks"]] == [s["stop"]["step"]] * 2, s["ranks"]
+    assert [x["exit_code"] for x in s["ranks"]] == [0, 0]
+    pk, _ = records(r.run_dir)
+    bad = [o for o in pk if o["step"] == 5 and o["rank"] == 1][0]
+    assert bad["nan_count"] > 0, bad
+    log1 = (r.run_dir / "logs" / "rank_1.log").read_text()
+    assert "taken as that stop" in log1 or "stopping after step" in log1
+
+
+def test_loss_scale_cell_reports_its_scale_and_skipped_steps(run_cli, tmp_path):
+    """The script's own TrainOneStepWithLossScaleCell (dynamic scale) on CPU: its scale and
+    overflow flag reach the aggregator; the step whose gradients overflow is skipped by the
+    cell and is not an anomaly; a rule on `overflow` sees it."""
+    rule = "[{rule: threshold, name: overflowing, metric: overflow, op: '>=', threshold: 1, action: warn}]"
+    r = launch(run_cli, tmp_path, "--mode", "graph", "--cell", "loss_scale", "--overflow-at", "3",
+               extra=("--set", f"anomalies={rule}"))
+    assert r.returncode == 0, r.output
+    s = r.summary
+    pk, red = records(r.run_dir)
+    assert all(o["loss_scale"] is not None and o["overflow"] is not None for o in pk if o["step"] > 0), pk[:3]
+    assert [o["overflow"] for o in pk if o["step"] == 3] == [True, True], "the overflow flag is all-reduced"
+    assert s["overflow_steps"]["total"] == 1 and s["overflow_steps"]["per_rank"] == {"0": 1, "1": 1}, s
+    red_steps = {o["step"]: o for o in red}
+    assert red_steps[3]["overflow_ranks"] == 2 and red_steps[12]["overflow_steps"] == 1
+    # the dynamic scale halves at the overflow (the cell reports it before or after its update)
+    after = min(red_steps[k]["loss_scale_min"] for k in (3, 4))
+    assert after == red_steps[2]["loss_scale_min"] / 2, [red_steps[k]["loss_scale_min"] for k in (2, 3, 4)]
+    assert s["loss_scale"]["min"] == red_steps[12]["loss_scale_min"]
+    fired = json.loads((r.run_dir / "anomalies.json").read_text())
+    assert [(a["rule"], a["step"]) for a in fired] == [("overflowing", 3)], fired
+    assert "loss scale" in r.stdout and "overflow steps 1" in r.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(r.run_dir / "tensorboard"))
+    ev.Reload()
+    assert {"loss_scale/min", "loss_scale/max", "overflow/steps"} <= set(ev.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("auto, loop, why", [
+    ("false", "model", "Model.train runs without mindpulse's Monitor (job.auto_monitor is false)"),
+    ("true", "hand", "it trains (TrainOneStepCell called) without mindpulse's Monitor"),
+])
+def test_a_rank_without_a_monitor_is_named_at_once(run_cli, tmp_path, auto, loop, why):
+    """auto-attach off (Model.train), or a hand loop mindpulse cannot watch: the console
+    names the ranks at their first step, the run is not declared hung, summary.json says why
+    no step was reduced and what to add."""
+    r = launch(run_cli, tmp_path, "--mode", "pynative", "--loop", loop,
+               extra=("--set", f"job.auto_monitor={auto}", "--set", "monitor.hang_timeout_s=5"))
+    assert r.returncode == 0, r.output
+    s = r.summary
+    assert s["status"] == "succeeded" and s["steps_completed"] == 0 and s["failure"] is None
+    first = r.stdout.index(why)
+    assert first < r.stdout.index("run local-cpu:"), "named only at the end, not while it ran"
+    assert "To fix: add `callbacks=[Monitor()]`" in r.stdout
+    missing = [a for a in s["advice"] if a["kind"] == "no_monitor"]
+    assert missing and missing[0]["ranks"] == [0, 1], s["advice"]
+    assert why in s["no_steps_reason"] and "To fix" in s["no_steps_reason"]
