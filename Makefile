@@ -28,14 +28,16 @@ lint: setup
 	LINT_IMPORTS=$(CURDIR)/$(BIN)/lint-imports tools/lint_imports.sh
 
 # The tests that start no Ray cluster and no ranks run in parallel processes (one per core,
-# at most 4); the slow ones (real clusters and ranks on every core, graph compiles, long
-# property searches) one at a time, their slowest listed at the end: the suite must stay
-# under 20 minutes here
-QUICK := -m "not slow" -n auto --maxprocesses 4
+# at most 4): `make test-quick` the quick ones, `make test` the slow ones among them too
+# (graph compiles, long property searches, the browser). Then the `cluster` ones (real
+# clusters and ranks on every core: they judge speed and timeouts) one at a time, their
+# slowest listed at the end: the suite must stay under 20 minutes here
+PARALLEL := -n auto --maxprocesses 4
+QUICK    := -m "not slow" $(PARALLEL)
 
 test: lint
-	$(BIN)/python -m pytest tests -q $(QUICK) --durations=10
-	$(BIN)/python -m pytest tests -q -m slow --durations=25
+	$(BIN)/python -m pytest tests -q -m "not cluster" $(PARALLEL) --durations=10
+	$(BIN)/python -m pytest tests -q -m cluster --durations=25
 
 test-quick: lint
 	$(BIN)/python -m pytest tests -q $(QUICK)

@@ -126,12 +126,15 @@ def _merge_ext(a: list | None, b: list | None, biggest: bool) -> list | None:
 
 # ---- one node's partial ------------------------------------------------------------------------
 def _nonfinite(p: StepPacket) -> bool:
-    """A NaN/Inf loss, or non-finite gradients the step did not skip: a loss-scale cell that
-    reports overflow skipped the update, so its non-finite gradients are expected (the scale
-    comes down; `overflow_steps` counts them)."""
+    """A NaN/Inf loss, or non-finite gradients that a loss scale does not explain. A loss-scale
+    cell that reports overflow skipped the update; where its scale is above 1, the scale is what
+    overflowed them (fp16's dynamic scaling finds its level that way: the scale comes down,
+    `overflow_steps` counts the step), so they are expected. At a scale of 1 (a fixed scale, as
+    MindFormers' bf16 and fp32 configs run, or a dynamic one that came all the way down) nothing
+    explains them: the gradients themselves are NaN or Inf."""
     if p.loss is not None and not math.isfinite(p.loss):
         return True
-    if p.overflow:
+    if p.overflow and p.loss_scale is not None and p.loss_scale > 1:
         return False
     return bool(p.nan_count or p.inf_count or (p.grad_norm_local is not None and not math.isfinite(p.grad_norm_local)))
 
@@ -153,7 +156,7 @@ def partial_of(step: int, packets: Mapping[int, StepPacket], keep_all: bool = Fa
         loss = p.loss
         if loss is not None:
             losses.append((r, loss))
-        if p.grad_norm is not None and not p.overflow:  # an overflow step's norm is Inf by design
+        if p.grad_norm is not None and not (p.overflow and (p.loss_scale or 0) > 1):  # overflowed by the scale
             gns.append(p.grad_norm)
         if p.loss_scale is not None:
             scales.append((r, p.loss_scale))

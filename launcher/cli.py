@@ -123,14 +123,25 @@ def main(argv: list[str] | None = None) -> int:
 
             return launch(cfg, path, resume=resume)
         if args.command == "plan":
-            from .spec import rank_specs
+            from . import mindformers_plan
+            from .preflight import LaunchRefused
+            from .spec import RUN_DIR, rank_specs
 
-            cfg, _ = load_config(args.config, args.overrides)
+            cfg, path = load_config(args.config, args.overrides)
+            mindformers_plan.resolve_paths(cfg, path)
+            try:
+                mf = mindformers_plan.plan_view(cfg, RUN_DIR)
+            except LaunchRefused as exc:
+                print(f"mindpulse: {exc}", file=sys.stderr)
+                return int(ExitCode.USAGE)
             specs = rank_specs(cfg)
             if args.json:
-                print(json.dumps([sp.to_dict() for sp in specs], indent=2))
+                print(json.dumps([dict(sp.to_dict(), **({"mindformers": mf} if mf else {})) for sp in specs],
+                                 indent=2))
             else:
                 _print_plan(cfg, specs)
+                if mf is not None:
+                    _print_mindformers(mf, cfg.world.world_size)
             return 0
         if args.command == "report":
             from mindpulse.views.report import build_report, final_tables, load_run
@@ -168,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
     return int(ExitCode.USAGE)
+
+
+def _print_mindformers(mf: dict, world_size: int) -> None:
+    import yaml
+
+    print(f"\nMindFormers config of every rank (ranks 0-{world_size - 1}: the same; MindFormers adds rank_<r>/ "
+          f"under output_dir and under its log folder, and fills in its own defaults), from {mf['yaml']}:")
+    print(yaml.safe_dump(mf["values"], sort_keys=False, default_flow_style=None).rstrip())
 
 
 def _print_plan(cfg: RunConfig, specs: list[RankSpec]) -> None:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from mindpulse.config import RunConfig
 
-from . import card_check
+from . import card_check, mindformers_plan
 from .controller import Controller
 from .preflight import LaunchRefused, check_local
 from .progress import Console
@@ -69,6 +69,7 @@ class Launch:
                         p = cand
                         break
             job.recipe.init_from = str(p.resolve())
+        mindformers_plan.resolve_paths(self.cfg, self.config_path)
 
     def _refuse(self, exc: LaunchRefused) -> int:
         """Nothing ran: say why and leave no run directory behind."""
@@ -80,6 +81,7 @@ class Launch:
         self._resolve_paths()
         try:
             check_local(self.cfg)
+            mindformers_plan.check(self.cfg, str(self.run_dir))  # a MindFormers YAML: read and checked now
             card_check.check_faults(self.cfg, card_check.enabled(self.cfg))
         except LaunchRefused as exc:
             return self._refuse(exc)

@@ -122,6 +122,23 @@ class MsrunConfig:
 
 
 @dataclass
+class MindFormersJobConfig:
+    config: str = ""
+    """A MindFormers YAML (`run_mode`, `model`, `runner_config`, `optimizer`, `lr_schedule`,
+    `train_dataset`, `callbacks`, ...) that every rank trains with MindFormers' own Trainer, as
+    run_mindformer.py does (relative paths: against the config file's folder, then the working
+    directory, then the project; relative paths inside the YAML: against its own folder)."""
+    run_mode: str = "finetune"
+    """`train` or `finetune` (replaces the YAML's run_mode)."""
+    load_checkpoint: str = ""
+    """The checkpoint to start from instead of the YAML's `load_checkpoint` (empty: the YAML's)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Values merged into the YAML by dotted key, e.g. `{model.model_config.num_layers: 1}`; each key
+    must exist in the YAML. mindpulse itself sets the device target, `use_parallel`,
+    `parallel_config.data_parallel` (the world size), `output_dir` and the step cap (`train.steps`)."""
+
+
+@dataclass
 class JobConfig:
     recipe: RecipeConfig | None = None
     """A built-in recipe and its options (give either `recipe` or `script`; with
@@ -130,6 +147,8 @@ class JobConfig:
     """A user training script run in every rank, as it is (no mindpulse import needed: see `job.auto_monitor`)."""
     args: list[str] = field(default_factory=list)
     """Command-line arguments passed to `script`."""
+    mindformers: MindFormersJobConfig | None = None
+    """A MindFormers fine-tune from its own YAML (give one of `recipe`, `script`, `mindformers`)."""
     auto_monitor: bool = True
     """`script` only: add mindpulse's Monitor to `Model.train`/`Model.fit` calls that have none,
     and take the gradient statistics around the train cell `Model` builds or is given (no edit
@@ -518,6 +537,11 @@ def _coerce(path: str, tp: Any, raw: Any) -> Any:
             return {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping, got {raw!r}")
+        if typing.get_args(tp)[1:] == (Any,):  # plain YAML values as they are (job.mindformers.overrides)
+            bad = [k for k in raw if not isinstance(k, str)]
+            if bad:
+                raise ConfigError(f"{path}.{bad[0]}: keys are strings (dotted YAML keys)")
+            return dict(raw)
         out = {}
         for k, v in raw.items():
             if not isinstance(k, str) or isinstance(v, (dict, list)) or v is None:
@@ -662,10 +686,14 @@ def validate(cfg: RunConfig) -> RunConfig:
         # the launch checks the resolved path again (a relative root sits under the cwd)
         check_shell_safe_root(cfg.output.root)
     job = cfg.job
-    if job.script and job.recipe is not None:
-        raise ConfigError("job: give either job.recipe or job.script, not both")
-    if not job.script and job.recipe is None:
+    given = [name for name, on in (("job.recipe", job.recipe is not None), ("job.script", bool(job.script)),
+                                   ("job.mindformers", job.mindformers is not None)) if on]
+    if len(given) > 1:
+        raise ConfigError(f"job: give one of job.recipe, job.script or job.mindformers, not {' and '.join(given)}")
+    if not given:
         job.recipe = RecipeConfig()
+    if job.mindformers is not None:
+        _validate_mindformers(job.mindformers)
     if job.recipe is not None:
         if job.recipe.name not in RECIPES:
             raise ConfigError(
@@ -722,6 +750,22 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("job.args: only allowed together with job.script")
     _validate_preflight(cfg.preflight)
     return cfg
+
+
+MF_RUN_MODES = ("train", "finetune")
+
+
+def _validate_mindformers(mf: MindFormersJobConfig) -> None:
+    """What can be checked without the YAML (the launch reads it: mindpulse.mindformers_yaml)."""
+    if not mf.config:
+        raise ConfigError("job.mindformers.config: must not be empty; give the MindFormers YAML to train")
+    if mf.run_mode not in MF_RUN_MODES:
+        raise ConfigError(f"job.mindformers.run_mode: {mf.run_mode!r} is not allowed; use one of "
+                          + ", ".join(repr(m) for m in MF_RUN_MODES))
+    for key in mf.overrides:
+        if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"job.mindformers.overrides: key {key!r} is not a dotted YAML key such as "
+                              "model.model_config.num_layers")
 
 
 def _check_slow_saves(cfg: RunConfig) -> None:
@@ -1003,6 +1047,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         # replaces the file's recipe (unless job.recipe is set on the command line too)
         if parts == ["job", "script"] and value and isinstance(raw.get("job"), dict) and True not in keys:
             raw["job"].pop("recipe", None)
+            raw["job"].pop("mindformers", None)
+        if parts[:2] == ["job", "mindformers"] and value and isinstance(raw.get("job"), dict) and True not in keys:
+            raw["job"].pop("recipe", None)
+            if parts == ["job", "mindformers", "config"]:
+                raw["job"].pop("script", None)
         node = raw
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)

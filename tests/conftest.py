@@ -109,10 +109,13 @@ def mindpulse_cmd() -> list[str]:
 
 
 @pytest.fixture
-def run_cli(tmp_path):
+def run_cli(tmp_path, request):
     """Run `mindpulse ARGS` with output.root in tmp_path; assert no process is left behind."""
     before = set(_run_processes())
     runs: list[CliRun] = []
+
+    # a launch takes every core and its checks judge speed: `make test` runs it alone
+    assert request.node.get_closest_marker("cluster"), f"{request.node.nodeid} launches: mark it cluster"
 
     def _run(*args: str, timeout: float = 600, env: dict | None = None, report: bool = False) -> CliRun:
         """`report`: build the HTML report (~2 s a launch; only tests that check it ask)."""

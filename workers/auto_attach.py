@@ -13,6 +13,8 @@ when the script ends. What it patches, all in MindSpore's own classes, in this p
   `Model(network, loss_fn, optimizer, ...)`, with or without `amp_level` or a loss-scale
   manager, or a script's own `nn.TrainOneStepCell` / `TrainOneStepWithLossScaleCell`
   handed to `Model`, reports the global and local grad norms and the NaN/Inf counts.
+- On CPU, `nn.TrainOneStepWithLossScaleCell`'s overflow check (workers/cpu_fallbacks.py): it
+  would call an Ascend-only kernel there.
 - `nn.TrainOneStepCell.__call__` and `nn.Optimizer.__call__`, until their first call: a
   script that trains (a hand loop, or `Model.train` with auto-attach off) while no Monitor
   exists in the process is named to the aggregator at once (`EventKind.NO_MONITOR`), not
@@ -58,6 +60,7 @@ class AutoAttach:
     named: bool = False
     """A NO_MONITOR event went out (once per process)."""
     reported_dirs: set[tuple[str, str]] = field(default_factory=set)
+    cpu_checked: bool = False
     _restore: list[tuple[Any, str, Any]] = field(default_factory=list)
 
     # ---- installing ------------------------------------------------------------------------
@@ -65,6 +68,7 @@ class AutoAttach:
         from mindspore import nn
         from mindspore.train import Model
 
+        _cpu_loss_scale()
         for name in ("train", "fit"):
             self._patch(Model, name, self._wrap_train(getattr(Model, name), name))
         if self.enabled:
@@ -138,6 +142,7 @@ class AutoAttach:
 
         @functools.wraps(original)
         def build(model: Any) -> Any:
+            _cpu_loss_scale()  # the script has set its device target by now
             network = original(model)
             try:
                 from .grad_probe import attach_grad_stats
@@ -161,6 +166,9 @@ class AutoAttach:
         original = cls.__call__  # inherited (Cell.__call__) or the class's own
 
         def call(cell: Any, *args: Any, **kwargs: Any) -> Any:
+            if not state.cpu_checked:  # before the first train step compiles (a script's own cell)
+                state.cpu_checked = True
+                _cpu_loss_scale()
             if not state.named and sessions_created() == 0:
                 state.name_missing(f"it trains ({type(cell).__name__} called) without mindpulse's Monitor",
                                    ADD_MONITOR + "; " + HAND_LOOP)
@@ -209,6 +217,17 @@ class AutoAttach:
 
 
 _ABSENT = object()
+
+
+def _cpu_loss_scale() -> None:
+    """On CPU, MindSpore's loss-scale cell would call an Ascend-only overflow check: give it the
+    CPU one (workers/cpu_fallbacks.py; nothing happens on Ascend or GPU)."""
+    try:
+        from .cpu_fallbacks import enable_cpu_overflow_check
+
+        enable_cpu_overflow_check()
+    except Exception as exc:  # the monitor never breaks the training it watches
+        log.warning("the CPU overflow check for loss-scale cells is not in place: %s: %s", type(exc).__name__, exc)
 
 
 def _is_monitor(cb: Any) -> bool:

@@ -45,6 +45,10 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
             from mindpulse.workers.card_check import main as card_check
 
             card_check(settings)
+        elif job.mindformers is not None:  # a MindFormers YAML, trained by MindFormers' Trainer
+            from mindpulse.workers.mindformers_job import run_for_rank
+
+            run_for_rank(settings, rank)
         elif job.script:
             run_script(settings, rank, job.script, list(job.args), job.auto_monitor)
         else:

@@ -13,7 +13,7 @@ from mindpulse.aggregator.metrics_store import read_records, read_wire, with_att
 from mindpulse.aggregator.reducer import reduce_all
 from mindpulse.protocol import from_wire
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 FAST = ["--set", "monitor.per_print_step=50"]
 

@@ -11,7 +11,7 @@ import pytest
 from mindpulse.aggregator.metrics_store import read_packets
 from mindpulse.protocol import StepPacket
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 SLOW_FROM = 10
 BATCH = 2

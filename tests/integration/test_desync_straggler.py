@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "user_train.py"
 
 

@@ -16,7 +16,7 @@ from conftest import NO_REPORT, ROOT, _run_processes, last_steps, mindpulse_cmd
 
 from mindpulse.aggregator.metrics_store import read_wire
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 class LiveRun:

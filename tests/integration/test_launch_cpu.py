@@ -10,7 +10,7 @@ import pytest
 
 from mindpulse.aggregator.metrics_store import read_wire
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "user_train.py"
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def test_preflight_json_on_the_default_config(run_cli):

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from conftest import NO_REPORT, ROOT, last_steps, mindpulse_cmd
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 CONFIG = ROOT / "cluster_configs" / "local_cpu.yaml"
 DOCUMENTED_EXCEPTIONS: dict[str, str] = {}

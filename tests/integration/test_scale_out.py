@@ -19,7 +19,7 @@ from conftest import NO_REPORT, ROOT, mindpulse_cmd
 from mindpulse.aggregator.metrics_store import read_wire
 from mindpulse.launcher.spec import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 RAY = str(Path(sys.executable).parent / "ray")
 
 

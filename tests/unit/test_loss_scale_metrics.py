@@ -49,6 +49,9 @@ def test_an_overflow_step_is_skipped_not_an_anomaly_but_a_nan_loss_still_is():
     assert NonFiniteRule({}).check(red) is None
     red = reduce_step(4, {0: pk(0, 4, overflow=True), 1: pk(1, 4, overflow=True, loss=math.nan)}, 2)
     assert red.nonfinite_ranks == [1] and NonFiniteRule({}).check(red) is not None
+    # at a scale of 1 no scale overflowed them: the gradients themselves are non-finite
+    red = reduce_step(4, {0: pk(0, 4, scale=1.0, overflow=True), 1: pk(1, 4, scale=1.0, overflow=True)}, 2)
+    assert red.nonfinite_ranks == [0, 1] and NonFiniteRule({}).check(red) is not None
     # without a loss-scale cell non-finite gradients are what they always were
     red = reduce_step(4, {0: pk(0, 4, scale=None, overflow=None), 1: pk(1, 4, scale=None, overflow=None,
                                                                        inf_count=3)}, 2)

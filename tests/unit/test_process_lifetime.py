@@ -88,6 +88,7 @@ class WatchedAgent:
 
 
 @pytest.mark.slow  # real processes killed and reaped: seconds each
+@pytest.mark.cluster
 def test_the_agents_watchdog_ends_the_nodes_run_processes_when_the_driver_dies():
     from mindpulse.process_identity import host_identity
 
@@ -163,6 +164,7 @@ def _fake_launcher(*args: str) -> tuple[subprocess.Popen, str, list[int]]:
 
 
 @pytest.mark.slow  # real processes killed and reaped: seconds each
+@pytest.mark.cluster
 def test_the_reaper_kills_the_run_when_the_launcher_is_killed():
     launcher, tag, (reaper, tagged, plain) = _fake_launcher()
     try:
@@ -177,6 +179,7 @@ def test_the_reaper_kills_the_run_when_the_launcher_is_killed():
 
 
 @pytest.mark.slow  # real processes killed and reaped: seconds each
+@pytest.mark.cluster
 def test_after_a_normal_end_the_reaper_only_sweeps_tagged_stragglers():
     launcher, tag, (reaper, tagged, plain) = _fake_launcher("done")
     try:

@@ -1,4 +1,9 @@
-"""MindSpore's loss-scale train cells on CPU: overflow found with IsFinite, not the NPU float status.
+"""MindSpore and MindFormers training on CPU: the two Ascend-only operations they run, replaced.
+
+1. The loss-scale train cell's overflow check (`enable_cpu_overflow_check`).
+2. The communication barrier MindFormers runs between ranks (`enable_cpu_barrier`).
+
+Overflow: IsFinite, not the NPU float status.
 
 `nn.TrainOneStepWithLossScaleCell` (and every MindFormers train cell built on it:
 `MFTrainOneStepCell`, `MFPipelineWithLossScaleCell`) picks its overflow check in
@@ -20,15 +25,26 @@ The patch is made on the base class, at its two documented overflow hooks
 (`start_overflow_check`, `get_overflow_status`), so the cells derived from it get it too; it is
 made only when MindSpore's device target is CPU, and a process's device target cannot change
 once its runtime has started, so no Ascend or GPU cell ever sees it.
+
+Barrier: MindFormers synchronises data-parallel ranks with MindSpore's
+`communication.comm_func.barrier` (after preloading the checkpoint when use_parallel is on, and
+around checkpoint conversion and resuming), which runs the `Barrier` primitive: it has no CPU
+kernel ("Unsupported op [Barrier] on CPU"). `enable_cpu_barrier()` makes that function, in a
+CPU process, an all-reduce of one number over the group, read back on the host: no rank
+returns before every rank of the group has called it, which is what a barrier is. AllReduce
+has a CPU kernel (MindSpore's mccl).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mindspore as ms
-from mindspore import nn
+from mindspore import nn, ops
 from mindspore.common import dtype as mstype
+from mindspore.communication import GlobalComm
+from mindspore.communication import comm_func as _comm_func
 from mindspore.nn.wrap import loss_scale as _loss_scale
 
 # what the patch reuses from MindSpore's loss-scale module: the 910B infnan path's helper and
@@ -61,10 +77,10 @@ def _check_mindspore_layout() -> None:
     compile time with a less clear message."""
     if _ascend_grad_overflow is None:
         raise RuntimeError(f"mindspore {ms.__version__}: mindspore.nn.wrap.loss_scale has no {_ISFINITE_FUNC}; "
-                           "the CPU overflow check (mindpulse.workers.mindformers_cpu) needs updating")
+                           "the CPU overflow check (mindpulse.workers.cpu_fallbacks) needs updating")
     if not hasattr(nn.TrainOneStepWithLossScaleCell, _INFNAN_HELPER):
         raise RuntimeError(f"mindspore {ms.__version__}: TrainOneStepWithLossScaleCell has no {_INFNAN_HELPER}; "
-                           "the CPU overflow check (mindpulse.workers.mindformers_cpu) needs updating")
+                           "the CPU overflow check (mindpulse.workers.cpu_fallbacks) needs updating")
 
 
 def is_enabled() -> bool:
@@ -86,4 +102,32 @@ def enable_cpu_overflow_check() -> bool:
     cell = nn.TrainOneStepWithLossScaleCell
     cell.start_overflow_check = _cpu_start_overflow_check
     cell.get_overflow_status = _cpu_get_overflow_status
+    return True
+
+
+def _cpu_barrier(group: str | None = None) -> None:
+    """CPU: MindSpore's barrier as an all-reduce of one number over `group` (default: the
+    world group), read back so that the call returns only once every rank has joined."""
+    group = GlobalComm.WORLD_COMM_GROUP if group is None else group
+    if not isinstance(group, str):
+        raise TypeError(f"group must be type of string, but got {type(group)}")
+    ops.AllReduce(group=group)(ms.Tensor([1.0], mstype.float32)).asnumpy()
+
+
+_ORIGINAL_BARRIER = _comm_func.barrier
+
+
+def enable_cpu_barrier() -> bool:
+    """In a CPU process, make MindSpore's `comm_func.barrier` (and the modules that imported
+    it by name: MindFormers' trainer utilities, callbacks, checkpoint loading) run the
+    all-reduce barrier (module docstring). Call it after MindFormers is imported; calling it
+    again does nothing. Returns whether the CPU barrier is in place: False (and no change)
+    when the device target is not CPU."""
+    if _device_target() != "CPU":
+        return False
+    _comm_func.barrier = _cpu_barrier
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] in ("mindformers", "mindspore") and \
+                getattr(module, "barrier", None) is _ORIGINAL_BARRIER:
+            module.barrier = _cpu_barrier
     return True

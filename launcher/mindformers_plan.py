@@ -1,0 +1,59 @@
+"""A MindFormers job (`job.mindformers`) as the driver sees it: its YAML found, read and
+checked before anything starts (a mistake is exit 2 naming the file or the key), and what
+every rank will hand MindFormers' Trainer, for `mindpulse plan` and the launch.
+
+The ranks apply the very same function (workers/mindformers_job.py `rank_config`), so what
+the plan shows is what runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mindpulse.config import RunConfig
+from mindpulse.mindformers_yaml import MFJobConfig, MindFormersConfigError, mf_config_for_rank
+
+from .preflight import LaunchRefused
+
+PROJECT = Path(__file__).resolve().parent.parent
+
+
+def resolve_paths(cfg: RunConfig, config_path: Path | None) -> None:
+    """Relative `job.mindformers.config` / `load_checkpoint`: against the config file's
+    folder, then the working directory, then the project (as job.recipe.init_from)."""
+    mf = cfg.job.mindformers
+    if mf is None:
+        return
+    base = config_path.parent if config_path else Path.cwd()
+    for name in ("config", "load_checkpoint"):
+        value = getattr(mf, name)
+        if not value or Path(value).expanduser().is_absolute():
+            if value:
+                setattr(mf, name, str(Path(value).expanduser()))
+            continue
+        p = Path(value)
+        for cand in (base / p, Path.cwd() / p, PROJECT / p):
+            if cand.exists():
+                p = cand
+                break
+        setattr(mf, name, str(p.resolve()))
+
+
+def check(cfg: RunConfig, run_dir: str) -> MFJobConfig | None:
+    """The config every rank will train (None: not a MindFormers job); LaunchRefused naming the
+    file or key when the YAML, an override or a path in it is wrong."""
+    if cfg.job.mindformers is None:
+        return None
+    try:
+        return mf_config_for_rank(cfg, run_dir, device_target=cfg.world.device.value.upper())
+    except MindFormersConfigError as exc:
+        raise LaunchRefused(f"job.mindformers: {exc}") from None
+
+
+def plan_view(cfg: RunConfig, run_dir: str) -> dict[str, Any] | None:
+    """What `mindpulse plan` shows: the YAML's path and the values every rank hands MindFormers
+    (before MindFormers fills in its own defaults)."""
+    job = check(cfg, run_dir)
+    if job is None:
+        return None
+    return {"yaml": str(job.source), "values": job.values}
