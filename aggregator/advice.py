@@ -24,8 +24,8 @@ class Advice:
     world_size: int
     no_monitor: dict[int, dict[str, str]] = field(default_factory=dict)
     """rank → {"why", "fix"}: ranks that train without a Monitor (until their Monitor starts)."""
-    directories: dict[tuple[str, str], set[int]] = field(default_factory=dict)
-    """(callback, directory) → the ranks whose callback writes there."""
+    directories: dict[tuple[str, str, str], set[int]] = field(default_factory=dict)
+    """(callback, directory, file prefix) → the ranks whose callback writes there."""
     _said: set[Any] = field(default_factory=set)
 
     def on_event(self, pkt: EventPacket) -> list[str]:
@@ -48,7 +48,7 @@ class Advice:
             return [f"rank {pkt.rank}: {why}: its steps are not reported (no reduced loss, rule or best "
                     f"checkpoint for them; the run is not declared hung for it). To fix: {fix}"]
         if pkt.kind == EventKind.ADVICE and msg.get("kind") == "shared_directory":
-            key = (str(msg.get("callback")), str(msg.get("directory")))
+            key = (str(msg.get("callback")), str(msg.get("directory")), str(msg.get("prefix") or ""))
             ranks = self.directories.setdefault(key, set())
             ranks.add(pkt.rank)
             if len(ranks) < 2 or key in self._said:
@@ -57,11 +57,12 @@ class Advice:
             return [f"advice: {self._shared_text(key, ranks)}"]
         return []
 
-    def _shared_text(self, key: tuple[str, str], ranks: set[int]) -> str:
-        callback, directory = key
+    def _shared_text(self, key: tuple[str, str, str], ranks: set[int]) -> str:
+        callback, directory, prefix = key
         who = f"ranks {_ranks(ranks)}" if len(ranks) < self.world_size else f"all {self.world_size} ranks"
-        return (f"{callback} of {who} writes the same directory {directory}: the ranks overwrite or rename "
-                f"each other's files; {_FIXES.get(callback, 'give each rank its own directory')}")
+        files = f" (file prefix {prefix!r})" if prefix else ""
+        return (f"{callback} of {who} writes the same directory {directory}{files}: the ranks overwrite or "
+                f"rename each other's files; {_FIXES.get(callback, 'give each rank its own directory')}")
 
     def to_list(self) -> list[dict[str, Any]]:
         """summary.json `advice`: one record per thing to change."""
@@ -75,6 +76,7 @@ class Advice:
         for key, ranks in sorted(self.directories.items()):
             if len(ranks) >= 2:
                 out.append({"kind": "shared_directory", "callback": key[0], "directory": key[1],
+                            **({"prefix": key[2]} if key[2] else {}),
                             "ranks": sorted(ranks), "message": self._shared_text(key, ranks),
                             "fix": _FIXES.get(key[0], "give each rank its own directory")})
         return out

@@ -134,8 +134,8 @@ def _nonfinite(p: StepPacket) -> bool:
     explains them: the gradients themselves are NaN or Inf."""
     if p.loss is not None and not math.isfinite(p.loss):
         return True
-    if p.overflow and p.loss_scale is not None and p.loss_scale > 1:
-        return False
+    if p.overflow:  # the cell found non-finite gradients (a cell without counts reports only this)
+        return not (p.loss_scale is not None and p.loss_scale > 1)
     return bool(p.nan_count or p.inf_count or (p.grad_norm_local is not None and not math.isfinite(p.grad_norm_local)))
 
 
@@ -450,11 +450,16 @@ def from_wire(w: dict[str, Any]) -> Partial:
         if not (isinstance(w[k], list) and len(w[k]) == len(HIST_EDGES) + 1
                 and all(type(c) is int for c in w[k]) and min(w[k]) >= 0):
             raise ValueError(f"partial field {k!r} is not a histogram")
-    for k in ("tf_min", "tf_max", "ls_min", "ls_max"):
+    for k in ("tf_min", "tf_max"):
         x = w[k]
         if x is not None and not (isinstance(x, list) and len(x) == 2 and _rate(x[0]) and not isinstance(x[0], bool)
                                   and type(x[1]) is int and x[1] >= 0):
-            raise ValueError(f"partial field {k!r} is not [value, rank]")
+            raise ValueError(f"partial field {k!r} is not [TFLOPS, rank]")
+    for k in ("ls_min", "ls_max"):  # a loss scale may be Inf or NaN (a broken cell): shown, not refused
+        x = w[k]
+        if x is not None and not (isinstance(x, list) and len(x) == 2 and isinstance(x[0], (int, float))
+                                  and not isinstance(x[0], bool) and type(x[1]) is int and x[1] >= 0):
+            raise ValueError(f"partial field {k!r} is not [loss scale, rank]")
     if "cdrop" in w:
         cd = w["cdrop"]
         if not (isinstance(cd, list) and all(
@@ -1053,6 +1058,8 @@ class RunTotals:
         """Seconds ranks blocked on the aggregator, summed over ranks and steps."""
         self.monitor_errors = 0
         """Errors inside the ranks' monitors (the counts their newest packets carry)."""
+        self.last_grad_norm: float | None = None
+        """The newest reduced global grad norm (after the all-reduce)."""
         self.loss_scale: dict[str, Any] | None = None
         """The newest loss scale (min, max over ranks, its step), where a loss-scale cell runs."""
         self.overflow_steps = 0
@@ -1061,6 +1068,8 @@ class RunTotals:
 
     def add(self, red: ReducedStep) -> None:
         self.monitor_wait_s += red.monitor_wait_sum
+        if red.grad_norm is not None:
+            self.last_grad_norm = red.grad_norm
         if red.loss_scale_min is not None:
             self.loss_scale = {"min": red.loss_scale_min, "max": red.loss_scale_max, "step": red.step}
             self.overflow_steps = max(self.overflow_steps, red.overflow_steps)
@@ -1088,6 +1097,7 @@ class RunTotals:
             "fingerprints_equal": (len(fps) == 1) if fps else None,
             "monitor_wait_s": self.monitor_wait_s,
             "monitor_errors": self.monitor_errors,
+            "last_grad_norm": self.last_grad_norm,
             "loss_scale": self.loss_scale,
             "overflow_steps": ({"total": self.overflow_steps,
                                 "per_rank": {str(r): n for r, n in sorted(self.overflow_per_rank.items())}}

@@ -21,6 +21,7 @@ from mindpulse.config import RunConfig
 
 from . import card_check, mindformers_plan
 from .controller import Controller
+from .paths import resolve_input
 from .preflight import LaunchRefused, check_local
 from .progress import Console
 from .ray_session import RaySession
@@ -62,13 +63,7 @@ class Launch:
                 p = (base / p) if (base / p).exists() else (Path.cwd() / p)
             job.script = str(p.resolve())
         if job.recipe and job.recipe.init_from:
-            p = Path(job.recipe.init_from)
-            if not p.is_absolute():
-                for cand in (base / p, Path.cwd() / p, Path(__file__).resolve().parent.parent / p):
-                    if cand.exists():
-                        p = cand
-                        break
-            job.recipe.init_from = str(p.resolve())
+            job.recipe.init_from = resolve_input(job.recipe.init_from, base)
         mindformers_plan.resolve_paths(self.cfg, self.config_path)
 
     def _refuse(self, exc: LaunchRefused) -> int:

@@ -13,30 +13,20 @@ from typing import Any
 from mindpulse.config import RunConfig
 from mindpulse.mindformers_yaml import MFJobConfig, MindFormersConfigError, mf_config_for_rank
 
+from .paths import resolve_input
 from .preflight import LaunchRefused
-
-PROJECT = Path(__file__).resolve().parent.parent
 
 
 def resolve_paths(cfg: RunConfig, config_path: Path | None) -> None:
-    """Relative `job.mindformers.config` / `load_checkpoint`: against the config file's
-    folder, then the working directory, then the project (as job.recipe.init_from)."""
+    """Relative `job.mindformers.config` / `load_checkpoint`: as every input path of the
+    config (launcher/paths.py)."""
     mf = cfg.job.mindformers
     if mf is None:
         return
     base = config_path.parent if config_path else Path.cwd()
-    for name in ("config", "load_checkpoint"):
-        value = getattr(mf, name)
-        if not value or Path(value).expanduser().is_absolute():
-            if value:
-                setattr(mf, name, str(Path(value).expanduser()))
-            continue
-        p = Path(value)
-        for cand in (base / p, Path.cwd() / p, PROJECT / p):
-            if cand.exists():
-                p = cand
-                break
-        setattr(mf, name, str(p.resolve()))
+    mf.config = resolve_input(mf.config, base) if mf.config else mf.config
+    if mf.load_checkpoint:
+        mf.load_checkpoint = resolve_input(mf.load_checkpoint, base)
 
 
 def check(cfg: RunConfig, run_dir: str) -> MFJobConfig | None:

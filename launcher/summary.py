@@ -130,6 +130,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "fingerprints_equal": snap.get("fingerprints_equal"),
         "monitor_wait_s": snap.get("monitor_wait_s", 0.0),
         "monitor_errors": snap.get("monitor_errors", 0),
+        "last_grad_norm": snap.get("last_grad_norm"),
         "loss_scale": snap.get("loss_scale"),
         "overflow_steps": snap.get("overflow_steps"),
         "packets": dict(snap.get("packets", {}), dropped=history.dropped_packets,

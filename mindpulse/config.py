@@ -152,8 +152,9 @@ class JobConfig:
     auto_monitor: bool = True
     """`script` only: add mindpulse's Monitor to `Model.train`/`Model.fit` calls that have none,
     and take the gradient statistics around the train cell `Model` builds or is given (no edit
-    needed; a Monitor the script adds itself is never doubled). false: the script runs
-    untouched, and a rank that trains without a Monitor is named at once."""
+    needed; a Monitor the script adds itself is never doubled). false: neither is added (a rank
+    that trains without a Monitor is still named at once, shared callback directories still
+    warned of, and on CPU a loss-scale cell still gets its CPU overflow check)."""
 
 
 @dataclass
@@ -752,20 +753,20 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-MF_RUN_MODES = ("train", "finetune")
-
-
 def _validate_mindformers(mf: MindFormersJobConfig) -> None:
     """What can be checked without the YAML (the launch reads it: mindpulse.mindformers_yaml)."""
+    from mindpulse.mindformers_yaml import RUN_MODES, MindFormersConfigError, split_key
+
     if not mf.config:
         raise ConfigError("job.mindformers.config: must not be empty; give the MindFormers YAML to train")
-    if mf.run_mode not in MF_RUN_MODES:
+    if mf.run_mode not in RUN_MODES:
         raise ConfigError(f"job.mindformers.run_mode: {mf.run_mode!r} is not allowed; use one of "
-                          + ", ".join(repr(m) for m in MF_RUN_MODES))
+                          + ", ".join(repr(m) for m in RUN_MODES))
     for key in mf.overrides:
-        if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"job.mindformers.overrides: key {key!r} is not a dotted YAML key such as "
-                              "model.model_config.num_layers")
+        try:
+            split_key(key)
+        except MindFormersConfigError as exc:
+            raise ConfigError(f"job.mindformers.overrides: {exc}") from None
 
 
 def _check_slow_saves(cfg: RunConfig) -> None:

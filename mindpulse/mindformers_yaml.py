@@ -151,7 +151,7 @@ def _merge(top: Mapping[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _split(dotted: str) -> list[str]:
+def split_key(dotted: str) -> list[str]:
     parts = dotted.split(".")
     if not dotted or any(not p for p in parts):
         raise MindFormersConfigError(f"key {dotted!r}: give a dotted key such as model.model_config.num_layers")
@@ -169,7 +169,7 @@ def _child(node: Any, part: str) -> tuple[bool, Any]:
 
 def _lookup(values: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
     node: Any = values
-    for part in _split(dotted):
+    for part in split_key(dotted):
         found, node = _child(node, part)
         if not found:
             return False, None
@@ -177,7 +177,7 @@ def _lookup(values: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
 
 
 def _assign(values: dict[str, Any], dotted: str, value: Any, source: Path) -> None:
-    parts = _split(dotted)
+    parts = split_key(dotted)
     found, parent = _lookup(values, ".".join(parts[:-1])) if len(parts) > 1 else (True, values)
     last = parts[-1]
     if found and isinstance(parent, dict):
@@ -255,7 +255,7 @@ def apply_launch_settings(config: MFJobConfig, launch: LaunchSettings) -> MFJobC
         raise MindFormersConfigError(f"world size {launch.world_size}: give at least 1 rank")
     changes: dict[str, Any] = {
         "use_parallel": launch.world_size > 1,
-        "output_dir": str(Path(launch.output_dir).expanduser().resolve()),
+        "output_dir": _absolute(launch.output_dir),
         **_ensure_section(config, "parallel_config", {"data_parallel": launch.world_size}),
     }
     if launch.device_target is not None:
@@ -267,6 +267,11 @@ def apply_launch_settings(config: MFJobConfig, launch: LaunchSettings) -> MFJobC
     out = config.with_values(changes)
     _check_input_paths(out)
     return replace(out, log_dir=launch.log_dir if launch.log_dir is not None else config.log_dir)
+
+
+def _absolute(path: str) -> str:
+    """An absolute path; a path under a placeholder (`mindpulse plan`'s `${RUN_DIR}`) as it is."""
+    return path if path.startswith("${") else str(Path(path).expanduser().resolve())
 
 
 def _ensure_section(config: MFJobConfig, section: str, values: Mapping[str, Any]) -> dict[str, Any]:

@@ -68,7 +68,7 @@ class EventKind(str, enum.Enum):
     says how it was seen and what to add. Sent once, at its first training step or call."""
     ADVICE = "advice"
     """Something in the rank's own setup worth changing (e.g. two ranks' `ModelCheckpoint`
-    writing one directory): `message` is JSON {"kind", "callback", "directory", "text"}."""
+    writing one directory): `message` is JSON {"kind", "callback", "directory"[, "prefix"]}."""
 
 
 class CheckpointKind(str, enum.Enum):
@@ -388,7 +388,7 @@ def from_wire(obj: Any) -> Packet:
             for k, x in extra.items()
         )):
             raise PacketError("malformed", "field 'extra' must map up to 64 short names to numbers")
-        for key in ("nan_count", "inf_count", "samples", "monitor_errors"):
+        for key in ("nan_count", "inf_count", "samples", "monitor_errors", "overflow_steps"):
             if kwargs.get(key, 0) < 0:
                 raise PacketError("malformed", f"field {key!r} is negative")
     if complete:

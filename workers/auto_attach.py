@@ -13,8 +13,9 @@ when the script ends. What it patches, all in MindSpore's own classes, in this p
   `Model(network, loss_fn, optimizer, ...)`, with or without `amp_level` or a loss-scale
   manager, or a script's own `nn.TrainOneStepCell` / `TrainOneStepWithLossScaleCell`
   handed to `Model`, reports the global and local grad norms and the NaN/Inf counts.
-- On CPU, `nn.TrainOneStepWithLossScaleCell`'s overflow check (workers/cpu_fallbacks.py): it
-  would call an Ascend-only kernel there.
+- On CPU, `nn.TrainOneStepWithLossScaleCell`'s overflow check and MindSpore's `barrier`
+  (workers/cpu_fallbacks.py): they would call Ascend-only kernels there (a script of its own
+  running MindFormers' Trainer meets both).
 - `nn.TrainOneStepCell.__call__` and `nn.Optimizer.__call__`, until their first call: a
   script that trains (a hand loop, or `Model.train` with auto-attach off) while no Monitor
   exists in the process is named to the aggregator at once (`EventKind.NO_MONITOR`), not
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,25 +61,53 @@ class AutoAttach:
     told_added: bool = False
     named: bool = False
     """A NO_MONITOR event went out (once per process)."""
-    reported_dirs: set[tuple[str, str]] = field(default_factory=set)
+    reported_dirs: set[tuple[str, ...]] = field(default_factory=set)
     cpu_checked: bool = False
+    monitor: Any = None
+    """The Monitor auto-attach added (one per process: a script that calls `Model.train` again
+    gets the same one, its steps numbered on); finished at the script's end."""
+    seen_cells: set[int] = field(default_factory=set)
+    """Train cells the first-call hook has looked at (their statistics attached once)."""
     _restore: list[tuple[Any, str, Any]] = field(default_factory=list)
+    _timer: threading.Timer | None = None
 
     # ---- installing ------------------------------------------------------------------------
     def install(self) -> AutoAttach:
         from mindspore import nn
         from mindspore.train import Model
 
-        _cpu_loss_scale()
+        _cpu_loss_scale(barrier=True)
         for name in ("train", "fit"):
             self._patch(Model, name, self._wrap_train(getattr(Model, name), name))
         if self.enabled:
             self._patch(Model, "_build_train_network", self._wrap_build(Model._build_train_network))
         for cls in (nn.TrainOneStepCell, nn.Optimizer):
             self._patch(cls, "__call__", self._first_call_sentinel(cls))
+        # a compiled hand loop calls neither hook from Python: without a Monitor by then, the rank
+        # is named before its start-up clock could call it hung
+        self._timer = threading.Timer(_quiet_limit_s(self.settings), self._no_monitor_yet)
+        self._timer.daemon = True
+        self._timer.start()
         return self
 
+    def _no_monitor_yet(self) -> None:
+        if not self.named and sessions_created() == 0:
+            self.name_missing(f"no mindpulse Monitor {_quiet_limit_s(self.settings):.0f} s after the script started "
+                              "(a compiled hand loop, or a long set-up: named again if its Monitor starts)",
+                              ADD_MONITOR + "; " + HAND_LOOP)
+
+    def finish(self) -> None:
+        """The script ended (or failed): the Monitor auto-attach added says so to the aggregator."""
+        mon, self.monitor = self.monitor, None
+        if mon is not None and not mon.session.finished:
+            try:
+                mon.session.finish("stopped: " + mon.stopped.reason if mon.stopped else "")
+            except Exception as exc:  # the monitor never breaks the training it watches
+                log.warning("[rank %d] the Monitor could not say its end: %s", self.rank, exc)
+
     def uninstall(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for owner, name, old in reversed(self._restore):
             if old is _ABSENT:
                 try:
@@ -107,7 +137,7 @@ class AutoAttach:
                     # first: at the step a stop directive ends, it must see the directive
                     # before the script's own callbacks react to that step (e.g. LossMonitor
                     # raising on the NaN loss that made the rules stop every rank)
-                    added = state._new_monitor()
+                    added = state._monitor()
                     put_back([added] + cbs)
                     if not state.told_added:
                         state.told_added = True
@@ -118,6 +148,8 @@ class AutoAttach:
                                        ADD_MONITOR)
             try:
                 return original(model, *put_back.args, **put_back.kwargs)
+            except StopTraining:
+                raise
             except Exception as exc:
                 stopped = added.stopped if added is not None else None
                 if stopped is None:
@@ -126,15 +158,18 @@ class AutoAttach:
                 # raise at it (the anomaly that stopped the run) is that stop, not a crash
                 log.warning("[rank %d] Model.%s raised %s: %s at the step mindpulse stops every rank after "
                             "(%s): taken as that stop", state.rank, api, type(exc).__name__, exc, stopped.reason)
-                added.session.finish("stopped: " + stopped.reason)
+                state.finish()
                 raise StopTraining(stopped.reason) from exc
 
         return train
 
-    def _new_monitor(self) -> Any:
-        from .monitor import Monitor
+    def _monitor(self) -> Any:
+        if self.monitor is None:
+            from .monitor import Monitor
 
-        return Monitor(settings=self.settings)
+            self.monitor = Monitor(settings=self.settings)
+            self.monitor.finish_at_train_end = False  # finished at the script's end (`finish`)
+        return self.monitor
 
     # ---- the train cell's statistics ---------------------------------------------------------
     def _wrap_build(self, original: Any) -> Any:
@@ -144,31 +179,40 @@ class AutoAttach:
         def build(model: Any) -> Any:
             _cpu_loss_scale()  # the script has set its device target by now
             network = original(model)
-            try:
-                from .grad_probe import attach_grad_stats
-
-                done = attach_grad_stats(network, state.rank)
-                if done == "attached":
-                    log.info("[rank %d] mindpulse takes the gradient statistics around %s's gradient reducer",
-                             state.rank, type(network).__name__)
-                elif done != "already":
-                    log.info("[rank %d] no gradient statistics for this network: %s", state.rank, done)
-            except Exception as exc:  # the monitor never breaks the training it watches
-                log.warning("[rank %d] could not attach the gradient statistics (training goes on without them): "
-                            "%s: %s", state.rank, type(exc).__name__, exc)
+            state._attach(network)
             return network
 
         return build
+
+    def _attach(self, network: Any) -> None:
+        """The gradient statistics around `network`'s train cell, said once in the rank's log."""
+        try:
+            from .grad_probe import attach_grad_stats
+
+            done = attach_grad_stats(network, self.rank)
+            if done == "attached":
+                log.info("[rank %d] mindpulse takes the gradient statistics around %s's gradient reducer",
+                         self.rank, type(network).__name__)
+            elif done != "already":
+                log.info("[rank %d] no gradient statistics for this network: %s", self.rank, done)
+        except Exception as exc:  # the monitor never breaks the training it watches
+            log.warning("[rank %d] could not attach the gradient statistics (training goes on without them): "
+                        "%s: %s", self.rank, type(exc).__name__, exc)
 
     # ---- a script that trains without a Monitor ----------------------------------------------
     def _first_call_sentinel(self, cls: Any) -> Any:
         state = self
         original = cls.__call__  # inherited (Cell.__call__) or the class's own
 
+        attaches = state.enabled and cls is nn_train_cell()
+
         def call(cell: Any, *args: Any, **kwargs: Any) -> Any:
             if not state.cpu_checked:  # before the first train step compiles (a script's own cell)
                 state.cpu_checked = True
                 _cpu_loss_scale()
+            if attaches and id(cell) not in state.seen_cells:  # a hand loop's own train cell
+                state.seen_cells.add(id(cell))
+                state._attach(cell)
             if not state.named and sessions_created() == 0:
                 state.name_missing(f"it trains ({type(cell).__name__} called) without mindpulse's Monitor",
                                    ADD_MONITOR + "; " + HAND_LOOP)
@@ -192,15 +236,17 @@ class AutoAttach:
     # ---- callbacks that clash across ranks ---------------------------------------------------
     def _report_directories(self, callbacks: list[Any]) -> None:
         for cb in callbacks:
-            d = _callback_directory(cb)
-            if d is None:
+            where = _callback_directory(cb)
+            if where is None:
                 continue
-            key = (type(cb).__name__, d)
+            key = (type(cb).__name__, *where)
             if key in self.reported_dirs:
                 continue
             self.reported_dirs.add(key)
-            self._send(EventKind.ADVICE, json.dumps({"kind": "shared_directory", "callback": key[0],
-                                                     "directory": d}))
+            msg = {"kind": "shared_directory", "callback": key[0], "directory": where[0]}
+            if where[1]:
+                msg["prefix"] = where[1]
+            self._send(EventKind.ADVICE, json.dumps(msg))
 
     def _send(self, kind: EventKind, message: str) -> None:
         if self.settings is None:
@@ -219,15 +265,32 @@ class AutoAttach:
 _ABSENT = object()
 
 
-def _cpu_loss_scale() -> None:
-    """On CPU, MindSpore's loss-scale cell would call an Ascend-only overflow check: give it the
-    CPU one (workers/cpu_fallbacks.py; nothing happens on Ascend or GPU)."""
-    try:
-        from .cpu_fallbacks import enable_cpu_overflow_check
+def nn_train_cell() -> Any:
+    from mindspore import nn
 
-        enable_cpu_overflow_check()
+    return nn.TrainOneStepCell
+
+
+def _quiet_limit_s(settings: RankSettings | None) -> float:
+    """How long a script may run without a Monitor before its rank is named: half its start-up
+    limit (monitor.startup_timeout_s, else msrun.cluster_time_out), at least 30 s."""
+    cfg = settings.config if settings is not None else {}
+    limit = (cfg.get("monitor") or {}).get("startup_timeout_s") or (cfg.get("msrun") or {}).get("cluster_time_out")
+    return max(30.0, float(limit or 600) / 2)
+
+
+def _cpu_loss_scale(barrier: bool = False) -> None:
+    """On CPU, MindSpore's loss-scale cell would call an Ascend-only overflow check, and
+    MindFormers' barrier an Ascend-only op: give them the CPU ones (workers/cpu_fallbacks.py;
+    nothing happens on Ascend or GPU). The barrier at install, before the script imports
+    MindFormers (whose modules take `barrier` by name)."""
+    try:
+        from .cpu_fallbacks import enable_cpu_fallbacks
+
+        enable_cpu_fallbacks(barrier=barrier)
     except Exception as exc:  # the monitor never breaks the training it watches
-        log.warning("the CPU overflow check for loss-scale cells is not in place: %s: %s", type(exc).__name__, exc)
+        log.warning("the CPU fallbacks (loss-scale overflow check, barrier) are not in place: %s: %s",
+                    type(exc).__name__, exc)
 
 
 def _is_monitor(cb: Any) -> bool:
@@ -272,16 +335,18 @@ def _callbacks_arg(original: Any, args: tuple, kwargs: dict) -> tuple[Any, _PutB
     return None, _PutBack(args, kwargs, None)
 
 
-def _callback_directory(cb: Any) -> str | None:
-    """Where MindSpore's ModelCheckpoint or SummaryCollector writes (absolute), else None."""
+def _callback_directory(cb: Any) -> tuple[str, str] | None:
+    """(directory, file prefix) where MindSpore's ModelCheckpoint or SummaryCollector writes
+    (absolute; SummaryCollector names its files itself: no prefix), else None. Two ranks'
+    ModelCheckpoints with their own prefixes in one directory do not clash."""
     name = type(cb).__name__
     if name == "ModelCheckpoint":
-        d = getattr(cb, "_directory", None)
+        d, prefix = getattr(cb, "_directory", None), str(getattr(cb, "_prefix", "") or "")
     elif name == "SummaryCollector":
-        d = getattr(cb, "_summary_dir", None)
+        d, prefix = getattr(cb, "_summary_dir", None), ""
     else:
         return None
-    return os.path.abspath(str(d)) if d else None
+    return (os.path.abspath(str(d)), prefix) if d else None
 
 
 def install(settings: RankSettings | None, rank: int, enabled: bool) -> AutoAttach:

@@ -120,9 +120,9 @@ _ORIGINAL_BARRIER = _comm_func.barrier
 def enable_cpu_barrier() -> bool:
     """In a CPU process, make MindSpore's `comm_func.barrier` (and the modules that imported
     it by name: MindFormers' trainer utilities, callbacks, checkpoint loading) run the
-    all-reduce barrier (module docstring). Call it after MindFormers is imported; calling it
-    again does nothing. Returns whether the CPU barrier is in place: False (and no change)
-    when the device target is not CPU."""
+    all-reduce barrier (module docstring). Modules imported later take the fallback by name;
+    those imported before are rebound here. Calling it again does nothing. Returns whether the
+    CPU barrier is in place: False (and no change) when the device target is not CPU."""
     if _device_target() != "CPU":
         return False
     _comm_func.barrier = _cpu_barrier
@@ -131,3 +131,13 @@ def enable_cpu_barrier() -> bool:
                 getattr(module, "barrier", None) is _ORIGINAL_BARRIER:
             module.barrier = _cpu_barrier
     return True
+
+
+def enable_cpu_fallbacks(barrier: bool = True) -> None:
+    """Both fallbacks (each does nothing unless the device target is CPU): the loss-scale
+    overflow check, and with `barrier` the barrier. Call before MindFormers is imported or after:
+    modules that take `barrier` by name later get the fallback, those that took it before are
+    rebound."""
+    enable_cpu_overflow_check()
+    if barrier:
+        enable_cpu_barrier()

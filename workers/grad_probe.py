@@ -97,8 +97,10 @@ class LossFault(nn.Cell):
                                           requires_grad=False)
 
     def construct(self, *inputs):
-        loss = self.network(*inputs)
-        return loss * ops.cast(self.fault_loss_scale, loss.dtype)
+        out = self.network(*inputs)
+        if isinstance(out, tuple):  # (loss, ...): MindFormers' per-token-loss networks
+            return (out[0] * ops.cast(self.fault_loss_scale, out[0].dtype),) + out[1:]
+        return out * ops.cast(self.fault_loss_scale, out.dtype)
 
 
 def find_train_cell(net: Any) -> Any:
@@ -136,10 +138,14 @@ def attach_grad_stats(net: Any, rank: int | None = None) -> str:
         return "no train cell (no optimizer and gradient reducer in the network)"
     if isinstance(cell, MonitoredTrainOneStepCell) or isinstance(cell.grad_reducer, GradStatsReducer):
         return "already"
+    armed = cell_faults_armed(rank_id() if rank is None else rank)
+    if type(cell).__module__.startswith("mindformers.") and not armed:
+        # MindFormers' cells return their loss scale, overflow flag and global norm: the Monitor
+        # reads those (docs/monitoring.md), a normal run pays no second pass over the gradients
+        return f"{type(cell).__name__} is MindFormers' cell: its own outputs are read"
     weights = getattr(cell, "weights", None)
     if weights is None:
         return f"{type(cell).__name__} has no `weights` to take statistics of"
-    armed = cell_faults_armed(rank_id() if rank is None else rank)
     cell.grad_reducer = GradStatsReducer(cell.grad_reducer, weights, bool(getattr(cell, "reducer_flag", False)),
                                          fault_armed=armed)
     if armed and isinstance(getattr(cell, "network", None), nn.Cell):

@@ -129,19 +129,12 @@ def run_trainer(config: MFJobConfig, callbacks: Sequence[Any] = ()) -> Any:
 
     set_output_path(mf_config.output_dir)
     build_context(mf_config)
-    _enable_cpu_paths()
+    from mindpulse.workers.cpu_fallbacks import enable_cpu_fallbacks
+
+    enable_cpu_fallbacks()  # on CPU only: the loss-scale overflow check and the ranks' barrier
     trainer = Trainer(mf_config, callbacks=list(callbacks) or None)
     trainer.train()  # run_mindformer.py: train() for run_mode train and finetune alike
     return trainer
-
-
-def _enable_cpu_paths() -> None:
-    """On CPU (each does nothing elsewhere): the loss-scale cell's overflow check and the ranks'
-    barrier without their Ascend-only kernels."""
-    from mindpulse.workers.cpu_fallbacks import enable_cpu_barrier, enable_cpu_overflow_check
-
-    enable_cpu_overflow_check()
-    enable_cpu_barrier()
 
 
 # --- a launched rank ---------------------------------------------------------------------------

@@ -186,6 +186,13 @@ class Monitor(Callback):
         self._probe: Any = None
         """The statistics wrapper mindpulse attached to a train cell it did not build
         (workers/grad_probe.py), read after each step; None for our own cell or none."""
+        self._probe_of: Any = None
+        """The train cell `_probe` was looked up in (a hand loop's may come with any step)."""
+        self._step_base = 0
+        """Steps before this `Model.train` call's own count (MindSpore's `cur_step_num` starts
+        again at each call): a Monitor that watches several calls numbers them on."""
+        self.finish_at_train_end = True
+        """False: the Monitor outlives `Model.train` (auto-attach's, finished at the script's end)."""
 
     # ---- what scripts may read -----------------------------------------------------------
     @property
@@ -263,6 +270,15 @@ class Monitor(Callback):
             loss = out_loss if loss is None else loss
             for k, v in out_stats.items():
                 stats.setdefault(k, v)
+        if "grad_norm_local" not in stats and s.train_cell is not None:
+            if self._probe_of is not s.train_cell:  # a cell of the script's own that mindpulse attached to
+                self._probe_of, self._probe = s.train_cell, probe_of(s.train_cell)
+            if self._probe is not None:
+                try:
+                    for k, v in read_stats(self._probe).items():
+                        stats.setdefault(k, v)
+                except Exception as exc:
+                    s.monitor_error("reading the gradient statistics", exc)
         step_time = now - self._last_end if self._last_end is not None else None
         outcome = s.record(
             loss,
@@ -287,7 +303,9 @@ class Monitor(Callback):
         inner = getattr(net, "network", net)
         if s.train_cell is None:
             s.train_cell = net
-        self._probe = probe_of(s.train_cell)
+        self._probe_of, self._probe = s.train_cell, probe_of(s.train_cell)
+        if s.started:  # a later Model.train call watched by the same Monitor: its steps come after
+            self._step_base = s.step - s.step_offset - int(getattr(cb, "cur_step_num", 0) or 0)
         if hasattr(s.train_cell, "enable_pre_reduce_timing"):
             s.train_cell.enable_pre_reduce_timing()
         if s.batch_size is None:
@@ -322,7 +340,7 @@ class Monitor(Callback):
                 stats.update(read_stats(self._probe))
             except Exception as exc:
                 s.monitor_error("reading the gradient statistics", exc)
-        step = s.step_offset + int(cb.cur_step_num)
+        step = s.step_offset + self._step_base + int(cb.cur_step_num)
         s.after_step(step)
         # with dataset sinking one callback covers `sink` steps: report the mean step time
         nsteps = max(1, step - s.step)
@@ -365,4 +383,7 @@ class Monitor(Callback):
 
     def on_train_end(self, run_context):
         s = self.session
-        s.finish("stopped: " + s.stopped.reason if s.stopped else "")
+        if self.finish_at_train_end:
+            s.finish("stopped: " + s.stopped.reason if s.stopped else "")
+        elif s.channel is not None:
+            s.channel.flush()

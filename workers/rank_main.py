@@ -84,7 +84,12 @@ def run_script(settings: RankSettings, rank: int, script: str, args: list[str], 
     try:
         runpy.run_path(script, run_name="__main__")
         attached.at_script_end()
+    except SystemExit as exc:
+        if exc.code in (0, None):  # `sys.exit(0)` / `sys.exit(main())`: the script's normal end
+            attached.at_script_end()
+        raise
     finally:
+        attached.finish()
         attached.uninstall()
 
 

@@ -602,6 +602,7 @@ class RankSession:
         self._params: tuple[Any, list, HostViews] | None = None
         """(network, its parameters, their host views) as last listed (`_listed`)."""
         self.started = False
+        self.finished = False
         self.stopped: Directive | None = None
         """The directive that stopped every rank (None while training goes on)."""
         self.since_packet = SincePacket()
@@ -640,6 +641,9 @@ class RankSession:
             self.before_step(self.step_offset + 1)
 
     def finish(self, message: str = "") -> None:
+        if self.finished:  # once: its END and the channel's close
+            return
+        self.finished = True
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.profile is not None:

@@ -47,3 +47,12 @@ def test_ranks_without_a_monitor_group_by_reason_until_their_monitor_starts():
     assert [(r["ranks"], r["fix"]) for r in recs] == [([0, 2], "add it"), ([1], "turn auto_monitor on")]
     a.on_event(EventPacket(rank=1, kind=EventKind.START.value))
     assert [r["ranks"] for r in a.to_list()] == [[0, 2]]
+
+
+def test_checkpoints_with_their_own_file_prefix_in_one_directory_do_not_clash():
+    a = Advice(world_size=2)
+    for r in (0, 1):
+        msg = json.dumps({"kind": "shared_directory", "callback": "ModelCheckpoint", "directory": "/ck",
+                          "prefix": f"rank{r}"})
+        assert a.on_event(EventPacket(rank=r, kind=EventKind.ADVICE.value, message=msg)) == []
+    assert a.to_list() == []

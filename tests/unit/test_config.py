@@ -71,7 +71,7 @@ def test_empty_config_gets_defaults():
         ({"monitor": {"hang_timeout_s": -1}}, "monitor.hang_timeout_s"),
         ({"output": {"root": ""}}, "output.root: must not be empty"),
         ({"job": {"script": "x.py", "recipe": {"name": "llama_finetune"}}},
-         "job: give either job.recipe or job.script"),
+         "job: give one of job.recipe, job.script or job.mindformers, not job.recipe and job.script"),
         ({"job": {"recipe": {"name": "gpt9"}}}, "job.recipe.name: 'gpt9' is not allowed; use one of 'llama_finetune'"),
         ({"job": {"recipe": {"hidden_size": 30, "num_heads": 4}}}, "job.recipe.hidden_size: 30 is not divisible"),
         ({"job": {"recipe": {"seq_length": 0}}}, "job.recipe.seq_length"),

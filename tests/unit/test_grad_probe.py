@@ -1,6 +1,7 @@
 """Gradient statistics attached to train cells mindpulse did not build (workers/grad_probe.py),
 single process, PYNATIVE and GRAPH: the same statistics as a host computation, the cell's own
-outputs and update untouched, the fault scalars, and the loss-scale cell's overflow path."""
+outputs and update untouched, and the fault scalars. The loss-scale cell's overflow path and
+the data-parallel global norm run in tests/integration/test_unmodified_scripts.py."""
 
 from __future__ import annotations
 

@@ -81,3 +81,25 @@ def test_summary_totals_per_rank_and_in_all():
     assert d["loss_scale"] == {"min": 512.0, "max": 512.0, "step": 2}
     empty = RunTotals().as_dict()
     assert empty["loss_scale"] is None and empty["overflow_steps"] is None
+
+
+def test_a_non_finite_loss_scale_travels_through_node_partials():
+    """A broken cell's Inf or NaN scale is shown, as on the flat path, not refused by the wire."""
+    packets = {0: pk(0, 6, scale=math.inf), 1: pk(1, 6, scale=2.0)}
+    flat = reduce_step(6, packets, 2)
+    merged = finalize(from_wire(msgpack.unpackb(msgpack.packb(to_wire(partial_of(6, packets))), raw=False)), 2)
+    for red in (flat, merged):  # a non-finite value wins either extreme: it is what to see
+        assert (red.loss_scale_min, red.loss_scale_min_rank, red.loss_scale_max) == (math.inf, 0, math.inf)
+    with pytest.raises(ValueError, match="ls_min"):
+        from_wire(dict(to_wire(partial_of(6, packets)), ls_min=[True, 0]))
+
+
+def test_an_overflow_a_cell_reports_without_counts_is_judged_by_its_scale():
+    """MindFormers' cell without use_clip_grad reports no norm and no counts, only its flag."""
+    bare = dict(grad_norm=None, grad_norm_local=None, inf_count=0)
+    at_one = reduce_step(3, {0: pk(0, 3, scale=1.0, overflow=True, **bare)}, 1)
+    assert at_one.nonfinite_ranks == [0] and NonFiniteRule({}).check(at_one) is not None
+    scaled = reduce_step(3, {0: pk(0, 3, scale=4096.0, overflow=True, **bare)}, 1)
+    assert scaled.nonfinite_ranks == [] and NonFiniteRule({}).check(scaled) is None
+    with pytest.raises(ValueError, match="overflow_steps"):
+        packet_from_wire(dict(pk(0, 3).to_wire(), overflow_steps=-1))
