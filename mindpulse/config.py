@@ -1097,7 +1097,8 @@ def load_config(path: Path | None, overrides: list[str] | None = None) -> tuple[
 def default_config_path() -> Path:
     """`cluster_configs/local_cpu.yaml` of the project (shipped inside the package too)."""
     here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "cluster_configs" / "local_cpu.yaml", here / "local_cpu.yaml"):
+    # the project's folder (a checkout, an editable install), then the installed package's copy
+    for candidate in (here.parent / "cluster_configs" / "local_cpu.yaml", here / "cluster_configs" / "local_cpu.yaml"):
         if candidate.exists():
             return candidate
     raise ConfigError("no config file given and cluster_configs/local_cpu.yaml is missing")

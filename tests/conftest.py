@@ -117,15 +117,17 @@ def run_cli(tmp_path, request):
     # a launch takes every core and its checks judge speed: `make test` runs it alone
     assert request.node.get_closest_marker("cluster"), f"{request.node.nodeid} launches: mark it cluster"
 
-    def _run(*args: str, timeout: float = 600, env: dict | None = None, report: bool = False) -> CliRun:
-        """`report`: build the HTML report (~2 s a launch; only tests that check it ask)."""
+    def _run(*args: str, timeout: float = 600, env: dict | None = None, report: bool = False,
+             exe: list[str] | None = None, cwd: Path | None = None) -> CliRun:
+        """`report`: build the HTML report (~2 s a launch; only tests that check it ask);
+        `exe`/`cwd`: another installed `mindpulse` command, run from another folder."""
         out_root = tmp_path / "runs"
-        cmd = mindpulse_cmd() + list(args)
+        cmd = (exe or mindpulse_cmd()) + list(args)
         if args and args[0] in ("launch", "preflight"):
             cmd += ["--set", f"output.root={out_root}"]
         if args and args[0] == "launch" and not report:
             cmd += NO_REPORT
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run(cmd, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
                               env=dict(os.environ, **(env or {})))
         r = CliRun(proc, out_root)
         runs.append(r)
