@@ -692,3 +692,86 @@ def test_nvml_sampler_reads_every_gpu():
         assert sample["source"] == "nvml" and sample["cards"][0]["ranks"] == [0]
     finally:
         s.close()
+
+
+class _StandInNvml:
+    """pynvml with NVIDIA's own structures and error classes, whose device calls return the
+    values of two cards as NVML reports them (units and types as the library returns them:
+    bytes, milliwatts, `c_nvmlMemory_t`, `c_nvmlUtilization_t`): the sampler's reading and
+    unit conversions run in CI, where no GPU is. Card 1's power reading is not supported (as
+    on some boards), which the sampler must report, not fail on."""
+
+    CARDS = [
+        {"name": "NVIDIA H100 80GB HBM3", "gpu": 97, "mem": 58, "total": 85520809984, "used": 71245348864,
+         "power_mw": 612345, "temp": 71},
+        {"name": "NVIDIA H100 80GB HBM3", "gpu": 0, "mem": 0, "total": 85520809984, "used": 551550976,
+         "power_mw": None, "temp": 34},
+    ]
+
+    def __init__(self, real, init_error: str | None = None):
+        self._real = real
+        self._init_error = init_error
+        self.NVML_TEMPERATURE_GPU = real.NVML_TEMPERATURE_GPU
+        self.NVMLError = real.NVMLError
+        self.initialised = 0
+
+    def nvmlInit(self):  # noqa: N802 - NVML's names
+        if self._init_error:
+            raise self._real.NVMLError(self._real.NVML_ERROR_DRIVER_NOT_LOADED)
+        self.initialised += 1
+
+    def nvmlShutdown(self):  # noqa: N802
+        self.initialised -= 1
+
+    def nvmlDeviceGetCount(self):  # noqa: N802
+        return len(self.CARDS)
+
+    def nvmlDeviceGetHandleByIndex(self, i):  # noqa: N802
+        return self.CARDS[i]
+
+    def nvmlDeviceGetName(self, h):  # noqa: N802
+        return h["name"]
+
+    def nvmlDeviceGetUtilizationRates(self, h):  # noqa: N802
+        return self._real.c_nvmlUtilization_t(gpu=h["gpu"], memory=h["mem"])
+
+    def nvmlDeviceGetMemoryInfo(self, h):  # noqa: N802
+        return self._real.c_nvmlMemory_t(total=h["total"], free=h["total"] - h["used"], used=h["used"])
+
+    def nvmlDeviceGetPowerUsage(self, h):  # noqa: N802
+        if h["power_mw"] is None:
+            raise self._real.NVMLError(self._real.NVML_ERROR_NOT_SUPPORTED)
+        return h["power_mw"]
+
+    def nvmlDeviceGetTemperature(self, h, sensor):  # noqa: N802
+        assert sensor == self._real.NVML_TEMPERATURE_GPU
+        return h["temp"]
+
+
+def test_nvml_sampler_on_a_stand_in_library(monkeypatch):
+    import pynvml as real
+
+    nv = _StandInNvml(real)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    assert NvmlSampler.available() and NvmlSampler.load_error is None
+    s = NvmlSampler()
+    try:
+        cards = s.sample()
+        assert [c["card"] for c in cards] == [0, 1] and all(tuple(c) == CARD_KEYS for c in cards)
+        busy, idle = cards
+        assert busy["name"] == "NVIDIA H100 80GB HBM3" and busy["source"] == "nvml"
+        assert busy["util_pct"] == 97.0 and busy["temp_c"] == 71.0
+        assert busy["power_w"] == pytest.approx(612.345)
+        assert busy["memory_total_mb"] == pytest.approx(85520809984 / 2**20, abs=1)
+        assert busy["memory_used_mb"] == pytest.approx(71245348864 / 2**20, abs=1)
+        assert idle["power_w"] is None and idle["util_pct"] == 0.0
+        assert any("NVML power failed" in w for w in s.last_warnings), s.last_warnings
+        sample = NodeSampler("gpu-node", s, {0: 0, 1: 1}).sample_once()
+        assert sample["source"] == "nvml" and [c["ranks"] for c in sample["cards"]] == [[0], [1]]
+    finally:
+        s.close()
+    assert nv.initialised == 0, "NVML was not shut down"
+    monkeypatch.setitem(sys.modules, "pynvml", _StandInNvml(real, init_error="no driver"))
+    assert not NvmlSampler.available() and "no NVIDIA driver" in NvmlSampler.load_error
+    with pytest.raises(TelemetryUnavailable, match="NVML could not be initialised"):
+        NvmlSampler()
