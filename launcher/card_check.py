@@ -8,10 +8,10 @@ matmul on its card, then a timed all-reduce over the real backend with every oth
 and exits. Its files go to `RUN_DIR/preflight/` (job.json, plan.json, logs/, the ranks'
 raw `card_check` events in metrics.msgpack); the verdict to `RUN_DIR/preflight.json`:
 
-    {"ok", "action", "min_ratio", "world_size", "device", "backend", "matmul_size",
+    {"ok", "refuse", "action", "min_ratio", "refuse_ratio", "world_size", "device", "backend", "matmul_size",
      "allreduce_bytes", "median": {"matmul_gflops", "allreduce_gbps"},
      "ranks": [{"rank", "node", "card", "host", "matmul_gflops", "allreduce_gbps", "ok", "reason"}],
-     "slow": [ranks], "failed": [ranks], "message",
+     "slow": [ranks], "too_slow": [ranks], "failed": [ranks], "message",
      "started", "ended", "seconds"}            # unix times; seconds = wall time of the check
 
 A rank has **failed** when it produced no figure (it crashed, hung past
@@ -22,8 +22,10 @@ not fail is **slow** when its matmul GFLOP/s or all-reduce GB/s is below
 collective of the whole world, so a slow link lowers every rank's GB/s alike: compare the
 medians between runs to see it.
 
-With `preflight.action: stop` (default) a slow or failed rank refuses the launch before any
-training starts (status `preflight_failed`, exit code 4); with `warn` the launch goes on.
+Two bounds: a rank below `preflight.min_ratio` (0.8) × the median is reported (`slow`); one
+below `preflight.refuse_ratio` (0.5; `too_slow`) or one that failed refuses the launch before
+any training starts (status `preflight_failed`, exit code 4). With `preflight.action: stop` any
+slow rank refuses it too (a shared or busy host can then refuse a healthy job).
 """
 
 from __future__ import annotations
@@ -73,8 +75,10 @@ def _number(x: Any) -> float | None:
     return float(x)
 
 
-def judge(rows: list[dict[str, Any]], min_ratio: float) -> dict[str, Any]:
-    """Mark each row `ok`/`reason` in place; returns `slow`, `failed` and the medians.
+def judge(rows: list[dict[str, Any]], min_ratio: float, refuse_ratio: float | None = None) -> dict[str, Any]:
+    """Mark each row `ok`/`reason` in place; returns `slow`, `too_slow` (the slow ranks below
+    `refuse_ratio` x the median: they refuse the launch whatever the action), `failed` and the
+    medians.
 
     Rows come in with `matmul_gflops`, `allreduce_gbps` (numbers or None) and `reason`
     already set for a rank that failed by itself (crash, wrong product, no result)."""
@@ -92,6 +96,7 @@ def judge(rows: list[dict[str, Any]], min_ratio: float) -> dict[str, Any]:
               for k in ("matmul_gflops", "allreduce_gbps")}
     units = {"matmul_gflops": ("matmul", "GFLOP/s"), "allreduce_gbps": ("all-reduce", "GB/s")}
     slow: list[int] = []
+    too_slow: list[int] = []
     for row in good:
         why = [f"{units[k][0]} {row[k]:.3g} {units[k][1]} < {min_ratio:g} x median {median[k]:.3g}"
                for k in units if median[k] is not None and row[k] < min_ratio * median[k]]
@@ -99,7 +104,11 @@ def judge(rows: list[dict[str, Any]], min_ratio: float) -> dict[str, Any]:
         row["reason"] = ("slow: " + "; ".join(why)) if why else ""
         if why:
             slow.append(row["rank"])
-    return {"slow": sorted(slow), "failed": sorted(failed), "median": median}
+            if refuse_ratio is not None and any(median[k] is not None and row[k] < refuse_ratio * median[k]
+                                                for k in units):
+                too_slow.append(row["rank"])
+                row["reason"] += f" (below the refuse ratio {refuse_ratio:g})"
+    return {"slow": sorted(slow), "too_slow": sorted(too_slow), "failed": sorted(failed), "median": median}
 
 
 def build_report(cfg: RunConfig, results: dict[int, dict[str, Any]], problems: dict[int, str],
@@ -123,13 +132,14 @@ def build_report(cfg: RunConfig, results: dict[int, dict[str, Any]], problems: d
                      "matmul_gflops": _number(res.get("matmul_gflops")),
                      "allreduce_gbps": _number(res.get("allreduce_gbps")), "ok": True, "reason": reason})
     pf = cfg.preflight
-    verdict = judge(rows, pf.min_ratio)
+    verdict = judge(rows, pf.min_ratio, pf.refuse_ratio)
     done = [r for r in results.values() if r.get("phase") == "done"]
     first = done[0] if done else next(iter(results.values()), {})
     report: dict[str, Any] = {
         "ok": not verdict["slow"] and not verdict["failed"],
         "action": pf.action.value,
         "min_ratio": pf.min_ratio,
+        "refuse_ratio": pf.refuse_ratio,
         "world_size": cfg.world.world_size,
         "device": cfg.world.device.value,
         "backend": first.get("backend"),
@@ -140,13 +150,21 @@ def build_report(cfg: RunConfig, results: dict[int, dict[str, Any]], problems: d
         "median": verdict["median"],
         "ranks": rows,
         "slow": verdict["slow"],
+        "too_slow": verdict["too_slow"],
         "failed": verdict["failed"],
         "started": started,
         "ended": ended,
         "seconds": ended - started,
     }
+    report["refuse"] = refuses(report, pf.action)
     report["message"] = verdict_message(report)
     return report
+
+
+def refuses(report: dict[str, Any], action: Action) -> bool:
+    """Whether the launch is refused: a failed rank, or one below the refuse ratio, always; a
+    slow one (below min_ratio) only with `preflight.action: stop`."""
+    return bool(report["failed"] or report.get("too_slow") or (action is Action.STOP and report["slow"]))
 
 
 def verdict_message(report: dict[str, Any]) -> str:
@@ -296,11 +314,15 @@ def gate(cfg: RunConfig, *, run_dir: Path, run_id: str, session: Any, pids: Any,
     if report["ok"]:
         console.say(f"mindpulse: {report['message']}; starting the training")
         return None
-    if cfg.preflight.action is Action.WARN:
-        console.say(f"mindpulse: WARNING {report['message']} (preflight.action: warn: training anyway)")
+    if not report["refuse"]:
+        console.say(f"mindpulse: WARNING {report['message']} (above preflight.refuse_ratio "
+                    f"{cfg.preflight.refuse_ratio:g} x the median, preflight.action: warn: training anyway)")
         return None
+    why = ("preflight.action: stop" if cfg.preflight.action is Action.STOP and not (report["failed"] or
+                                                                                   report["too_slow"])
+           else f"a failed card, or one below preflight.refuse_ratio {cfg.preflight.refuse_ratio:g} x the median")
     return RunResult(status=RunStatus.PREFLIGHT_FAILED,
-                     message=f"{report['message']}; launch refused before training (preflight.action: stop; "
+                     message=f"{report['message']}; launch refused before training ({why}; "
                              f"{REPORT_FILE} has every rank's figures)")
 
 

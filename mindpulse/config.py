@@ -445,11 +445,16 @@ class PreflightConfig:
     enabled: bool | None = None
     """Run the pre-flight card check at the start of `launch`: true, false, or `auto` / empty
     (true when world.nodes > 1). `mindpulse preflight` runs it whatever this says."""
-    action: Action = Action.STOP
-    """What a slow or failed card does to `launch`: `stop` refuses it before training (status
-    preflight_failed, exit code 4) or `warn` reports it and trains."""
+    action: Action = Action.WARN
+    """What a slow card does to `launch`: `warn` (the default) reports a card below `min_ratio` x
+    the median and trains, and refuses the launch (status preflight_failed, exit code 4) only for
+    a card below `refuse_ratio` x the median or one that failed; `stop` refuses it for any slow or
+    failed card (a shared or busy host can then refuse a healthy job)."""
     min_ratio: float = 0.8
     """A rank whose matmul GFLOP/s or all-reduce GB/s is below this x the median over ranks is slow."""
+    refuse_ratio: float = 0.5
+    """A rank below this x the median (or one that failed: crashed, hung, computed a wrong result)
+    refuses the launch whatever `action` says; between this and `min_ratio` it is reported."""
     matmul_size: int = 0
     """Side of the float32 square matrices each rank multiplies (0: 512 on CPU, 4096 on Ascend and GPU)."""
     matmul_seconds: float = 2.0
@@ -816,6 +821,9 @@ _ACTION_CHOICES = {"preflight": (Action.STOP, Action.WARN), "anomalies": RULE_AC
 def _validate_preflight(pf: PreflightConfig) -> None:
     if not 0 < pf.min_ratio <= 1:
         raise ConfigError(f"preflight.min_ratio: {pf.min_ratio!r} is not allowed; use a number in (0, 1]")
+    if not 0 < pf.refuse_ratio <= pf.min_ratio:
+        raise ConfigError(f"preflight.refuse_ratio: {pf.refuse_ratio!r} is not allowed; use a number in "
+                          f"(0, preflight.min_ratio = {pf.min_ratio:g}]")
     if pf.matmul_size < 0 or pf.matmul_size > 16384:
         raise ConfigError(f"preflight.matmul_size: {pf.matmul_size} is not allowed; use 0 (by device) or 1-16384")
     _positive("preflight.matmul_seconds", pf.matmul_seconds)

@@ -37,7 +37,9 @@ def test_a_slow_card_refuses_the_launch_before_training(run_cli):
     assert "slow rank(s) [1]" in s["message"] and "rank 1 matmul" in s["message"], s["message"]
     assert "slow rank(s) [1]" in r.stdout
     report = json.loads((r.run_dir / "preflight.json").read_text())
-    assert report["slow"] == [1] and report["failed"] == [] and report["ok"] is False
+    # 4x the work: below the refuse ratio (0.5 x the median), refused under the default action (warn)
+    assert report["slow"] == [1] and report["too_slow"] == [1] and report["failed"] == [] and report["ok"] is False
+    assert report["refuse"] is True and report["action"] == "warn"
     rows = {x["rank"]: x for x in report["ranks"]}
     assert rows[0]["ok"] and not rows[1]["ok"] and rows[1]["reason"].startswith("slow: matmul")
     assert rows[1]["matmul_gflops"] < 0.8 * report["median"]["matmul_gflops"]

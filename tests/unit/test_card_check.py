@@ -84,14 +84,15 @@ def test_report_shape_and_rank_placement():
     cfg = from_dict({"world": {"nodes": 2, "ranks_per_node": 2, "devices": [4, 6]}, "ray": {"address": "auto"}})
     results = {0: result(0, 50.0, 2.0), 1: result(1, 52.0, 2.0), 2: result(2, 10.0, 2.0), 3: result(3, 49.0, 2.0)}
     rep = build_report(cfg, results, {}, 1000.0, 1012.5)
-    assert set(rep) == {"ok", "action", "min_ratio", "world_size", "device", "backend", "matmul_size",
-                        "matmul_seconds", "allreduce_bytes", "allreduce_iters", "median", "ranks", "slow",
-                        "failed", "started", "ended", "seconds", "message"}
+    assert set(rep) == {"ok", "refuse", "action", "min_ratio", "refuse_ratio", "world_size", "device", "backend",
+                        "matmul_size", "matmul_seconds", "allreduce_bytes", "allreduce_iters", "median", "ranks",
+                        "slow", "too_slow", "failed", "started", "ended", "seconds", "message"}
     assert [list(r) for r in rep["ranks"]] == [list(card_check.ROW_FIELDS)] * 4
     assert [(r["rank"], r["node"], r["card"]) for r in rep["ranks"]] == [(0, 0, 4), (1, 0, 6), (2, 1, 4), (3, 1, 6)]
     assert rep["slow"] == [2] and rep["failed"] == [] and rep["ok"] is False
     assert rep["seconds"] == 12.5 and rep["started"] == 1000.0 and rep["ended"] == 1012.5
-    assert rep["backend"] == "mccl" and rep["action"] == "stop" and rep["world_size"] == 4
+    assert rep["backend"] == "mccl" and rep["action"] == "warn" and rep["world_size"] == 4
+    assert rep["too_slow"] == [2] and rep["refuse"] is True  # 10 < 0.5 x the median: refused even under warn
     assert "slow rank(s) [2]: rank 2 matmul 10 GFLOP/s < 0.8 x median" in rep["message"]
     json.dumps(rep, allow_nan=False)  # preflight.json and --json: plain JSON
 
@@ -146,6 +147,7 @@ def test_enabled_is_auto_by_nodes_unless_set():
     ({"action": "refuse"}, "preflight.action: 'refuse' is not allowed; use one of 'stop', 'warn'"),
     ({"min_ratio": 0}, "preflight.min_ratio: 0.0 is not allowed; use a number in (0, 1]"),
     ({"min_ratio": 1.5}, "preflight.min_ratio: 1.5 is not allowed"),
+    ({"refuse_ratio": 0.9}, "preflight.refuse_ratio: 0.9 is not allowed; use a number in (0, preflight.min_ratio"),
     ({"matmul_size": -1}, "preflight.matmul_size: -1 is not allowed"),
     ({"matmul_seconds": 0}, "preflight.matmul_seconds: 0.0 is not allowed"),
     ({"allreduce_mb": 0}, "preflight.allreduce_mb: 0.0 is not allowed"),
@@ -236,3 +238,23 @@ def test_matmul_benchmark_measures_and_checks_the_product():
     # the judged figure is the median of the ~50 ms chunks' rates: a figure the window also reached
     assert res["matmul_chunks"] >= 1 and 0 < res["matmul_gflops"] < 50 * res["matmul_gflops_window"]
 
+
+
+@pytest.mark.parametrize("gflops, action, slow, too_slow, refuse", [
+    (45.0, "warn", [], [], False),       # 0.9 x the median: ok
+    (35.0, "warn", [2], [], False),      # 0.7 x: reported, trains (a shared or busy host)
+    (35.0, "stop", [2], [], True),       # ... refused with action stop (the old behaviour)
+    (20.0, "warn", [2], [2], True),      # 0.4 x: below the refuse ratio, refused whatever the action
+])
+def test_two_bounds_report_a_slow_card_and_refuse_a_much_slower_one(gflops, action, slow, too_slow, refuse):
+    cfg = from_dict({"world": {"ranks_per_node": 4}, "preflight": {"action": action}})
+    results = {0: result(0, 50.0, 2.0), 1: result(1, 52.0, 2.0), 2: result(2, gflops, 2.0), 3: result(3, 49.0, 2.0)}
+    rep = build_report(cfg, results, {}, 0.0, 1.0)
+    assert (rep["slow"], rep["too_slow"], rep["refuse"]) == (slow, too_slow, refuse), rep["message"]
+    assert rep["ok"] is (not slow)
+
+
+def test_a_failed_card_refuses_under_warn_too():
+    cfg = from_dict({"world": {"ranks_per_node": 2}})
+    rep = build_report(cfg, {0: result(0, 50.0, 2.0)}, {1: "crashed"}, 0.0, 1.0)
+    assert rep["failed"] == [1] and rep["refuse"] is True and rep["action"] == "warn"
