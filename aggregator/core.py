@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mindpulse.config import sections_of
+from mindpulse.config import auto_hang_timeout, sections_of
 from mindpulse.protocol import (
     Action,
     CheckpointKind,
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 _KEEP_DIRECTIVES = 1024
 _KEEP_HISTORY = 512
 _IN_STEP = re.compile(r"^in step (\d+)$")
+_BUSY = re.compile(r"^(saving|evaluating) after step (\d+)$")
+"""The heartbeat of a rank writing a checkpoint or evaluating (workers/heartbeat.py): not a hang."""
 """A heartbeat's message while the rank's loop is inside a step (workers/heartbeat.py IN_STEP)."""
 
 
@@ -73,6 +75,7 @@ class AggregatorCore:
         cfg = sections_of({k: v for k, v in settings.items() if k != "anomalies"})
         self.ckpt = cfg.checkpoint
         self.straggler_threshold = cfg.monitor.straggler_threshold
+        self.device = cfg.world.device.value
         self.max_lag = cfg.monitor.max_lag_steps
         self.start_step = int(settings.get("start_step") or 0)
         self.goodput = GoodputClock()
@@ -662,8 +665,18 @@ class AggregatorCore:
                 self.in_step[rank] = int(m.group(1))
             else:
                 self.in_step.pop(rank, None)
+            if rank in self.progress_at and _BUSY.match(heartbeat):
+                self.progress_at[rank] = now  # saving or evaluating: its clock waits until it is done
 
-    def hang_check(self, timeout_s: float, heartbeat_stale_s: float) -> dict[str, Any] | None:
+    def hang_limit(self, timeout_s: float | None) -> float:
+        """The hang clock's limit: `timeout_s`, or with None (`monitor.hang_timeout_s: auto`) the
+        one the recent reduced steps' times give (config.auto_hang_timeout)."""
+        if timeout_s is not None:
+            return timeout_s
+        return auto_hang_timeout([red.step_time_max for red in self.recent if red.step > self.start_step],
+                                 self.device)
+
+    def hang_check(self, timeout_s: float | None, heartbeat_stale_s: float) -> dict[str, Any] | None:
         """None, or the ranks to blame when no live rank is within its clock.
 
         A rank's clock starts at its first finished step (the step after the one it started
@@ -674,6 +687,7 @@ class AggregatorCore:
         not inside the next step that others are inside (the others wait for them in its
         collective), else every rank at that step."""
         now = time.time()
+        timeout_s = self.hang_limit(timeout_s)
         # a rank that trains without a Monitor reports no steps: not a hang (advice.py names it)
         live = [r for r in range(self.world_size) if r not in self.ended and r not in self.advice.no_monitor]
         if not live:
@@ -855,7 +869,7 @@ class AggregatorActor:
         self.core.close()
         return snap
 
-    async def hang_check(self, timeout_s: float, heartbeat_stale_s: float):
+    async def hang_check(self, timeout_s: float | None, heartbeat_stale_s: float):
         return self.core.hang_check(timeout_s, heartbeat_stale_s)
 
     async def ping(self) -> int:

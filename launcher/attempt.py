@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.aggregator.rundir_io import write_atomic
-from mindpulse.config import RunConfig
+from mindpulse.config import AUTO_HANG_MIN_S, RunConfig
 
 from . import interrupts as waits
 from .interrupts import Interrupts
@@ -147,9 +147,10 @@ class Attempt:
         """The aggregator's verdict: None, or the stuck ranks with their steps and pids."""
         import ray
 
-        timeout = self.cfg.monitor.hang_timeout_s
+        timeout = self.cfg.monitor.hang_timeout_s  # None: auto, from the reduced steps' times
+        stale = max(3.0, min(15.0, (timeout or AUTO_HANG_MIN_S) / 2))
         try:
-            return ray.get(self.aggregator.hang_check.remote(timeout, max(3.0, min(15.0, timeout / 2))), timeout=10)
+            return ray.get(self.aggregator.hang_check.remote(timeout, stale), timeout=10)
         except Exception:
             return None
 

@@ -90,7 +90,9 @@ class AttemptWatch:
                     self.message = f"hang: ranks {stuck} reported no first step within {info.get('limit_s', 0):g}s " \
                                    "(monitor.startup_timeout_s)"
                 else:
-                    self.message = f"hang: ranks {stuck} made no progress for {self.cfg.monitor.hang_timeout_s:g}s"
+                    limit = info.get("limit_s") or self.cfg.monitor.hang_timeout_s or 0
+                    how = "" if self.cfg.monitor.hang_timeout_s else " (monitor.hang_timeout_s: auto)"
+                    self.message = f"hang: ranks {stuck} made no progress for {limit:.0f}s{how}"
                 return self._end(RunStatus.FAILED, lambda r: "stuck" if r in stuck else VICTIM)
         if not self.pending:
             if failed:

@@ -191,8 +191,12 @@ class MonitorConfig:
     stop decided at step S ends every rank after step S+max_lag_steps (0: lockstep)."""
     decision_timeout_s: float = 120.0
     """How long a rank waits for a directive before it goes on without one."""
-    hang_timeout_s: float = 300.0
-    """Seconds without any step from a rank before the job is declared hung."""
+    hang_timeout_s: float | None = None
+    """Seconds without a new step before the job is declared hung; `auto` (the default, also
+    empty or null): the larger of 60 s and 20 x the rolling p99 step time of the slowest rank, once
+    10 steps are reduced (300 s before that; on CPU ranks at most 25 s: MindSpore's CPU collectives
+    give up on a peer after 30 s); time a rank's heartbeat reports as saving a checkpoint or
+    evaluating does not count, and start-up has `startup_timeout_s`."""
     startup_timeout_s: float = 0.0
     """Seconds a rank may take from the start to its first finished step (start-up, the
     first graph compile, the first collective's connection) before the job is declared
@@ -535,7 +539,7 @@ def _coerce(path: str, tp: Any, raw: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw is None or (raw == "auto" and args == [bool]):  # an optional switch: auto is its default
+        if raw is None or (raw == "auto" and args in ([bool], [float])):  # auto: the field's default (None)
             return None
         return _coerce(path, args[0], raw)
     if origin is dict:
@@ -676,7 +680,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("monitor.per_print_step", cfg.monitor.per_print_step)
     _positive("monitor.max_lag_steps", cfg.monitor.max_lag_steps, allow_zero=True)
     _positive("monitor.decision_timeout_s", cfg.monitor.decision_timeout_s)
-    _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
+    if cfg.monitor.hang_timeout_s is not None:
+        _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
     _positive("monitor.startup_timeout_s", cfg.monitor.startup_timeout_s, allow_zero=True)
     _positive("monitor.telemetry_interval_s", cfg.monitor.telemetry_interval_s, allow_zero=True)
     _positive("monitor.straggler_window", cfg.monitor.straggler_window)
@@ -831,6 +836,32 @@ def _validate_preflight(pf: PreflightConfig) -> None:
         raise ConfigError(f"preflight.allreduce_mb: {pf.allreduce_mb!r} is not allowed; use a number in (0, 1024]")
     _positive("preflight.allreduce_iters", pf.allreduce_iters)
     _positive("preflight.timeout_s", pf.timeout_s)
+
+
+AUTO_HANG_MIN_S = 60.0
+"""`monitor.hang_timeout_s: auto`: never below this (published detectors name a stuck rank in 15-30 s;
+HCCL's own timeout is 1,800 s)."""
+AUTO_HANG_STEPS = 10
+"""... from this many reduced steps on: 20 x their p99 step time (before: AUTO_HANG_EARLY_S)."""
+AUTO_HANG_FACTOR = 20.0
+AUTO_HANG_EARLY_S = 300.0
+CPU_AUTO_HANG_S = 25.0
+"""`auto` on CPU ranks: MindSpore's CPU collectives give up on a peer after 30 s (a ring
+all-reduce's receive, measured with MindSpore 2.9; MS_RECEIVE_MSG_TIMEOUT does not change it),
+so a stuck rank would surface as a collective error of the ranks waiting for it, named as the
+root cause. The hang is named before that."""
+
+
+def auto_hang_timeout(step_times: list[float], device: str = "") -> float:
+    """The hang limit `auto` gives after these reduced steps' step times (the slowest rank's,
+    newest last): max(60 s, 20 x their p99) from 10 steps on, 300 s before; on CPU ranks at
+    most 25 s (CPU_AUTO_HANG_S)."""
+    times = sorted(t for t in step_times if t is not None and math.isfinite(t) and t >= 0)
+    if len(times) < AUTO_HANG_STEPS:
+        limit = AUTO_HANG_EARLY_S
+    else:
+        limit = max(AUTO_HANG_MIN_S, AUTO_HANG_FACTOR * times[max(0, math.ceil(0.99 * len(times)) - 1)])
+    return min(limit, CPU_AUTO_HANG_S) if device == Device.CPU.value else limit
 
 
 RECIPES = ("llama_finetune",)
@@ -1167,7 +1198,7 @@ def monitor_settings_of(cfg: RunConfig) -> MonitorSettings:
     return MonitorSettings(
         decision_timeout_s=m.decision_timeout_s,
         # a few beats per hang timeout, never slower than every 5 s
-        heartbeat_s=max(0.5, min(5.0, m.hang_timeout_s / 4)),
+        heartbeat_s=max(0.5, min(5.0, (m.hang_timeout_s or AUTO_HANG_MIN_S) / 4)),
         weight_stats=m.weight_stats,
         histogram_regex=m.histogram_regex,
     )

@@ -36,11 +36,17 @@ IN_STEP = "in step {}"
 """A beat's message while the loop is inside a step (it began, its faults let it start, it
 has not ended); the aggregator reads it back to tell a rank blocked before the step the
 others are in (the one they wait for) from those waiting inside it (in its all-reduce)."""
+BUSY_SAVING = "saving"
+BUSY_EVALUATING = "evaluating"
+BUSY = "{} after step {}"
+"""A beat's message while the rank writes a checkpoint or evaluates after a step: time the
+hang clock does not count (a long save or evaluation is not a hang)."""
 
 
 class Heartbeat:
     def __init__(self, settings: RankSettings, rank: int, current_step: Callable[[], int],
-                 in_step: Callable[[], int | None] | None = None, *, connect: Callable[[], Any] | None = None):
+                 in_step: Callable[[], int | None] | None = None, *, connect: Callable[[], Any] | None = None,
+                 busy: Callable[[], str | None] | None = None):
         self.settings = settings
         self.connect = connect
         """Opens the beat's own channel (the session's `connect`, handed in: the session owns
@@ -48,6 +54,7 @@ class Heartbeat:
         self.rank = rank
         self.current_step = current_step
         self.in_step = in_step or (lambda: None)
+        self.busy = busy or (lambda: None)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -64,9 +71,10 @@ class Heartbeat:
 
     def packet(self) -> EventPacket:
         """One beat: the last finished step, and the step the loop is inside (if any)."""
-        inside = self.in_step()
-        return EventPacket(rank=self.rank, kind=EventKind.HEARTBEAT.value, ts=time.time(), step=self.current_step(),
-                           pid=os.getpid(), message=IN_STEP.format(inside) if inside is not None else "")
+        inside, busy, step = self.in_step(), self.busy(), self.current_step()
+        message = BUSY.format(busy, step) if busy else IN_STEP.format(inside) if inside is not None else ""
+        return EventPacket(rank=self.rank, kind=EventKind.HEARTBEAT.value, ts=time.time(), step=step,
+                           pid=os.getpid(), message=message)
 
     def _beat(self) -> None:
         if self.connect is None:

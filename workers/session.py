@@ -65,7 +65,7 @@ from .checkpoint_writer import CheckpointWriter
 from .faults import FaultInjector, faults_for
 from .fingerprint import HostViews, fingerprint_of, param_sums
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
-from .heartbeat import Heartbeat
+from .heartbeat import BUSY_EVALUATING, BUSY_SAVING, Heartbeat
 from .model_params import model_parameters
 from .profiler import ProfileWindow
 from .settings import rank_id
@@ -595,8 +595,12 @@ class RankSession:
         """The step the loop is inside: its faults let it start, it has not ended (the
         heartbeat says so: a rank blocked before a step that the others are inside is the
         one they wait for)."""
+        self.busy: str | None = None
+        """What the rank does outside its steps right now: `saving` (a checkpoint) or `evaluating`
+        (the heartbeat says so: that time is not a hang)."""
         self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step, lambda: self.in_step,
-                                   connect=lambda: connect(settings, self.rank)) if settings else None
+                                   connect=lambda: connect(settings, self.rank),
+                                   busy=lambda: self.busy) if settings else None
         self.weight_stats: WeightStats | None = None
         self._last_sums: Any = None
         self._params: tuple[Any, list, HostViews] | None = None
@@ -725,6 +729,7 @@ class RankSession:
         eval_s = 0.0
         if evaluates and self.schedule.eval_due(s, self.epoch_steps):
             t_eval = time.perf_counter()
+            self.busy = BUSY_EVALUATING
             try:
                 results = self.evaluate()
                 undeclared = sorted(set(results) - self.metrics) if self.metrics is not None else []
@@ -735,6 +740,8 @@ class RankSession:
                 extra = dict(extra or {}, **results)
             except Exception as exc:
                 log.error("[rank %d] evaluation at step %d failed: %s", self.rank, s, exc)
+            finally:
+                self.busy = None
             eval_s = time.perf_counter() - t_eval
         self._ship(StepPacket(
             rank=self.rank,
@@ -862,9 +869,11 @@ class RankSession:
     def _follow(self, d: Directive, pkt: StepPacket) -> None:
         if d.save_kinds and self.rank == 0:
             t_save = time.perf_counter()
+            self.busy = BUSY_SAVING
             try:
                 self._save(d, pkt)
             finally:
+                self.busy = None
                 self.since_packet.checkpoint_s += time.perf_counter() - t_save
         if d.action.stops:
             self.stopped = d

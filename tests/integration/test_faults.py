@@ -135,20 +135,38 @@ def assert_in_training_loop(run_dir: Path, rank: int) -> str:
 
 
 def test_an_injected_hang_names_the_blocked_rank_not_the_one_waiting_for_it(tmp_path):
-    """hang@1:5: rank 1 blocks at step 5 with its heartbeat alive; rank 0 waits for it inside
-    step 5 (its all-reduce). Only rank 1 is named."""
-    run = LiveRun(tmp_path, "--set", "train.steps=300", "--set", "monitor.hang_timeout_s=10",
-                  "--inject", "hang@1:5")
-    code, out, seconds = run.finish(timeout=240)
+    """hang@1:12 on ~1.5 s steps (slow@1:1), under the default `monitor.hang_timeout_s: auto`:
+    rank 1 blocks at step 12 with its heartbeat alive; rank 0 waits for it inside step 12 (its
+    all-reduce). Only rank 1 is named, with stacks, within 70 s (auto on CPU ranks: 25 s, before
+    MindSpore's CPU all-reduce gives up on the stuck peer at 30 s)."""
+    run = LiveRun(tmp_path, "--set", "train.steps=300", "--inject", "slow@1:1", "--inject", "hang@1:12")
+    code, out, seconds = run.finish(timeout=300)
     assert code == 1, out[-3000:]
     f = run.summary()["failure"]
     assert f["kind"] == "hang" and f["ranks"] == [1] and f["root_cause_rank"] == 1, f
-    assert "stuck ranks [1] at steps [4]" in out and "heartbeats silent" not in out, out[-3000:]
+    assert "stuck ranks [1] at steps [11]" in out and "heartbeats silent" not in out, out[-3000:]
+    named = re.search(r"HANG: no rank made progress for (\d+)s", out)
+    assert named and 25 <= int(named.group(1)) <= 29, out[-3000:]
+    assert "(monitor.hang_timeout_s: auto)" in run.summary()["message"], run.summary()["message"]
     waiting = assert_in_training_loop(run.run_dir, 0)
     blocked = assert_in_training_loop(run.run_dir, 1)
     # the blocked rank is in the fault, before its step; the other one is inside the step
     assert re.search(r"^\s+(FaultInjector\.)?before_step \(.*workers/faults\.py:\d+\)$", blocked, re.M), blocked[-3000:]
     assert "workers/faults.py" not in waiting, waiting[-3000:]
+    run.assert_nothing_left()
+
+
+def test_a_checkpoint_write_longer_than_the_hang_limit_is_not_a_hang(tmp_path):
+    """slow_save@0:10: rank 0's best checkpoint at step 10 takes 8 s, twice the hang limit, while
+    rank 1 waits in the next all-reduce: rank 0's heartbeat says it is saving, so no hang."""
+    run = LiveRun(tmp_path, "--set", "train.steps=14", "--set", "monitor.hang_timeout_s=4",
+                  "--inject", "slow_save@0:10")
+    code, out, seconds = run.finish(timeout=300)
+    assert code == 0, out[-3000:]
+    s = run.summary()
+    assert s["status"] == "succeeded" and s["steps_completed"] == 14 and s["failure"] is None, s["message"]
+    assert s["goodput"]["badput_s"]["checkpoint"] >= 8.0, s["goodput"]
+    assert "injecting fault slow_save@0:10" in (run.run_dir / "logs" / "rank_0.log").read_text()
     run.assert_nothing_left()
 
 

@@ -209,3 +209,66 @@ def test_ranks_that_train_without_a_monitor_are_named_not_hung(tmp_path, clock):
     core.ingest([EventPacket(rank=1, kind=EventKind.START.value).encode()])
     info = core.hang_check(TIMEOUT, STALE)
     assert info is not None and info["stuck"] == [1] and info["phase"] == "startup", info
+
+
+def timed_steps(core, clock, through, step_s, ranks=(0, 1)):
+    for s in range(0, through + 1):
+        clock.now += step_s if s else 0
+        for r in ranks:
+            core.ingest([StepPacket(rank=r, step=s, loss=1.0, step_time_s=step_s if s else None).encode()])
+
+
+def test_auto_limit_follows_the_slowest_ranks_step_times():
+    from mindpulse.config import auto_hang_timeout
+
+    assert auto_hang_timeout([1.0] * 9) == 300.0  # fewer than 10 steps: the early limit
+    assert auto_hang_timeout([1.0] * 10) == 60.0  # 20 x 1 s is below the 60 s floor
+    assert auto_hang_timeout([5.0] * 50) == 100.0
+    # p99, not the maximum: one step in a hundred may be slow (a compile, a checkpoint wait)
+    assert auto_hang_timeout([1.0] * 99 + [30.0]) == 60.0
+    assert auto_hang_timeout([4.0] * 98 + [30.0, 31.0]) == 600.0
+    assert auto_hang_timeout([None, float("nan")] * 20) == 300.0
+    # CPU ranks: below the 30 s after which MindSpore's CPU collectives give up on a peer
+    assert auto_hang_timeout([5.0] * 50, "cpu") == 25.0 and auto_hang_timeout([], "cpu") == 25.0
+
+
+def test_auto_names_a_hang_on_one_second_steps_after_a_minute(tmp_path, clock):
+    core = AggregatorCore(tmp_path, 2, settings={"tensorboard": False, "world": {"device": "ascend"}})
+    timed_steps(core, clock, 20, 1.0)
+    clock.now += 59
+    beat(core, 0, 20, inside=21)
+    beat(core, 1, 20)
+    assert core.hang_check(None, STALE) is None, "named before the auto limit (60 s)"
+    clock.now += 2
+    beat(core, 0, 20, inside=21)
+    beat(core, 1, 20)
+    info = core.hang_check(None, STALE)
+    assert info is not None and info["stuck"] == [1] and info["limit_s"] == 60.0, info
+
+
+def test_a_checkpoint_save_or_evaluation_is_not_a_hang(tmp_path, clock):
+    """Rank 0 writes a checkpoint for 100x a step (the others wait in the next all-reduce): its
+    heartbeat says so, and the clock runs again from the end of the write."""
+    from mindpulse.workers.heartbeat import BUSY_SAVING
+
+    core = make(tmp_path)
+    timed_steps(core, clock, 20, 1.0)
+    for _ in range(20):  # 100 s of saving, a beat every 5 s
+        clock.now += 5
+        core.ingest([Heartbeat(None, 0, lambda: 20, busy=lambda: BUSY_SAVING).packet().encode()])
+        beat(core, 1, 20, inside=21)
+        assert core.hang_check(None, STALE) is None
+    clock.now += 61  # the write ended 61 s ago and nothing moved since: now it is one
+    beat(core, 0, 20)
+    beat(core, 1, 20, inside=21)
+    assert core.hang_check(None, STALE)["stuck"] == [0]
+
+
+def test_auto_on_cpu_ranks_names_a_hang_before_their_collectives_give_up(tmp_path, clock):
+    core = make(tmp_path)  # world.device cpu
+    timed_steps(core, clock, 20, 1.0)
+    clock.now += 26
+    beat(core, 0, 20, inside=21)
+    beat(core, 1, 20)
+    info = core.hang_check(None, STALE)
+    assert info is not None and info["stuck"] == [1] and info["limit_s"] == 25.0, info
