@@ -147,6 +147,9 @@ class AggregatorCore:
         """When any rank last finished a step it had not reported before."""
         self.heartbeat: dict[int, tuple[float, int]] = {}
         self.ended: set[int] = set()
+        self.ended_at: dict[int, float] = {}
+        """When each rank said its training ended (its END: the Monitor's end of training, or its
+        script's end): a process still alive `monitor.exit_timeout_s` later is named and ended."""
         # the hang clocks (hang_check): start-up until a rank's first finished step, then per rank
         self.startup_timeout_s = float(cfg.monitor.startup_timeout_s or cfg.msrun.cluster_time_out)
         self.first_step: dict[int, int] = {}
@@ -350,6 +353,7 @@ class AggregatorCore:
                 info.setdefault("pid", pkt.pid)
             elif pkt.kind == EventKind.END:
                 self.ended.add(pkt.rank)
+                self.ended_at.setdefault(pkt.rank, pkt.ts or time.time())
                 info["end"] = pkt.message or True
             elif pkt.kind == EventKind.MONITOR_ERROR:
                 if not self.replaying:
@@ -603,9 +607,13 @@ class AggregatorCore:
 
     def progress(self) -> dict[str, Any]:
         red = self.last_reduced
+        # the ranks whose training ended, when, and their pids (a process that lives on is ended)
+        ended = {"ended_at": dict(self.ended_at),
+                 "pids": {r: self.rank_info.get(r, {}).get("pid") for r in self.ended_at}} if self.ended_at else {}
         if red is None:
-            return {"step": 0, "reduced_through": max(0, self.reducer.reduced_through)}
+            return {"step": 0, "reduced_through": max(0, self.reducer.reduced_through), **ended}
         return {
+            **ended,
             "reduced_through": max(0, self.reducer.reduced_through),
             "step": red.step,
             "epoch": red.epoch,

@@ -43,6 +43,8 @@ class AttemptWatch:
         self.status = RunStatus.RUNNING
         self.message = ""
         self.hang: list[int] = []
+        self.lingered: list[int] = []
+        """Ranks ended because they lived on past monitor.exit_timeout_s after their training."""
         self.interrupted_at: float | None = None
         self._last_poll = 0.0
         self._last_hang_check = 0.0
@@ -81,6 +83,9 @@ class AttemptWatch:
             progress = self.attempt.poll()
             if progress is not None:
                 self.console.progress.update(progress, self.attempt.total_steps(), self.started)
+                lingering = self._lingering(progress.get("ended_at") or {}) if self.pending and not failed else []
+                if lingering:
+                    return self._end_lingering(lingering, progress.get("pids") or {})
             self._last_poll = time.time()
             stuck = self._check_hang()
             if stuck and self.pending:
@@ -163,10 +168,12 @@ class AttemptWatch:
                          order=list(self.failure_order), hang=self.hang)
 
     def _end(self, status: RunStatus, error_of: Callable[[int], str]) -> RunStatus:
-        """Kill every rank still running; those without an outcome get `error_of(rank)`."""
+        """Kill every rank still running; those without an outcome get `error_of(rank)` (and, when
+        the run succeeded all the same, exit code 0: their training completed)."""
         self.attempt.kill_ranks()
+        code = 0 if status is RunStatus.SUCCEEDED else None
         for r in range(self.cfg.world.world_size):
-            self.outcomes.setdefault(r, RankOutcome(rank=r, exit_code=None, error=error_of(r)))
+            self.outcomes.setdefault(r, RankOutcome(rank=r, exit_code=code, error=error_of(r)))
         self.pending = []
         self.status = status
         self.console.progress.clear()
@@ -178,6 +185,32 @@ class AttemptWatch:
             self.outcomes[o.rank] = o
             if not seen and (o.exit_code != 0 or o.error):
                 self.failure_order.append(o.rank)
+
+    def _lingering(self, ended_at: dict[Any, float]) -> list[int]:
+        """The ranks still running `monitor.exit_timeout_s` after their training ended, once every
+        rank's training ended (a rank that finished early waits for the others: not lingering)."""
+        ended = {int(r): float(t) for r, t in ended_at.items()}
+        running = [r for r in range(self.cfg.world.world_size) if r not in self.outcomes]
+        if not running or any(r not in ended for r in running):
+            return []
+        limit = self.cfg.monitor.exit_timeout_s
+        return [r for r in running if time.time() - ended[r] > limit]
+
+    def _end_lingering(self, ranks: list[int], known: dict[Any, int | None]) -> RunStatus:
+        """Every rank's training ended, these processes did not exit: their stacks into logs/
+        (as for a hang), then they are ended; the training itself completed."""
+        limit = self.cfg.monitor.exit_timeout_s
+        self.console.say(f"mindpulse: rank(s) {ranks} did not exit within {limit:g}s after their training ended "
+                         "(monitor.exit_timeout_s); dumping their stacks into logs/ and ending them")
+        pids = {int(r): p for r, p in known.items() if p and int(r) in ranks}  # the ranks' own START
+        pids.update({int(r): p for r, p in (self.attempt.pids.get("ranks") or {}).items()
+                     if int(r) in ranks and int(r) not in pids})
+        self.attempt.nodes.dump_stacks(pids, str(self.attempt.logs_dir), ranks, self.console.say)
+        self.message = (f"the training completed; rank(s) {ranks} did not exit within {limit:g}s after it "
+                        "(monitor.exit_timeout_s: stacks in logs/stacks_rank_<r>.txt) and were ended")
+        self.lingered = list(ranks)
+        return self._end(RunStatus.SUCCEEDED, lambda r: f"did not exit within {limit:g}s after its training ended; "
+                                                        "ended (stacks in logs/)")
 
     def _check_hang(self) -> list[int]:
         """Ask the aggregator whether the job is hung; if so name the ranks, dump stacks."""

@@ -197,6 +197,10 @@ class MonitorConfig:
     10 steps are reduced (300 s before that; on CPU ranks at most 25 s: MindSpore's CPU collectives
     give up on a peer after 30 s); time a rank's heartbeat reports as saving a checkpoint or
     evaluating does not count, and start-up has `startup_timeout_s`."""
+    exit_timeout_s: float = 60.0
+    """Seconds a rank's process may live on after its training ended (its Monitor's end, or its
+    script's end): past them it is named, its stacks dumped into logs/, and it is ended; the run's
+    status still says the training completed."""
     startup_timeout_s: float = 0.0
     """Seconds a rank may take from the start to its first finished step (start-up, the
     first graph compile, the first collective's connection) before the job is declared
@@ -682,6 +686,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("monitor.decision_timeout_s", cfg.monitor.decision_timeout_s)
     if cfg.monitor.hang_timeout_s is not None:
         _positive("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s)
+    _positive("monitor.exit_timeout_s", cfg.monitor.exit_timeout_s)
     _positive("monitor.startup_timeout_s", cfg.monitor.startup_timeout_s, allow_zero=True)
     _positive("monitor.telemetry_interval_s", cfg.monitor.telemetry_interval_s, allow_zero=True)
     _positive("monitor.straggler_window", cfg.monitor.straggler_window)

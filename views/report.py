@@ -593,8 +593,9 @@ def _why(data: RunData, steps_done: int | None, steps_total: int | None, last_st
     stop = s.get("stop") if isinstance(s.get("stop"), dict) else None
     if status == "succeeded":
         if steps_total and steps_done is not None and steps_done >= steps_total:
-            return f"completed all {steps_total:,} steps{after}", ""
-        return f"completed {_plural(steps_done or 0, 'step')}{after}", _first_line(s.get("no_steps_reason"))
+            return f"completed all {steps_total:,} steps{after}", _first_line(s.get("message"))
+        return (f"completed {_plural(steps_done or 0, 'step')}{after}",
+                _first_line(s.get("no_steps_reason") or s.get("message")))
     if status == "anomaly_stop" and stop:
         rank = stop.get("rank")
         who = f" on rank {rank}" if rank is not None else ""

@@ -178,3 +178,22 @@ def test_a_run_mindformer_style_script_gets_the_same(run_cli, tmp_path):
         log = (r.run_dir / "logs" / f"rank_{rank}.log").read_text()
         assert log.count("mindpulse added its Monitor to Model.train's callbacks") == 1, log[-3000:]
         assert "MindFormers' cell: its own outputs are read" in log
+
+
+def test_a_rank_that_lives_on_after_its_training_is_named_and_ended(run_cli, tmp_path):
+    """msrun ranks whose script left a thread that never joins (as MindSpore's SummaryRecord
+    writer sometimes does): each process lives on after its training ended; past
+    monitor.exit_timeout_s they are named with their stacks and ended, and the run succeeded."""
+    r = launch(run_cli, tmp_path, "--mode", "pynative", "--linger-at-exit", "600", steps=6,
+               extra=("--set", "backend=msrun", "--set", "monitor.exit_timeout_s=5"))
+    assert r.returncode == 0, r.output
+    s = r.summary
+    assert s["status"] == "succeeded" and s["steps_completed"] == 6, s
+    assert "did not exit within 5s after it" in s["message"] and "the training completed" in s["message"], s
+    assert "did not exit within 5s after their training ended" in r.stdout
+    lingered = [x["rank"] for x in s["ranks"] if "did not exit" in (x.get("error") or "")]
+    assert lingered and all(x["exit_code"] == 0 for x in s["ranks"]), s["ranks"]
+    for rank in lingered:  # py-spy's stacks show the thread that kept the process alive
+        stacks = r.run_dir / "logs" / f"stacks_rank_{rank}.txt"
+        assert stacks.exists(), [p.name for p in (r.run_dir / "logs").iterdir()]
+        assert "summary-writer-join" in stacks.read_text(), stacks.read_text()[-2000:]

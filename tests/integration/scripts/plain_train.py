@@ -24,6 +24,9 @@ parser.add_argument("--cell", choices=["model", "own", "loss_scale"], default="m
 parser.add_argument("--loop", choices=["model", "hand"], default="model")
 parser.add_argument("--ckpt-dir", default="./ckpt")
 parser.add_argument("--overflow-at", type=int, default=0, help="make the inputs of this step overflow (1-based)")
+parser.add_argument("--linger-at-exit", type=float, default=0.0,
+                    help="a worker thread that never joins keeps the process alive this long after the script "
+                         "(as MindSpore's SummaryRecord writer process sometimes does)")
 args = parser.parse_args()
 
 ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE, device_target="CPU")
@@ -64,3 +67,8 @@ else:
                            config=CheckpointConfig(save_checkpoint_steps=args.steps, keep_checkpoint_max=1))
     model.train(1, ds, callbacks=[LossMonitor(), TimeMonitor(), ckpt], dataset_sink_mode=True)
 print(f"rank {rank}/{size} done", flush=True)
+if args.linger_at_exit:
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(args.linger_at_exit,), name="summary-writer-join").start()
