@@ -305,6 +305,45 @@ def test_ctrl_c_while_the_ranks_start_stops_them_at_once(tmp_path, backend):
         run.stop()
 
 
+@pytest.mark.parametrize("backend", ["ray", "msrun"])
+def test_sighup_stops_like_a_first_ctrl_c_and_a_second_interrupt_kills_at_once(tmp_path, backend):
+    """Mid-run, on ~1.5 s steps (slow@0:1: the graceful stop takes seconds): SIGHUP (the terminal
+    closed) asks every rank to stop after the same step, as a first Ctrl-C does; a Ctrl-C while
+    that stop goes on kills every rank at once; exit 130, nothing left running."""
+    run = Run(tmp_path, "--set", f"backend={backend}", "--set", "train.steps=2000", "--inject", "slow@0:1")
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            run.record()
+            steps = last_steps(run.run_dir) if run.run_dir else {}
+            if len(steps) == 2 and min(steps.values()) >= 2:
+                break
+            if run.proc.poll() is not None:
+                pytest.fail(f"the run ended early:\n{run.output()}")
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the run never reached step 2:\n{run.output()}")
+        run.proc.send_signal(signal.SIGHUP)
+        deadline = time.time() + 30
+        while "interrupt: every rank stops after the same step" not in run.output() and time.time() < deadline:
+            time.sleep(0.1)
+        assert "interrupt: every rank stops after the same step" in run.output(), run.output()
+        assert run.proc.poll() is None, "the launcher ended on the first interrupt"
+        t0 = time.time()
+        run.proc.send_signal(signal.SIGINT)
+        assert run.proc.wait(timeout=60) == 130, run.output()
+        assert time.time() - t0 < 20, f"the second interrupt took {time.time() - t0:.1f}s to end the launch"
+        assert "second interrupt: killing every rank" in run.output(), run.output()
+        s = json.loads((run.run_dir / "summary.json").read_text())
+        assert s["status"] == "interrupted", s["status"]
+        assert "killed" in {r["error"] for r in s["ranks"]}, s["ranks"]
+        time.sleep(2)
+        run.record()
+        assert not run.alive(), f"processes left running: {run.alive()}"
+    finally:
+        run.stop()
+
+
 def test_ctrl_c_while_the_launcher_starts_the_attempt_ends_the_launch_at_once(tmp_path):
     """Ctrl-C while the launcher waits for the nodes, the agents, the scheduler or the rank
     actors: the start gives up there (not after its timeouts), ends what it started, and the
