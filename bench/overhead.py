@@ -231,6 +231,7 @@ class Rig:
         self.monitored.set_train()
         self.data = np.random.RandomState(0).randint(0, 256, (64, shape.seq_length + 1)).astype(np.int32)
         self.params = sum(int(np.prod(p.shape)) for p in self.net.trainable_params())
+        self.shape = shape
         self.launch = launch
         self.tmp = tmp
         self.next_offset = 0
@@ -277,7 +278,12 @@ class Rig:
             # steps keep counting up across runs: the aggregator only ever sees new steps
             offset = self.next_offset
             self.next_offset = offset + steps + 1
-            mon = Monitor(settings=self.launch.settings, train_cell=self.monitored, step_offset=offset)
+            from mindpulse.workers.recipes.llama_finetune import flops_per_token
+
+            # as the recipe gives them: the per-step TFLOPS work is part of what is measured
+            mon = Monitor(settings=self.launch.settings, train_cell=self.monitored, step_offset=offset,
+                          tokens_per_step=self.shape.seq_length * self.bs,
+                          flops_per_token=flops_per_token(self.shape, self.params))
             mon.session.checkpoints = NoCheckpointWrites()
             self.monitors.append(mon)
             return self.monitored, [mon]
