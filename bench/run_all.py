@@ -273,8 +273,10 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                 limits.append(f"aggregator <= {t['cpu'] * 100:.0f}% of a core")
             if t["wait_ms"] is not None:
                 limits.append(f"rank wait p99 {t['wait_ms']:.0f} ms")
-            got = (f"worst of {len(j['runs'])}: {w['achieved_steps_per_s']:.3f} steps/s, p99 "
-                   f"{w['reduce_p99_ms']:.0f} ms, aggregator {w['aggregator_cpu_frac'] * 100:.0f}% of a core, "
+            from fanin import p99_label
+
+            got = (f"worst of {len(j['runs'])}: {w['achieved_steps_per_s']:.3f} steps/s, reduce "
+                   f"{w['reduce_p99_ms']:.0f} ms ({p99_label(w.get('reduce_n'))}), aggregator {w['aggregator_cpu_frac'] * 100:.0f}% of a core, "
                    f"rank wait p99 {w['rank_wait_p99_ms']:.1f} ms")
             missed = [k for k, ok in j["checks"].items() if not ok]
             rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on: " + ", ".join(limits), got,
