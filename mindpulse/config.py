@@ -194,9 +194,10 @@ class MonitorConfig:
     hang_timeout_s: float | None = None
     """Seconds without a new step before the job is declared hung; `auto` (the default, also
     empty or null): the larger of 60 s and 20 x the rolling p99 step time of the slowest rank, once
-    10 steps are reduced (300 s before that; on CPU ranks at most 25 s: MindSpore's CPU collectives
-    give up on a peer after 30 s); time a rank's heartbeat reports as saving a checkpoint or
-    evaluating does not count, and start-up has `startup_timeout_s`."""
+    10 steps are reduced (300 s before that; on CPU ranks at most 25 s, or 2x the step time where
+    steps are longer: MindSpore's CPU collectives give up on a peer after 30 s); time a rank's
+    heartbeat reports as saving a checkpoint or evaluating does not count, and start-up has
+    `startup_timeout_s`."""
     exit_timeout_s: float = 60.0
     """Seconds a rank's process may live on after its training ended (its Monitor's end, or its
     script's end): past them it is named, its stacks dumped into logs/, and it is ended; the run's
@@ -854,7 +855,8 @@ CPU_AUTO_HANG_S = 25.0
 """`auto` on CPU ranks: MindSpore's CPU collectives give up on a peer after 30 s (a ring
 all-reduce's receive, measured with MindSpore 2.9; MS_RECEIVE_MSG_TIMEOUT does not change it),
 so a stuck rank would surface as a collective error of the ranks waiting for it, named as the
-root cause. The hang is named before that."""
+root cause. The hang is named before that, unless the steps themselves are longer: then 2x the
+slowest rank's step time (p99, or the longest so far before 10 steps), never less than a step."""
 
 
 def auto_hang_timeout(step_times: list[float], device: str = "") -> float:
@@ -862,11 +864,12 @@ def auto_hang_timeout(step_times: list[float], device: str = "") -> float:
     newest last): max(60 s, 20 x their p99) from 10 steps on, 300 s before; on CPU ranks at
     most 25 s (CPU_AUTO_HANG_S)."""
     times = sorted(t for t in step_times if t is not None and math.isfinite(t) and t >= 0)
-    if len(times) < AUTO_HANG_STEPS:
-        limit = AUTO_HANG_EARLY_S
-    else:
-        limit = max(AUTO_HANG_MIN_S, AUTO_HANG_FACTOR * times[max(0, math.ceil(0.99 * len(times)) - 1)])
-    return min(limit, CPU_AUTO_HANG_S) if device == Device.CPU.value else limit
+    p99 = times[max(0, math.ceil(0.99 * len(times)) - 1)] if len(times) >= AUTO_HANG_STEPS else None
+    limit = AUTO_HANG_EARLY_S if p99 is None else max(AUTO_HANG_MIN_S, AUTO_HANG_FACTOR * p99)
+    if device != Device.CPU.value:
+        return limit
+    step = p99 if p99 is not None else (times[-1] if times else 0.0)
+    return min(limit, max(CPU_AUTO_HANG_S, 2 * step))
 
 
 RECIPES = ("llama_finetune",)

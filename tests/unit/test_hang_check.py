@@ -230,6 +230,8 @@ def test_auto_limit_follows_the_slowest_ranks_step_times():
     assert auto_hang_timeout([None, float("nan")] * 20) == 300.0
     # CPU ranks: below the 30 s after which MindSpore's CPU collectives give up on a peer
     assert auto_hang_timeout([5.0] * 50, "cpu") == 25.0 and auto_hang_timeout([], "cpu") == 25.0
+    # ... but never less than a step: 40 s steps on CPU are not hangs at 25 s (before 10 steps too)
+    assert auto_hang_timeout([40.0] * 50, "cpu") == 80.0 and auto_hang_timeout([12.0, 40.0], "cpu") == 80.0
 
 
 def test_auto_names_a_hang_on_one_second_steps_after_a_minute(tmp_path, clock):
