@@ -312,17 +312,7 @@ def test_sighup_stops_like_a_first_ctrl_c_and_a_second_interrupt_kills_at_once(t
     that stop goes on kills every rank at once; exit 130, nothing left running."""
     run = Run(tmp_path, "--set", f"backend={backend}", "--set", "train.steps=2000", "--inject", "slow@0:1")
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            run.record()
-            steps = last_steps(run.run_dir) if run.run_dir else {}
-            if len(steps) == 2 and min(steps.values()) >= 2:
-                break
-            if run.proc.poll() is not None:
-                pytest.fail(f"the run ended early:\n{run.output()}")
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the run never reached step 2:\n{run.output()}")
+        run.wait_for_step(2, timeout=240)
         run.proc.send_signal(signal.SIGHUP)
         deadline = time.time() + 30
         while "interrupt: every rank stops after the same step" not in run.output() and time.time() < deadline:
