@@ -146,7 +146,6 @@ class AggregatorCore:
         self.last_progress = time.time()
         """When any rank last finished a step it had not reported before."""
         self.heartbeat: dict[int, tuple[float, int]] = {}
-        self.ended: set[int] = set()
         self.ended_at: dict[int, float] = {}
         """When each rank said its training ended (its END: the Monitor's end of training, or its
         script's end): a process still alive `monitor.exit_timeout_s` later is named and ended."""
@@ -352,7 +351,6 @@ class AggregatorCore:
                 self._note_step(pkt.rank, pkt.step, time.time(), pkt.message)
                 info.setdefault("pid", pkt.pid)
             elif pkt.kind == EventKind.END:
-                self.ended.add(pkt.rank)
                 self.ended_at.setdefault(pkt.rank, pkt.ts or time.time())
                 info["end"] = pkt.message or True
             elif pkt.kind == EventKind.MONITOR_ERROR:
@@ -697,7 +695,7 @@ class AggregatorCore:
         now = time.time()
         timeout_s = self.hang_limit(timeout_s)
         # a rank that trains without a Monitor reports no steps: not a hang (advice.py names it)
-        live = [r for r in range(self.world_size) if r not in self.ended and r not in self.advice.no_monitor]
+        live = [r for r in range(self.world_size) if r not in self.ended_at and r not in self.advice.no_monitor]
         if not live:
             return None
         rpn = self.reducer.ranks_per_node

@@ -43,8 +43,6 @@ class AttemptWatch:
         self.status = RunStatus.RUNNING
         self.message = ""
         self.hang: list[int] = []
-        self.lingered: list[int] = []
-        """Ranks ended because they lived on past monitor.exit_timeout_s after their training."""
         self.interrupted_at: float | None = None
         self._last_poll = 0.0
         self._last_hang_check = 0.0
@@ -202,13 +200,9 @@ class AttemptWatch:
         limit = self.cfg.monitor.exit_timeout_s
         self.console.say(f"mindpulse: rank(s) {ranks} did not exit within {limit:g}s after their training ended "
                          "(monitor.exit_timeout_s); dumping their stacks into logs/ and ending them")
-        pids = {int(r): p for r, p in known.items() if p and int(r) in ranks}  # the ranks' own START
-        pids.update({int(r): p for r, p in (self.attempt.pids.get("ranks") or {}).items()
-                     if int(r) in ranks and int(r) not in pids})
-        self.attempt.nodes.dump_stacks(pids, str(self.attempt.logs_dir), ranks, self.console.say)
+        self._dump_stacks(known, ranks, ready=ranks)
         self.message = (f"the training completed; rank(s) {ranks} did not exit within {limit:g}s after it "
                         "(monitor.exit_timeout_s: stacks in logs/stacks_rank_<r>.txt) and were ended")
-        self.lingered = list(ranks)
         return self._end(RunStatus.SUCCEEDED, lambda r: f"did not exit within {limit:g}s after its training ended; "
                                                         "ended (stacks in logs/)")
 
@@ -227,7 +221,16 @@ class AttemptWatch:
                          f"{stuck} at steps {[info['steps'][r] for r in stuck]}"
                          + (f" (heartbeats silent: {info['silent']})" if info["silent"] else "")
                          + "; dumping every rank's stacks into logs/")
-        pids = {int(r): p for r, p in info["pids"].items() if p}
-        pids.update({r: p for r, p in (self.attempt.pids.get("ranks") or {}).items() if r not in pids})
-        self.attempt.nodes.dump_stacks(pids, str(self.attempt.logs_dir), info.get("started", []), self.console.say)
+        self._dump_stacks(info["pids"], None, ready=info.get("started", []))
         return stuck
+
+    def _dump_stacks(self, known: dict[Any, int | None], ranks: list[int] | None, ready: list[int]) -> None:
+        """The ranks' stacks (every rank's with None) into logs/: their pids as the aggregator
+        knows them (their START), else as the launcher recorded them."""
+        def wanted(r: Any) -> bool:
+            return ranks is None or int(r) in ranks
+
+        pids = {int(r): p for r, p in known.items() if p and wanted(r)}
+        pids.update({int(r): p for r, p in (self.attempt.pids.get("ranks") or {}).items()
+                     if wanted(r) and int(r) not in pids})
+        self.attempt.nodes.dump_stacks(pids, str(self.attempt.logs_dir), ready, self.console.say)

@@ -91,10 +91,8 @@ class AutoAttach:
         return self
 
     def _no_monitor_yet(self) -> None:
-        if not self.named and sessions_created() == 0:
-            self.name_missing(f"no mindpulse Monitor {_quiet_limit_s(self.settings):.0f} s after the script started "
-                              "(a compiled hand loop, or a long set-up: named again if its Monitor starts)",
-                              ADD_MONITOR + "; " + HAND_LOOP)
+        self.name_if_unwatched(f"no mindpulse Monitor {_quiet_limit_s(self.settings):.0f} s after the script "
+                               "started (a compiled hand loop, or a long set-up: named again if its Monitor starts)")
 
     def finish(self) -> None:
         """The script ended (or failed): the Monitor auto-attach added says so to the aggregator."""
@@ -213,17 +211,20 @@ class AutoAttach:
             if attaches and id(cell) not in state.seen_cells:  # a hand loop's own train cell
                 state.seen_cells.add(id(cell))
                 state._attach(cell)
-            if not state.named and sessions_created() == 0:
-                state.name_missing(f"it trains ({type(cell).__name__} called) without mindpulse's Monitor",
-                                   ADD_MONITOR + "; " + HAND_LOOP)
+            if not state.named:
+                state.name_if_unwatched(f"it trains ({type(cell).__name__} called) without mindpulse's Monitor")
             return original(cell, *args, **kwargs)
 
         return call
 
     def at_script_end(self) -> None:
         """The script ended: one that never created a Monitor is named now."""
+        self.name_if_unwatched("the script ended without creating mindpulse's Monitor")
+
+    def name_if_unwatched(self, why: str) -> None:
+        """No Monitor was created in this process: name the rank (once), with what to add."""
         if not self.named and sessions_created() == 0:
-            self.name_missing("the script ended without creating mindpulse's Monitor", ADD_MONITOR + "; " + HAND_LOOP)
+            self.name_missing(why, ADD_MONITOR + "; " + HAND_LOOP)
 
     def name_missing(self, why: str, fix: str) -> None:
         """Tell the aggregator (once) that this rank's steps will not be reported, and why."""

@@ -273,12 +273,8 @@ class Monitor(Callback):
         if "grad_norm_local" not in stats and s.train_cell is not None:
             if self._probe_of is not s.train_cell:  # a cell of the script's own that mindpulse attached to
                 self._probe_of, self._probe = s.train_cell, probe_of(s.train_cell)
-            if self._probe is not None:
-                try:
-                    for k, v in read_stats(self._probe).items():
-                        stats.setdefault(k, v)
-                except Exception as exc:
-                    s.monitor_error("reading the gradient statistics", exc)
+            for k, v in self._probe_stats().items():
+                stats.setdefault(k, v)
         step_time = now - self._last_end if self._last_end is not None else None
         outcome = s.record(
             loss,
@@ -335,11 +331,7 @@ class Monitor(Callback):
         cb = run_context.original_args()
         now = time.perf_counter()
         loss, stats = self._split(cb.net_outputs)
-        if self._probe is not None:
-            try:
-                stats.update(read_stats(self._probe))
-            except Exception as exc:
-                s.monitor_error("reading the gradient statistics", exc)
+        stats.update(self._probe_stats())
         step = s.step_offset + self._step_base + int(cb.cur_step_num)
         s.after_step(step)
         # with dataset sinking one callback covers `sink` steps: report the mean step time
@@ -364,6 +356,17 @@ class Monitor(Callback):
         if outcome.stop:
             run_context.request_stop()
             log.info("[rank %d] stopping after step %d: %s", s.rank, step, outcome.reason)
+
+    def _probe_stats(self) -> dict[str, Any]:
+        """The last step's statistics from the wrapper mindpulse attached (none without one); an
+        error reading them is a monitor error (counted, logged), never the training loop's."""
+        if self._probe is None:
+            return {}
+        try:
+            return read_stats(self._probe)
+        except Exception as exc:
+            self.session.monitor_error("reading the gradient statistics", exc)
+            return {}
 
     def _split(self, outputs: Any) -> tuple[Any, dict[str, Any]]:
         """The loss and grad statistics of a step's outputs; an unexpected shape is a monitor
