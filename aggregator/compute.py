@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RULE_DEFAULTS, RuleKind
+from mindpulse.partial import NodeComputeDrops
 
 from .card_peaks import resolve_peak
-from .reducer import NodeComputeDrops, ReducedStep
+from .reducer import ReducedStep
 
 log = logging.getLogger(__name__)
 

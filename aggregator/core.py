@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import auto_hang_timeout, sections_of
+from mindpulse.partial import collect_ranks
+from mindpulse.partial import from_wire as partial_from_wire
 from mindpulse.protocol import (
     Action,
     CheckpointKind,
@@ -42,8 +44,7 @@ from .compute import ComputeWatch, compute_drop_window
 from .goodput import GoodputClock, StepTimes
 from .metrics_store import MetricsWriter
 from .policies import Firing, PolicyEngine, build_rules
-from .reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, collect_ranks, straggler_scores
-from .reducer import from_wire as partial_from_wire
+from .reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, straggler_scores
 from .rule_changes import LiveRules
 
 log = logging.getLogger(__name__)
@@ -304,14 +305,14 @@ class AggregatorCore:
             except Exception:
                 self.rejected["malformed_partial"] += 1
                 continue
-            if part["step"] > max(self.reducer.reduced_through, self.start_step) + self.STEP_WINDOW:
+            if part.step > max(self.reducer.reduced_through, self.start_step) + self.STEP_WINDOW:
                 self.rejected["step_out_of_window"] += 1
                 continue
             now = time.time()
             for n in [node] if isinstance(node, int) else node:
-                first = self.node_first.setdefault(n, part["step"])
-                if part["step"] > self.node_top.get(n, first):
-                    self.node_top[n] = part["step"]
+                first = self.node_first.setdefault(n, part.step)
+                if part.step > self.node_top.get(n, first):
+                    self.node_top[n] = part.step
                     self.node_progress_at[n] = now
                     self.last_progress = now
             if not isinstance(node, int) and len(node) > 1:

@@ -8,6 +8,8 @@ from typing import Any
 
 from tabulate import tabulate
 
+from mindpulse.metrics import columns
+
 from .reducer import ReducedStep
 
 
@@ -25,6 +27,10 @@ def _ms(x: float | None) -> str:
 
 MAX_TABLE_RANKS = 16
 """Above this many ranks the table shows the ranks that matter and counts the rest."""
+
+
+_COLUMNS = columns()
+"""The metric registry's columns (mindpulse/metrics.py, `StepMetric.column`), after the fixed ones."""
 
 
 def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.7,
@@ -57,6 +63,7 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
                 _num(sps, ".1f"),
                 _num(tps, ".0f"),
                 _mfu(p.tflops, red.peak_tflops),
+                *(c.rank_cell(p) for c in _COLUMNS),
                 (p.fingerprint or "")[:12],
                 " ".join(mark),
             ]
@@ -66,7 +73,7 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
         what = "other ranks, within the ranges of the row below"
         if ranks is not None and shown:
             what = f"other ranks (shown: {min(shown)}..{max(shown)})"
-        rows.append([f"+{hidden}", red.step, "", "", "", "", "", "", "", what])
+        rows.append([f"+{hidden}", red.step, *[""] * (7 + len(_COLUMNS)), what])
     note = f"lr {_num(red.lr, '.2e')}"
     if red.loss_scale_min is not None:  # a loss-scale cell runs: its scale and the steps it skipped
         scale = _num(red.loss_scale_min, ".4g")
@@ -87,6 +94,7 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
             _num(red.samples_per_s, ".1f"),
             _num(red.tokens_per_s, ".0f"),
             _cluster_mfu(red),
+            *(c.cluster_cell(red) for c in _COLUMNS),
             "",
             note,
         ]
@@ -95,8 +103,8 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
     head = f"step {red.step}{of}  epoch {red.epoch}  ranks {red.world_size}"
     table = tabulate(
         rows,
-        headers=["rank", "step", "loss", "grad norm", "step ms", "samples/s", "tokens/s", "MFU", "fingerprint",
-                 "note"],
+        headers=["rank", "step", "loss", "grad norm", "step ms", "samples/s", "tokens/s", "MFU",
+                 *(c.header for c in _COLUMNS), "fingerprint", "note"],
         tablefmt="simple",
         disable_numparse=True,
     )

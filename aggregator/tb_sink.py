@@ -7,9 +7,12 @@ Events are written as they are made (no queue, no pickling); the file is flushed
 
 Tags written:
 
-* cluster scalars: `loss/mean`, `loss/max`, `loss/min`, `grad_norm/global`, `lr`,
-  `throughput/samples_per_s`, `step_time/max`, and `extra/<name>` (the ranks' mean);
-* per-rank scalars: `rank_<r>/loss`, `rank_<r>/grad_norm_local`, `rank_<r>/step_time`;
+* cluster scalars: the metric registry's tags (mindpulse/metrics.py, `Reduction.tb`: `loss/mean`,
+  `grad_norm/global`, `lr`, `throughput/samples_per_s`, `step_time/max`, `monitor/self_s/max`, ...),
+  `compute/mfu/*`, and `extra/<name>` (the ranks' mean);
+* per-rank scalars of the ranks that matter: the registry's `StepMetric.rank_tb` (`rank_<r>/loss`,
+  `rank_<r>/grad_norm_local`, `rank_<r>/step_time`, `rank_<r>/monitor_self_s`), `tflops`, `mfu`
+  and `straggler_score`;
 * the histogram `grad_norm_local/ranks` of the ranks' local grad norms;
 * per-card scalars: `card_<node>_<card>/util`, `/memory_used_mb`, `/power_w`, `/temp_c`;
 * text: `anomalies`, `loss/nonfinite` (a marker for each step with a NaN/Inf loss), and
@@ -31,37 +34,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .reducer import ReducedStep, collect_ranks
+from mindpulse.metrics import rank_tb_scalars, tb_scalars
+from mindpulse.partial import collect_ranks
+
+from .reducer import ReducedStep
 
 log = logging.getLogger(__name__)
 
-_CLUSTER_SCALARS: tuple[tuple[str, str], ...] = (
-    ("loss/mean", "loss_mean"),
-    ("loss/max", "loss_max"),
-    ("loss/min", "loss_min"),
-    ("grad_norm/global", "grad_norm"),
-    ("lr", "lr"),
-    ("throughput/samples_per_s", "samples_per_s"),
-    ("throughput/tokens_per_s", "tokens_per_s"),
-    ("compute/tflops/mean", "tflops_mean"),
-    ("compute/mfu/mean", "mfu_mean"),
-    ("compute/mfu/min", "mfu_min"),
-    ("compute/mfu/max", "mfu_max"),
-    ("step_time/max", "step_time_max"),
-    ("monitor/wait_s", "monitor_wait_max"),
+_CLUSTER_SCALARS: tuple[tuple[str, str, str | None], ...] = (
+    *tb_scalars(),
+    ("compute/mfu/mean", "mfu_mean", None),
+    ("compute/mfu/min", "mfu_min", None),
+    ("compute/mfu/max", "mfu_max", None),
 )
-_LOSS_SCALE_SCALARS: tuple[tuple[str, str], ...] = (
-    ("loss_scale/min", "loss_scale_min"),
-    ("loss_scale/max", "loss_scale_max"),
-    ("overflow/steps", "overflow_steps"),
-    ("overflow/ranks", "overflow_ranks"),
-)
-"""Written only where a loss-scale cell runs (its scale and overflow flag reach the packets)."""
-_RANK_SCALARS: tuple[tuple[str, str], ...] = (
-    ("loss", "loss"),
-    ("grad_norm_local", "grad_norm_local"),
-    ("step_time", "step_time_s"),
-)
+"""(tag, ReducedStep field, written only when this field is not None): the metric registry's
+(mindpulse/metrics.py: `Reduction.tb`), and the MFU against the card's peak."""
+_RANK_SCALARS: tuple[tuple[str, str], ...] = rank_tb_scalars()
+"""(`rank_<r>/` tag suffix, packet field) of each shown rank (the registry's `StepMetric.rank_tb`)."""
 _CARD_SCALARS: tuple[tuple[str, str], ...] = (
     ("util", "util_pct"),
     ("memory_used_mb", "memory_used_mb"),
@@ -262,10 +251,9 @@ class TensorBoardSink:
         if step == 0 and red.loss_mean is None:
             return  # the step-0 report only carries fingerprints
         wt = red.ts if _number(red.ts) and red.ts > 0 else None
-        scalars = [(tag, getattr(red, attr, None)) for tag, attr in _CLUSTER_SCALARS]
+        scalars = [(tag, getattr(red, attr, None)) for tag, attr, when in _CLUSTER_SCALARS
+                   if when is None or getattr(red, when, None) is not None]
         scalars += [(f"extra/{_tag_part(name)}", value) for name, value in (red.extra or {}).items()]
-        if getattr(red, "loss_scale_min", None) is not None:  # a loss-scale cell runs
-            scalars += [(tag, getattr(red, attr, None)) for tag, attr in _LOSS_SCALE_SCALARS]
         window = collect_ranks(step, red.world_size, self.collect_freq)
         every_rank = bool(window)
         matter = red.ranks_that_matter(self.straggler_threshold) | set(window)

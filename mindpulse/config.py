@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from mindpulse.metrics import FIXED_REDUCED, aliases, reduced_fields
 from mindpulse.protocol import RULE_ACTIONS, Action, FaultKind, MonitorSettings, Schedule, parse_fault, periodic_due
 
 
@@ -876,23 +877,12 @@ RECIPES = ("llama_finetune",)
 _OPS = (">", ">=", "<", "<=")
 _CARD_METRICS = ("temp_c", "memory_pct", "power_w")
 
-REDUCED_METRICS = (
-    "step", "epoch", "world_size", "loss_mean", "loss_min", "loss_min_rank", "loss_max", "loss_max_rank",
-    "loss_std", "grad_norm", "grad_norm_local_max", "grad_norm_local_max_rank", "step_time_min",
-    "step_time_min_rank", "step_time_max", "step_time_max_rank", "samples_per_s", "lr", "nan_count", "inf_count",
-    "ts", "monitor_wait_max", "monitor_wait_sum", "ranks_reported", "data_wait_max", "checkpoint_s_max", "eval_s_max",
-    "profile_s_max",
-    "monitor_errors", "tokens", "tokens_per_s", "tflops_mean", "tflops_min", "tflops_min_rank", "tflops_max",
-    "tflops_max_rank", "peak_tflops", "mfu_mean", "mfu_min", "mfu_min_rank", "mfu_max", "mfu_max_rank",
-    "loss_scale_min", "loss_scale_min_rank", "loss_scale_max", "loss_scale_max_rank", "overflow_ranks",
-    "overflow_steps",
-)
+REDUCED_METRICS = ("step", *reduced_fields(), *FIXED_REDUCED)
 """The numeric fields of the aggregator's `ReducedStep`, which rules and the best checkpoint can
-name. Listed here because config sits below the aggregator (it must not import it);
-tests/unit/test_config.py fails when this drifts from `ReducedStep`."""
-METRIC_ALIASES = ("loss", "grad_norm_global", "throughput", "mfu", "tflops", "loss_scale", "overflow")
-"""`ReducedStep.metric`'s other names: loss_mean, grad_norm, samples_per_s, mfu_mean, tflops_mean,
-loss_scale_min and overflow_ranks."""
+name: from the metric registry (mindpulse/metrics.py); tests/unit/test_config.py checks them
+against `ReducedStep`."""
+METRIC_ALIASES = tuple(aliases())
+"""`ReducedStep.metric`'s other names (the registry's aliases: loss for loss_mean, ...)."""
 RECIPE_METRICS: dict[str, tuple[str, ...]] = {"llama_finetune": ("eval_loss", "eval_ppl")}
 """What each built-in recipe reports (as extra metrics) when evaluation is on."""
 

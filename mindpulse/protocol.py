@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from mindpulse.metrics import STEP_METRICS
+
 SCHEMA_VERSION = 1
 MAX_PACKET_BYTES = 1 << 20
 """Largest accepted packet (1 MiB): room for histograms, far below anything that hurts."""
@@ -132,100 +134,35 @@ _NUM = (int, float)
 _OPT_NUM = (int, float, type(None))
 
 
-@dataclass
-class StepPacket(Packet):
-    """One rank's report of one finished optimizer step (steps count from 1)."""
+def _step_packet_class() -> type[Packet]:
+    """`StepPacket`, built from the metric registry (mindpulse/metrics.py): one field per
+    `StepMetric`, in its order, with its default; the wire schema from each metric's type."""
+    fields: list[tuple[Any, ...]] = []
+    schema: dict[str, tuple[type, ...]] = {}
+    for m in STEP_METRICS:
+        allowed: tuple[type, ...] = _NUM if m.type is float else (m.type,)
+        if m.optional:
+            allowed += (type(None),)
+        schema[m.name] = allowed
+        # annotations as strings, as in every other dataclass here (`from __future__ import annotations`)
+        hint = m.type.__name__ + (" | None" if m.optional else "")
+        if m.required:
+            fields.append((m.name, hint))
+        elif m.type is dict:
+            fields.append((m.name, "dict[str, Any]", field(default_factory=dict)))
+        else:
+            fields.append((m.name, hint, m.default))
+    doc = ("One rank's report of one finished optimizer step (steps count from 1). Its fields are "
+           "the step metrics of mindpulse/metrics.py: " + ", ".join(m.name for m in STEP_METRICS) + ".")
+    return dataclasses.make_dataclass(
+        "StepPacket", fields, bases=(Packet,),
+        namespace={"TYPE": PacketType.STEP, "SCHEMA": schema, "__doc__": doc, "__module__": __name__,
+                   "REQUIRED": tuple(m.name for m in STEP_METRICS if m.required)})
 
-    TYPE: ClassVar[PacketType] = PacketType.STEP
-    rank: int
-    step: int
-    epoch: int = 0
-    loss: float | None = None
-    lr: float | None = None
-    grad_norm: float | None = None
-    """Global grad norm, after the data-parallel reduction (equal on all ranks)."""
-    grad_norm_local: float | None = None
-    """This rank's grad norm before the reduction: tells which rank produced a NaN."""
-    nan_count: int = 0
-    inf_count: int = 0
-    step_time_s: float | None = None
-    data_wait_s: float | None = None
-    """Time from the end of the previous step to the start of this one (fetching the
-    batch, host work): before the collective, so it tells stragglers apart."""
-    compute_s: float | None = None
-    """PYNATIVE: time from the step's start until the local gradients were ready (before
-    the all-reduce); None where the mode does not allow measuring it."""
-    samples: int = 0
-    tokens: int = 0
-    """Tokens this rank trained on in this step (0: not known)."""
-    tflops: float | None = None
-    """This rank's achieved model TFLOPS in this step: tokens x flops per token / its own
-    time of the step (data wait + compute before the collective where measured, else the
-    step time) / 1e12; None when tokens or flops per token are not known."""
-    ts: float = 0.0
-    fingerprint: str | None = None
-    """Hash of the parameters, every `collect_freq` steps (and step 0)."""
-    param_norm: float | None = None
-    decision: bool = False
-    """True when the rank waits for the directive of this step (rank 0 at a checkpoint
-    candidate: the best checkpoint must hold exactly the judged weights)."""
-    monitor_wait_s: float = 0.0
-    """Seconds this rank blocked on the aggregator before this step (0.0 when it did not)."""
-    monitor_errors: int = 0
-    """Errors inside this rank's monitor so far (logged and counted; training went on)."""
-    checkpoint_s: float = 0.0
-    """Seconds this rank spent writing checkpoints since its previous step packet (goodput)."""
-    eval_s: float = 0.0
-    """Seconds this rank spent evaluating at this step, before shipping it (goodput)."""
-    profile_s: float = 0.0
-    """Seconds this rank spent starting and stopping MindSpore's profiler (`profile.steps`)
-    since its previous step packet, outside its step time (goodput)."""
-    loss_scale: float | None = None
-    """The loss scale the step ran with, where a loss-scale cell runs (MindSpore's or
-    MindFormers'); None otherwise."""
-    overflow: bool | None = None
-    """True when the loss-scale cell found the step's gradients overflowed and skipped the
-    update (its non-finite gradients are then expected, not an anomaly); None without one."""
-    overflow_steps: int = 0
-    """Steps this rank's loss-scale cell skipped for overflow so far (this attempt)."""
-    extra: dict[str, float] = field(default_factory=dict)
-    """Additional named scalars (user metrics); reduced like the loss."""
-    weights: dict[str, Any] = field(default_factory=dict)
-    """Every collect_freq steps: per-layer `norms`, `update_ratio`, and `hist` / `grad_hist`
-    (histograms of the layers matching monitor.histogram_regex)."""
 
-    SCHEMA: ClassVar[dict[str, tuple[type, ...]]] = {
-        "rank": (int,),
-        "step": (int,),
-        "epoch": (int,),
-        "loss": _OPT_NUM,
-        "lr": _OPT_NUM,
-        "grad_norm": _OPT_NUM,
-        "grad_norm_local": _OPT_NUM,
-        "nan_count": (int,),
-        "inf_count": (int,),
-        "step_time_s": _OPT_NUM,
-        "data_wait_s": _OPT_NUM,
-        "compute_s": _OPT_NUM,
-        "samples": (int,),
-        "tokens": (int,),
-        "tflops": _OPT_NUM,
-        "ts": _NUM,
-        "fingerprint": (str, type(None)),
-        "param_norm": _OPT_NUM,
-        "decision": (bool,),
-        "monitor_wait_s": _NUM,
-        "monitor_errors": (int,),
-        "checkpoint_s": _NUM,
-        "eval_s": _NUM,
-        "profile_s": _NUM,
-        "loss_scale": _OPT_NUM,
-        "overflow": (bool, type(None)),
-        "overflow_steps": (int,),
-        "extra": (dict,),
-        "weights": (dict,),
-    }
-    REQUIRED: ClassVar[tuple[str, ...]] = ("rank", "step")
+StepPacket = _step_packet_class()
+_COUNTS = tuple(m.name for m in STEP_METRICS if m.type is int and not m.required)
+"""A step packet's counts: never negative."""
 
 
 @dataclass
@@ -388,7 +325,7 @@ def from_wire(obj: Any) -> Packet:
             for k, x in extra.items()
         )):
             raise PacketError("malformed", "field 'extra' must map up to 64 short names to numbers")
-        for key in ("nan_count", "inf_count", "samples", "monitor_errors", "overflow_steps"):
+        for key in _COUNTS:
             if kwargs.get(key, 0) < 0:
                 raise PacketError("malformed", f"field {key!r} is negative")
     if complete:

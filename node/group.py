@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.aggregator.reducer import Partial, from_wire, merge, to_wire
+from mindpulse.partial import NodePartial, from_wire, merge, to_wire
 from mindpulse.uplink import Receipt
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class GroupLeader:
         self.members = frozenset(members)
         self.send = send
         self._lock = threading.Lock()
-        self._parts: dict[int, dict[int, Partial]] = {}
+        self._parts: dict[int, dict[int, NodePartial]] = {}
         self._part_receipts: dict[int, dict[int, list[Receipt]]] = {}
         """step → node → the receipts of the member frames its partial came in (more than one
         when a member sent a frame again, after a reconnect, while the step was held here)."""
@@ -103,15 +103,15 @@ class GroupLeader:
                 except Exception:
                     self._rejected["malformed_partial"] += 1
                     continue
-                per = self._parts.setdefault(part["step"], {})
+                per = self._parts.setdefault(part.step, {})
                 if receipt is not None:  # a frame sent again while its partial is held waits with it
                     receipt.hold()
-                    self._part_receipts.setdefault(part["step"], {}).setdefault(node, []).append(receipt)
+                    self._part_receipts.setdefault(part.step, {}).setdefault(node, []).append(receipt)
                 if node in per:
                     self._rejected["duplicate_partial"] += 1
                     continue
                 per[node] = part
-                self._since.setdefault(part["step"], time.monotonic())
+                self._since.setdefault(part.step, time.monotonic())
                 complete = complete or len(per) == len(self.members)
         if complete or self._stopped.is_set():
             self.flush()

@@ -46,9 +46,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mindpulse.aggregator.reducer import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
 from mindpulse.lease_board import MAX_BODY as MAX_BOARD_LEASE
 from mindpulse.lease_board import LeaseBoard
+from mindpulse.partial import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
 from mindpulse.protocol import (
     MAX_FRAME,
     Directive,
@@ -138,8 +138,8 @@ class NodePreReducer:
         collect = collect_ranks(step, self.world_size, self.collect_freq) if self.world_size is not None else (
             self.ranks if step % self.collect_freq == 0 else ())
         part = partial_of(step, packets, wires=wires, collect=collect)
-        part["strag"] = [x] if (x := self.stragglers.update(step, packets)) else []
-        part["cdrop"] = self.compute_drops.update(step, packets)  # only the ranks whose TFLOPS fell
+        part.stragglers = [x] if (x := self.stragglers.update(step, packets)) else []
+        part.compute_drops = self.compute_drops.update(step, packets)  # only the ranks whose TFLOPS fell
         return to_wire(part)
 
     def _reject(self, reason: str) -> None:

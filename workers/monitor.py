@@ -278,6 +278,7 @@ class Monitor(Callback):
         step_time = now - self._last_end if self._last_end is not None else None
         outcome = s.record(
             loss,
+            since=now,
             epoch=epoch,
             lr=lr_of_step(optimizer, s.step) if optimizer is not None else stats.pop("lr", None),
             step_time_s=step_time,
@@ -343,6 +344,7 @@ class Monitor(Callback):
         out_lr = stats.pop("lr", None)  # a MindFormers cell's own rate of the step
         outcome = s.record(
             loss,
+            since=now,
             step=step,
             epoch=(step - 1) // s.epoch_steps + 1 if s.epoch_steps else int(getattr(cb, "cur_epoch_num", 1)),
             lr=lr if lr is not None else out_lr,

@@ -513,6 +513,13 @@ class SincePacket:
     """Writing checkpoints."""
     profile_s: float = 0.0
     """Starting and stopping the profiler."""
+    monitor_self_s: float = 0.0
+    """In mindpulse's own code (the callback, the step's packet, the channel), the above and
+    evaluation left out: what watching costs the rank (`RankSession.record`)."""
+
+    def outside(self) -> float:
+        """The seconds so far that are not mindpulse's own work (waits, checkpoints, profiler)."""
+        return self.monitor_wait_s + self.checkpoint_s + self.profile_s
 
     def take(self) -> dict[str, float]:
         """The seconds by `StepPacket` field, reset to zero."""
@@ -610,6 +617,8 @@ class RankSession:
         self.stopped: Directive | None = None
         """The directive that stopped every rank (None while training goes on)."""
         self.since_packet = SincePacket()
+        self._self_from = (time.perf_counter(), 0.0)
+        """Where `monitor_self_s`'s clock runs from: (perf_counter, `since_packet.outside()` then)."""
         """Seconds spent outside the steps since the last step packet (it carries them)."""
         self.errors = 0
         """Errors inside the monitor on this rank (logged and counted; training went on)."""
@@ -679,16 +688,31 @@ class RankSession:
         return spent
 
     # ---- one step --------------------------------------------------------------------------
-    def record(self, loss: Any, *, step: int | None = None, **fields: Any) -> StepOutcome:
+    def record(self, loss: Any, *, step: int | None = None, since: float | None = None, **fields: Any) -> StepOutcome:
         """Ship one finished step (the next one unless `step` is given); returns whether to
         stop. Numbers may be Python numbers, numpy scalars or MindSpore tensors. An error
         inside the monitor is logged and counted, never raised into the training loop: only
-        a stop ends training."""
+        a stop ends training. `since`: the `time.perf_counter()` at which mindpulse's code took
+        over from the training for this step (a callback's entry), for `monitor_self_s`."""
+        self._self_from = (time.perf_counter() if since is None else since, self.since_packet.outside())
         try:
             return self._record(loss, step=step, **fields)
         except Exception as exc:
             self.monitor_error(f"recording step {self.step}", exc)
             return self._outcome(self.step)
+        finally:
+            self._count_self_time()
+
+    def _count_self_time(self, excluded: float = 0.0) -> float:
+        """Add the time in mindpulse's code since `_self_from` (less what was waits, checkpoints,
+        the profiler, and `excluded`: evaluation) to `monitor_self_s`; the clock starts again. What
+        is counted after a packet was built (its encoding and sending, the lease) goes in the next."""
+        t, outside = self._self_from
+        now = time.perf_counter()
+        spent = max(0.0, now - t - excluded - (self.since_packet.outside() - outside))
+        self.since_packet.monitor_self_s += spent
+        self._self_from = (now, self.since_packet.outside())
+        return spent
 
     def _record(
         self,
@@ -743,7 +767,8 @@ class RankSession:
             finally:
                 self.busy = None
             eval_s = time.perf_counter() - t_eval
-        self._ship(StepPacket(
+        self._count_self_time(excluded=eval_s)
+        pkt = StepPacket(
             rank=self.rank,
             step=s,
             epoch=epoch,
@@ -771,7 +796,9 @@ class RankSession:
             overflow=None if overflow is None else bool(overflow),
             overflow_steps=self.overflow_steps,
             **self.since_packet.take(),
-        ))
+        )
+        self._self_from = (self._self_from[0], 0.0)  # the packet took the seconds so far
+        self._ship(pkt)
         if self.weight_stats is not None and self.schedule.is_collect(s + 1):
             try:
                 self.weight_stats.keep_previous()  # the next step is a collect step: measure its change

@@ -10,17 +10,9 @@ import pytest
 from mindpulse.aggregator.card_peaks import card_peak, resolve_peak
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.policies import ComputeDropRule
-from mindpulse.aggregator.reducer import (
-    NodeComputeDrops,
-    StepReducer,
-    finalize,
-    from_wire,
-    merge,
-    partial_of,
-    reduce_step,
-    to_wire,
-)
+from mindpulse.aggregator.reducer import StepReducer, finalize, reduce_step
 from mindpulse.aggregator.tables import card_table, cluster_table
+from mindpulse.partial import NodeComputeDrops, from_wire, merge, partial_of, to_wire
 from mindpulse.protocol import StepPacket
 from mindpulse.workers.flops import achieved_tflops, decoder_flops_per_token
 
@@ -85,19 +77,24 @@ def test_tokens_and_tflops_reduce_exactly_with_their_ranks():
         assert getattr(merged, k) == getattr(reduce_step(3, packets, 4), k), k
 
 
-@pytest.mark.parametrize("field, bad", [("tf_min", [math.nan, 0]), ("tf_max", [1.0, -1]), ("tf_n", -1),
-                                        ("tf_s", 3), ("cdrop", [[0, 1.0]]), ("cdrop", [[0, -1.0, 1.0]])])
+@pytest.mark.parametrize("field, bad", [("tflops_min", [math.nan, 0]), ("tflops_max", [1.0, -1]),
+                                        ("tflops_mean", [-1, b"\x00"]), ("tflops_mean", [1, 3]),
+                                        ("compute_drops", [[0, 1.0]]), ("compute_drops", [[0, -1.0, 1.0]])])
 def test_a_partial_with_bad_compute_fields_is_refused(field, bad):
     w = to_wire(partial_of(1, {0: _pk(0, 1, 0.1)}))
-    w[field] = bad
+    if field == "compute_drops":
+        w[field] = bad
+    else:
+        w["values"][field] = bad
     with pytest.raises(ValueError):
         from_wire(w)
 
 
 def test_a_partial_of_an_older_node_without_compute_fields_still_reduces():
     w = to_wire(partial_of(1, {0: _pk(0, 1, 0.1)}))
-    for k in ("tok", "tf_n", "tf_s", "tf_min", "tf_max"):
-        w.pop(k)
+    for k in ("tokens", "tflops_mean", "tflops_min", "tflops_max"):
+        w["values"].pop(k)
+    w.pop("compute_drops")
     red = finalize(from_wire(w), 1)
     assert red.tokens == 0 and red.tflops_mean is None and red.compute_flags is None
 

@@ -9,7 +9,8 @@ import msgpack
 import pytest
 
 from mindpulse.aggregator.policies import NonFiniteRule, ThresholdRule
-from mindpulse.aggregator.reducer import RunTotals, finalize, from_wire, merge, partial_of, reduce_step, to_wire
+from mindpulse.aggregator.reducer import RunTotals, finalize, reduce_step
+from mindpulse.partial import from_wire, merge, partial_of, to_wire
 from mindpulse.protocol import StepPacket
 from mindpulse.protocol import from_wire as packet_from_wire
 
@@ -90,8 +91,10 @@ def test_a_non_finite_loss_scale_travels_through_node_partials():
     merged = finalize(from_wire(msgpack.unpackb(msgpack.packb(to_wire(partial_of(6, packets))), raw=False)), 2)
     for red in (flat, merged):  # a non-finite value wins either extreme: it is what to see
         assert (red.loss_scale_min, red.loss_scale_min_rank, red.loss_scale_max) == (math.inf, 0, math.inf)
-    with pytest.raises(ValueError, match="ls_min"):
-        from_wire(dict(to_wire(partial_of(6, packets)), ls_min=[True, 0]))
+    w = to_wire(partial_of(6, packets))
+    w["values"]["loss_scale_min"] = [True, 0]
+    with pytest.raises(ValueError, match="loss_scale_min"):
+        from_wire(w)
 
 
 def test_an_overflow_a_cell_reports_without_counts_is_judged_by_its_scale():

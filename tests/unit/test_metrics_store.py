@@ -247,7 +247,7 @@ def _special(attempt: int = 0) -> dict[int, list[StepPacket]]:
 def test_thinning_keeps_what_it_promises(tmp_path, monkeypatch):
     monkeypatch.setattr(ms, "KEEP_FULL_SEGMENTS", 2)
     run, full = tmp_path / "run", tmp_path / "full"
-    cap = 2800  # a few collect periods per segment: thinning has something to drop
+    cap = 3200  # a few collect periods per segment: thinning has something to drop
     steps = range(50)
     core = _run(run, steps, cap=cap, special=_special())
     _run(full, steps, cap=0, special=_special())  # the same run in one file, never thinned

@@ -346,3 +346,70 @@ def test_a_hand_loop_profiles_from_its_first_step_and_ships_the_profilers_second
     assert calls == [("begin", 1), ("end", 2)], calls
     spent = {p.step: p.profile_s for p in ch.packets if isinstance(p, StepPacket) and p.step > 0}
     assert spent[1] >= 0.05 and spent[2] < 0.05 and spent[3] >= 0.1, spent
+
+
+def test_monitor_self_s_counts_mindpulses_own_time_and_leaves_out_evaluation(tmp_path):
+    """Each packet carries the seconds the rank spent in mindpulse's code since the packet
+    before: the callback's share before `record` (`since`), and the previous packet's send
+    (it is counted after that packet was built); an evaluation's time is the user's, not ours."""
+    import time
+
+    from mindpulse.aggregator.reducer import RunTotals, reduce_step
+    from mindpulse.workers.session import RankSession
+
+    class SlowChannel(Recording):
+        def _ship(self, batch, step=None):
+            time.sleep(0.02)  # the channel's own work
+            super()._ship(batch, step)
+
+    ch = SlowChannel()
+    s = RankSession(settings(tmp_path), rank=1, channel=ch, evaluate=lambda: time.sleep(0.2) or {"eval_loss": 1.0})
+    for _ in range(6):
+        s.record(1.0, since=time.perf_counter() - 0.01)  # 10 ms in the callback before record
+    steps = {p.step: p for p in ch.packets if isinstance(p, StepPacket) and p.step > 0}
+    assert 0.01 <= steps[1].monitor_self_s < 0.1, steps[1]
+    for n in range(2, 7):  # the callback's 10 ms + the previous packet's 20 ms send
+        assert 0.03 <= steps[n].monitor_self_s < 0.15, (n, steps[n].monitor_self_s)
+    assert steps[5].eval_s >= 0.2 and steps[5].monitor_self_s < 0.15, "evaluation is not mindpulse's time"
+    # reduced: the most any rank spent, with its rank; summed over ranks; a rule metric; a run total
+    packets = {0: dataclasses.replace(steps[3], rank=0, monitor_self_s=0.001), 1: steps[3]}
+    red = reduce_step(3, packets, 2)
+    assert (red.monitor_self_max, red.monitor_self_max_rank) == (steps[3].monitor_self_s, 1)
+    assert red.monitor_self_sum == pytest.approx(0.001 + steps[3].monitor_self_s)
+    assert red.metric("monitor_self_s") == red.monitor_self_max
+    totals = RunTotals()
+    totals.add(red)
+    totals.add(red)
+    assert totals.as_dict()["monitor_self_s"] == pytest.approx(2 * red.monitor_self_sum)
+
+
+def test_monitor_self_s_shows_in_the_table_tensorboard_and_rules(tmp_path):
+    """One metric of the registry, end to end past the reduction: its console column, its
+    TensorBoard tags (cluster and per rank) and a threshold rule that names it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mindpulse.aggregator.policies import ThresholdRule
+    from mindpulse.aggregator.reducer import reduce_step
+    from mindpulse.aggregator.tables import cluster_table
+    from mindpulse.aggregator.tb_sink import TensorBoardSink
+    from mindpulse.config import ConfigError, from_dict
+
+    def red(step):
+        return reduce_step(step, {r: StepPacket(rank=r, step=step, loss=1.0, step_time_s=0.1,
+                                                monitor_self_s=0.002 + 0.01 * r) for r in range(2)}, 2)
+
+    table = cluster_table(red(1))
+    assert "self ms" in table.splitlines()[1] and "12.0 r1" in table and " 2.0" in table, table
+    sink = TensorBoardSink(tmp_path, collect_freq=1)
+    sink.on_reduced(red(1))
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert acc.Scalars("monitor/self_s/max")[-1].value == pytest.approx(0.012)
+    assert acc.Scalars("rank_1/monitor_self_s")[-1].value == pytest.approx(0.012)
+    rule = ThresholdRule({"metric": "monitor_self_s", "op": ">", "threshold": 0.01, "for_steps": 2, "action": "warn"})
+    fired = [rule.check(red(s)) for s in (1, 2)]
+    assert fired[0] is None and fired[1] is not None, fired
+    from_dict({"anomalies": [{"rule": "threshold", "metric": "monitor_self_s", "op": ">", "threshold": 0.05}]})
+    with pytest.raises(ConfigError, match="monitor_self_z"):
+        from_dict({"anomalies": [{"rule": "threshold", "metric": "monitor_self_z", "op": ">", "threshold": 0.05}]})

@@ -1,0 +1,314 @@
+"""The step metrics, declared once.
+
+Every number a rank reports about one step is declared here: its packet field (name, type,
+default), its unit, how the cluster reduces it (`Reduce`) and under which names the reduced
+values live, and where it shows (console column, TensorBoard tags, rule-metric aliases,
+`summary.json` totals). Everything else is derived from `STEP_METRICS`:
+
+- the step packet's fields and wire schema (`mindpulse/protocol.py`, `StepPacket`),
+- the node partial's accumulators, their merge, wire form and checks (`mindpulse/partial.py`),
+- the aggregator's `ReducedStep` fields and `finalize` (`aggregator/reducer.py`),
+- the rule and best-checkpoint metric names (`REDUCED_METRICS`, `METRIC_ALIASES`: config
+  validation), the console columns (`aggregator/tables.py`), the TensorBoard tags
+  (`aggregator/tb_sink.py`) and the totals of `summary.json` (`RunTotals`).
+
+Adding a metric is one `StepMetric` here plus the rank code that measures it (it passes the
+value to `RankSession.record` or puts it in `SincePacket`). What is not a plain number per
+rank (the fingerprint, the parameter norm, user `extra` scalars, weight statistics) is
+reduced by hand in `mindpulse/partial.py`; it is declared here too (`Reduce` empty) so the
+packet schema stays whole.
+
+This module imports nothing of mindpulse: the packet codec below everything builds on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Reduce(str, enum.Enum):
+    """How the ranks' values of one step become the cluster's (see partial.py for each
+    accumulator's exact, associative merge)."""
+
+    SUM = "sum"
+    """Summed over ranks (floats exactly: integers in units of 2**-1074)."""
+    MEAN = "mean"
+    """Exact mean over the ranks that reported a finite, non-negative value (None: none did)."""
+    MEAN_ALL = "mean_all"
+    """Exact mean over every rank of the step, NaN when one reported a non-finite value or none
+    while others did; with `std` the population standard deviation too."""
+    MIN = "min"
+    """The smallest value with its rank (`<name>_rank`); ties go to the lowest rank, and a
+    NaN/Inf wins over every finite value (it is what the user must see)."""
+    MAX = "max"
+    """The largest value with its rank, as MIN."""
+    PEAK = "peak"
+    """The largest finite value, without its rank (0 when none)."""
+    COUNT = "count"
+    """The number of ranks whose value is true."""
+    FIRST = "first"
+    """The lowest rank's value (a value every rank shares, such as the learning rate)."""
+    GLOBAL = "global"
+    """A value the all-reduce makes equal on every rank: the largest finite report, NaN when one
+    is not finite, None when none reported."""
+    HIST = "hist"
+    """A TensorBoard histogram over ranks, fixed edges (`ReducedStep.histograms[<name>]`); the
+    metric's MIN and MAX give its ends."""
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reduced value of a metric, by `ReducedStep` field name."""
+
+    name: str
+    how: Reduce
+    doc: str = ""
+    include: Callable[[Any], bool] | None = None
+    """Which ranks' packets count (default: those whose value is not None)."""
+    std: str | None = None
+    """MEAN_ALL: also the standard deviation under this name."""
+    internal: bool = False
+    """Kept in the partial for a derived value only (no `ReducedStep` field)."""
+    tb: str | None = None
+    """The TensorBoard tag of the cluster's value."""
+    tb_when: str | None = None
+    """Written only when this `ReducedStep` field is not None (the loss-scale tags)."""
+    total: str | None = None
+    """`summary.json` key that sums this value over the run's steps (RunTotals)."""
+    rate: bool = False
+    """Only finite, non-negative values reach it (`include`): a node partial that says otherwise is refused."""
+    keep: bool = False
+    """MIN/MAX: the rank at this end is worth a look (its packet travels whole to the aggregator,
+    and it is among `ReducedStep.ranks_that_matter`)."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A reduced value computed from other reduced values at `finalize`."""
+
+    name: str
+    fn: Callable[[dict[str, Any]], Any]
+    doc: str = ""
+    tb: str | None = None
+
+
+@dataclass(frozen=True)
+class Column:
+    """A console column of the per-step table (aggregator/tables.py): a rank's cell from its
+    packet's value, the cluster row's cell from the reduced values."""
+
+    header: str
+    rank_cell: Callable[[Any], str]
+    cluster_cell: Callable[[Any], str]
+
+
+@dataclass(frozen=True)
+class StepMetric:
+    """One field of the step packet and everything derived from it."""
+
+    name: str
+    type: type
+    default: Any = None
+    optional: bool = False
+    """None is a valid value (the rank could not measure it)."""
+    unit: str = ""
+    doc: str = ""
+    reduce: tuple[Reduction, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Other rule-metric names: alias → one of this metric's reduced names."""
+    rank_tb: str | None = None
+    """TensorBoard tag suffix of each shown rank's own value (`rank_<r>/<suffix>`)."""
+    column: Column | None = None
+    required: bool = False
+
+
+def _num(x: Any, fmt: str) -> str:
+    if x is None:
+        return "-"
+    try:
+        return format(x, fmt)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _ms_with_rank(value: Any, rank: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} r{rank}" if rank is not None else f"{value * 1000:.1f}"
+
+
+def _scaled(p: Any) -> bool:
+    """A grad norm the loss scale overflowed (the step was skipped): not the model's."""
+    return not (p.overflow and (p.loss_scale or 0) > 1)
+
+
+def _rate(x: Any) -> bool:
+    """A rate worth reducing: a finite number, not negative."""
+    return x is not None and x == x and x not in (float("inf"), float("-inf")) and x >= 0
+
+
+def _per_slowest(key: str) -> Callable[[dict[str, Any]], float | None]:
+    """Throughput: every rank's `key` over the slowest rank's step time."""
+    def fn(v: dict[str, Any]) -> float | None:
+        total, slowest = v[key], v["step_time_max"]
+        if total and slowest and slowest == slowest and slowest not in (float("inf"),) and slowest > 0:
+            return total / slowest
+        return None
+    return fn
+
+
+_OPT = dict(optional=True)
+
+STEP_METRICS: tuple[StepMetric, ...] = (
+    StepMetric("rank", int, required=True),
+    StepMetric("step", int, required=True, doc="Steps count from 1 (0: the report before the first step)."),
+    StepMetric("epoch", int, 0, reduce=(Reduction("epoch", Reduce.PEAK),)),
+    StepMetric("loss", float, **_OPT, reduce=(
+        Reduction("loss_mean", Reduce.MEAN_ALL, "The mean loss over ranks (NaN when one rank's is not finite).",
+                  std="loss_std", tb="loss/mean"),
+        Reduction("loss_min", Reduce.MIN, tb="loss/min", keep=True),
+        Reduction("loss_max", Reduce.MAX, tb="loss/max", keep=True),
+        Reduction("loss", Reduce.HIST)), aliases={"loss": "loss_mean"}, rank_tb="loss"),
+    StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr"),)),
+    StepMetric("grad_norm", float, **_OPT, doc="Global grad norm, after the data-parallel reduction.",
+               reduce=(Reduction("grad_norm", Reduce.GLOBAL, "Global (post-reduction) grad norm; the largest "
+                                 "report if ranks disagree.", include=_scaled, tb="grad_norm/global"),),
+               aliases={"grad_norm_global": "grad_norm"}),
+    StepMetric("grad_norm_local", float, **_OPT, doc="This rank's grad norm before the reduction: tells which "
+               "rank produced a NaN.", reduce=(Reduction("grad_norm_local_max", Reduce.MAX, keep=True),),
+               rank_tb="grad_norm_local"),
+    StepMetric("nan_count", int, 0, reduce=(Reduction("nan_count", Reduce.SUM),)),
+    StepMetric("inf_count", int, 0, reduce=(Reduction("inf_count", Reduce.SUM),)),
+    StepMetric("step_time_s", float, **_OPT, unit="s", reduce=(
+        Reduction("step_time_min", Reduce.MIN, keep=True),
+        Reduction("step_time_max", Reduce.MAX, tb="step_time/max", keep=True),
+        Reduction("step_time", Reduce.HIST)), rank_tb="step_time"),
+    StepMetric("data_wait_s", float, **_OPT, unit="s", doc="Time from the end of the previous step to the start "
+               "of this one (fetching the batch, host work): before the collective, so it tells stragglers apart.",
+               reduce=(Reduction("data_wait_max", Reduce.PEAK, "The longest data wait of the step over ranks."),)),
+    StepMetric("compute_s", float, **_OPT, unit="s", doc="PYNATIVE: time from the step's start until the local "
+               "gradients were ready (before the all-reduce); None where the mode does not allow measuring it."),
+    StepMetric("samples", int, 0, reduce=(Reduction("samples", Reduce.SUM, internal=True),)),
+    StepMetric("tokens", int, 0, doc="Tokens this rank trained on in this step (0: not known).",
+               reduce=(Reduction("tokens", Reduce.SUM, "Tokens trained in this step, summed over ranks."),)),
+    StepMetric("tflops", float, **_OPT, unit="TFLOPS", doc="This rank's achieved model TFLOPS in this step.",
+               reduce=(Reduction("tflops_mean", Reduce.MEAN, "Achieved TFLOPS per card, mean over ranks.",
+                                 include=lambda p: _rate(p.tflops), tb="compute/tflops/mean"),
+                       Reduction("tflops_min", Reduce.MIN, include=lambda p: _rate(p.tflops), keep=True, rate=True),
+                       Reduction("tflops_max", Reduce.MAX, include=lambda p: _rate(p.tflops), keep=True, rate=True)),
+               aliases={"tflops": "tflops_mean"}),
+    StepMetric("ts", float, 0.0, unit="s", reduce=(Reduction("ts", Reduce.PEAK),)),
+    StepMetric("fingerprint", str, **_OPT, doc="Hash of the parameters, every `collect_freq` steps (and step 0)."),
+    StepMetric("param_norm", float, **_OPT),
+    StepMetric("decision", bool, False, doc="True when the rank waits for the directive of this step."),
+    StepMetric("monitor_wait_s", float, 0.0, unit="s", doc="Seconds this rank blocked on the aggregator before "
+               "this step.", reduce=(
+                   Reduction("monitor_wait_max", Reduce.PEAK, tb="monitor/wait_s"),
+                   Reduction("monitor_wait_sum", Reduce.SUM, include=lambda p: bool(p.monitor_wait_s),
+                             total="monitor_wait_s"))),
+    StepMetric("monitor_errors", int, 0, doc="Errors inside this rank's monitor so far (logged and counted).",
+               reduce=(Reduction("monitor_errors", Reduce.SUM),)),
+    StepMetric("checkpoint_s", float, 0.0, unit="s", reduce=(Reduction("checkpoint_s_max", Reduce.PEAK),)),
+    StepMetric("eval_s", float, 0.0, unit="s", reduce=(Reduction("eval_s_max", Reduce.PEAK),)),
+    StepMetric("profile_s", float, 0.0, unit="s", reduce=(Reduction("profile_s_max", Reduce.PEAK),)),
+    StepMetric("loss_scale", float, **_OPT, doc="The loss scale the step ran with, where a loss-scale cell runs.",
+               reduce=(Reduction("loss_scale_min", Reduce.MIN, tb="loss_scale/min", tb_when="loss_scale_min"),
+                       Reduction("loss_scale_max", Reduce.MAX, tb="loss_scale/max", tb_when="loss_scale_min")),
+               aliases={"loss_scale": "loss_scale_min"}),
+    StepMetric("overflow", bool, **_OPT, doc="True when the loss-scale cell skipped the update for overflow.",
+               reduce=(Reduction("overflow_ranks", Reduce.COUNT, include=lambda p: bool(p.overflow),
+                                 tb="overflow/ranks", tb_when="loss_scale_min"),),
+               aliases={"overflow": "overflow_ranks"}),
+    StepMetric("overflow_steps", int, 0, reduce=(Reduction("overflow_steps", Reduce.PEAK, tb="overflow/steps",
+                                                           tb_when="loss_scale_min"),)),
+    StepMetric("monitor_self_s", float, 0.0, unit="s", doc=(
+        "Seconds this rank spent in mindpulse's own code since its previous step packet: the callback, "
+        "reading the step's outputs, building and encoding the packet, the channel and the lease check; not "
+        "the waits for the aggregator (monitor_wait_s), checkpoint writes, evaluation or the profiler."),
+        reduce=(Reduction("monitor_self_max", Reduce.MAX, "The most any rank spent in mindpulse's code for this "
+                          "step, with the rank.", tb="monitor/self_s/max"),
+                Reduction("monitor_self_sum", Reduce.SUM, "Every rank's seconds in mindpulse's code, summed.",
+                          tb="monitor/self_s/sum", total="monitor_self_s")),
+        aliases={"monitor_self_s": "monitor_self_max"}, rank_tb="monitor_self_s",
+        column=Column("self ms", lambda p: _num(None if p.monitor_self_s is None else p.monitor_self_s * 1000, ".1f"),
+                      lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank))),
+    StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss."),
+    StepMetric("weights", dict, doc="Every collect_freq steps: per-layer norms, update ratios, histograms."),
+)
+"""Every field of the step packet, in wire order."""
+
+DERIVED: tuple[Derived, ...] = (
+    Derived("samples_per_s", _per_slowest("samples"), "Cluster throughput: all ranks' samples over the slowest "
+            "rank's step time.", tb="throughput/samples_per_s"),
+    Derived("tokens_per_s", _per_slowest("tokens"), "Cluster token throughput.", tb="throughput/tokens_per_s"),
+)
+"""Reduced values computed from others (MFU, from the card's peak, is `ReducedStep.set_peak`)."""
+
+FIXED_REDUCED: tuple[str, ...] = ("world_size", "ranks_reported", "peak_tflops", "mfu_mean", "mfu_min",
+                                   "mfu_min_rank", "mfu_max", "mfu_max_rank")
+"""The numeric `ReducedStep` fields not reduced from one packet field (aggregator/reducer.py
+declares them; the MFU is achieved TFLOPS over the card's peak, which the aggregator knows)."""
+
+OTHER_ALIASES: dict[str, str] = {"throughput": "samples_per_s", "mfu": "mfu_mean"}
+"""Rule-metric aliases of values not reduced from one packet field."""
+
+
+def by_name() -> dict[str, StepMetric]:
+    return {m.name: m for m in STEP_METRICS}
+
+
+def reductions() -> tuple[tuple[StepMetric, Reduction], ...]:
+    """Every (metric, reduction) pair, in declaration order."""
+    return tuple((m, r) for m in STEP_METRICS for r in m.reduce)
+
+
+def reduced_fields() -> tuple[str, ...]:
+    """The `ReducedStep` fields the registry gives (MIN/MAX with their `_rank`, std, derived)."""
+    out: list[str] = []
+    for _, r in reductions():
+        if r.internal or r.how is Reduce.HIST:
+            continue
+        out.append(r.name)
+        if r.how in (Reduce.MIN, Reduce.MAX):
+            out.append(r.name + "_rank")
+        if r.std:
+            out.append(r.std)
+    out += [d.name for d in DERIVED]
+    return tuple(out)
+
+
+def aliases() -> dict[str, str]:
+    """Every rule-metric alias → the reduced field it names."""
+    out = {a: target for m in STEP_METRICS for a, target in m.aliases.items()}
+    out.update(OTHER_ALIASES)
+    return out
+
+
+def tb_scalars() -> tuple[tuple[str, str, str | None], ...]:
+    """(tag, reduced field, written-only-when field) of every cluster scalar."""
+    out = [(r.tb, r.name, r.tb_when) for _, r in reductions() if r.tb]
+    out += [(d.tb, d.name, None) for d in DERIVED if d.tb]
+    return tuple(out)
+
+
+def rank_tb_scalars() -> tuple[tuple[str, str], ...]:
+    """(tag suffix, packet field) of each shown rank's own scalars."""
+    return tuple((m.rank_tb, m.name) for m in STEP_METRICS if m.rank_tb)
+
+
+def columns() -> tuple[Column, ...]:
+    """The console columns declared here (after the table's fixed ones)."""
+    return tuple(m.column for m in STEP_METRICS if m.column)
+
+
+def kept_extremes() -> tuple[str, ...]:
+    """The MIN/MAX reductions whose ranks are worth a look (`Reduction.keep`)."""
+    return tuple(r.name for _, r in reductions() if r.keep)
+
+
+def totals() -> tuple[tuple[str, str], ...]:
+    """(`summary.json` key, reduced field) of every run total."""
+    return tuple((r.total, r.name) for _, r in reductions() if r.total)
