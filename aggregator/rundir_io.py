@@ -5,6 +5,7 @@ the default: `config.yaml`, `job.json` and `plan.json` carry the `env:` values) 
 `shared` (0755 / 0644). The run directory is made with its folder mode
 (`launcher/rundir.py`); every file written here takes the read bits of the folder it is
 written into, so a writer that has no config at hand (the aggregator) still follows it.
+The run's logs (ranks, msrun, the scheduler) are opened here too (`open_log_fd`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ def file_mode_in(folder: Path) -> int:
     except OSError:
         return 0o600
     return 0o600 | (dmode & (stat.S_IRGRP | stat.S_IROTH))
+
+
+def open_log_fd(path: str | os.PathLike) -> int:
+    """A run log (a rank's, msrun's, the scheduler's) opened write-only for appending, as a
+    file descriptor: its folder made if missing, the file given `file_mode_in` its folder
+    (also when it existed: an earlier attempt's log keeps the run's mode)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = file_mode_in(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+    try:
+        os.fchmod(fd, mode)
+    except OSError:  # a log another user made: appended to as it is
+        pass
+    return fd
 
 
 def json_safe(obj: Any) -> Any:

@@ -328,21 +328,19 @@ def run_processes(tag: str, tracked: dict[int, float]) -> dict[int, float]:
 
 
 def kill_run(tag: str, tracked: dict[int, float], rounds: int = 4) -> list[int]:
-    """SIGKILL every process of the run until none is left (a dying raylet may still start one)."""
-    import signal
+    """SIGKILL every process of the run until none is left (a dying raylet may still start
+    one: the run's processes are looked for again after each round). No SIGTERM first: the
+    launcher is gone, or its run ended and these are stragglers."""
     import time
+
+    from mindpulse.processes import end_processes
 
     killed: list[int] = []
     for _ in range(rounds):
         targets = run_processes(tag, tracked)
         if not targets:
             break
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except OSError:
-                pass
+        killed += end_processes(targets)
         time.sleep(0.3)
     return killed
 
@@ -355,18 +353,15 @@ def reap(launcher_pid: int, launcher_ct: float, tag: str, poll_s: float = 1.0) -
     import shutil
     import time
 
-    import psutil
-
     from mindpulse.process_identity import process_alive
+    from mindpulse.processes import descendants
 
     tracked: dict[int, float] = {}
     done = False
     while process_alive(launcher_pid, launcher_ct):
-        try:  # what the launcher started, while it can still be told: orphans lose the link
-            for child in psutil.Process(launcher_pid).children(recursive=True):
-                tracked.setdefault(child.pid, child.create_time())
-        except psutil.Error:
-            pass
+        # what the launcher started, while it can still be told: orphans lose the link
+        for pid, ct in descendants(launcher_pid).items():
+            tracked.setdefault(pid, ct)
         ready, _, _ = select.select([0], [], [], poll_s)
         if ready:
             data = os.read(0, 64)

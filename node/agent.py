@@ -20,18 +20,18 @@ import logging
 import os
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mindpulse.aggregator.rundir_io import open_log_fd
 from mindpulse.node.relay import NodeBatch
 from mindpulse.process_identity import process_alive, process_identity, same_process_table
+from mindpulse.processes import descendants, die_with_parent_preexec, end_process_tree, end_processes
 from mindpulse.uplink import Receipt, Uplink, UplinkServer
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 WORKER_ENV = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 
 
-PR_SET_PDEATHSIG = 1
 DRIVER_CHECK_S = 1.0
 """How often the watchdog looks for the driver (and for new processes under msrun)."""
 UPLINK_CLOSE_S = 10.0
@@ -54,51 +53,9 @@ REMOTE_DRIVER_CHECK_S = 5.0
 """How often it asks Ray whether a driver on another machine is gone (a GCS call)."""
 
 
-def die_with_parent_preexec(sig: int) -> Callable[[], None] | None:
-    """A `preexec_fn` that gives the child the parent-death signal `sig` (Linux prctl), or
-    None where prctl is not available. libc is resolved here, before the fork: the child
-    only calls it. The signal comes when the *thread* that started the child ends, so the
-    agent starts its children from one thread that lives as long as it does."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died during the fork: nobody will signal
-            os._exit(1)
-
-    return preexec
-
-
 def driver_identity() -> dict[str, Any]:
     """The launcher's process, as the node agents' watchdogs look for it."""
     return process_identity()
-
-
-def log_file_mode(folder: str | os.PathLike) -> int:
-    """A new log's mode in a run-directory folder: owner read/write, group/other read only
-    where the folder grants it (output.mode `private`: 0700 folders, 0600 files)."""
-    try:
-        return 0o600 | (os.stat(folder).st_mode & (stat.S_IRGRP | stat.S_IROTH))
-    except OSError:
-        return 0o600
-
-
-def open_log(path: str) -> Any:
-    """Open a run log for appending with the run directory's mode."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    mode = log_file_mode(Path(path).parent)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
-    try:
-        os.fchmod(fd, mode)
-    except OSError:
-        pass
-    return os.fdopen(fd, "ab")
 
 
 def node_ip() -> str:
@@ -276,7 +233,7 @@ class NodeAgent:
         env = dict(os.environ)
         env.update(WORKER_ENV)
         env.update(sched_env)
-        with open_log(log_path) as logf:
+        with os.fdopen(open_log_fd(log_path), "ab") as logf:
             self.sched = self._spawn([sys.executable, "-m", "mindpulse.workers.scheduler"], env=env, stdout=logf,
                                      death_signal=signal.SIGKILL)
         self._track()
@@ -284,7 +241,8 @@ class NodeAgent:
 
     def _spawn(self, cmd: list[str], *, env: dict[str, str], stdout: Any, death_signal: int) -> subprocess.Popen:
         """Start `cmd` in a session of its own (its process group is killed as one) that gets
-        `death_signal` when this agent dies."""
+        `death_signal` when this agent dies. The signal comes when the *thread* that started
+        the child ends: `_spawner` is one thread that lives as long as the agent."""
         def start() -> subprocess.Popen:
             return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=die_with_parent_preexec(death_signal))
@@ -304,7 +262,7 @@ class NodeAgent:
         full["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full.get("PATH", "")
         cmd = [os.path.join(os.path.dirname(sys.executable), "msrun")] + command[1:]
         t0 = time.time()
-        with open_log(log_path) as logf:
+        with os.fdopen(open_log_fd(log_path), "ab") as logf:
             logf.write(("$ " + " ".join(cmd) + "\n").encode())
             logf.flush()
             # SIGINT: msrun's own handler kills its workers (in sessions of their own) and its scheduler
@@ -342,7 +300,7 @@ class NodeAgent:
                            f"scheduler {self.MSRUN_GRACE_S:g}s later (the scheduler waits for the killed ranks' "
                            "heartbeats to time out): ending msrun and its scheduler now\n".encode())
                 logf.flush()
-                _killpg(self.msrun)
+                end_process_tree(self.msrun, CHILD_END_GRACE_S)
 
     def msrun_pid(self) -> int | None:
         return self.msrun.pid if self.msrun else None
@@ -393,7 +351,7 @@ class NodeAgent:
             self.sampler = None
         for proc in (self.msrun, self.sched):
             if proc is not None and proc.poll() is None and kill:
-                _killpg(proc)
+                end_process_tree(proc, CHILD_END_GRACE_S)
         # the last packets reach the aggregator before it closes: the relay's queue goes up,
         # then a leader's merged steps, then the uplink waits until all is acknowledged
         if self._end is not None:  # stopped already (flush, then shutdown)
@@ -476,7 +434,7 @@ class NodeAgent:
     def kill_ranks(self) -> None:
         """Stop this node's ranks now (another rank failed): msrun's whole process group."""
         if self.msrun is not None and self.msrun.poll() is None:
-            _killpg(self.msrun)
+            end_process_tree(self.msrun, CHILD_END_GRACE_S)
 
     def ping(self) -> float:
         return time.time()
@@ -493,17 +451,12 @@ class NodeAgent:
     def _track(self) -> None:
         """Remember msrun's and the scheduler's processes and everything under them: msrun's
         workers run in sessions of their own and outlive a killed msrun as orphans."""
-        import psutil
-
         for proc in (self.msrun, self.sched):
             if proc is None or proc.poll() is not None:
                 continue
             self._remember(proc.pid)
-            try:
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    self._tracked.setdefault(child.pid, child.create_time())
-            except psutil.Error:
-                pass
+            for pid, ct in descendants(proc.pid).items():
+                self._tracked.setdefault(pid, ct)
         for pid, ct in list(self._tracked.items()):
             if not process_alive(pid, ct):
                 self._tracked.pop(pid, None)
@@ -561,20 +514,15 @@ class NodeAgent:
         for proc in (self.msrun, self.sched):
             if proc is not None and proc.poll() is None:
                 targets.setdefault(proc.pid, None)
-        killed = []
-        for pid, ct in targets.items():
-            if pid == os.getpid() or not process_alive(pid, ct):
-                continue
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except OSError:
-                pass
-        return killed
+        return end_processes(targets)  # no grace: the driver is gone, nobody will stop them
 
 
 RANK_EXIT_GRACE_S = 5.0
 """How long a rank process may take to exit once its run ended, before it is killed."""
+CHILD_END_GRACE_S = 5.0
+"""How long msrun or the scheduler (and each process under it, every one in its process
+group) may take to end on SIGTERM before SIGKILL, and then to be gone after it: msrun's
+workers run in process groups of their own, so they are ended by the pids msrun started."""
 
 
 def end_lingering(targets: dict[int, float | None], grace_s: float) -> list[int]:
@@ -582,22 +530,9 @@ def end_lingering(targets: dict[int, float | None], grace_s: float) -> list[int]
     exit, then SIGKILL those still running; returns their pids. A Ray rank's process can
     outlive its actor's end while it tears down (MindSpore's and gRPC's exit work, or a
     hang there), and nothing of a run may outlive its launch. The create time keeps a pid
-    the system gave to another process since from being killed."""
-    deadline = time.monotonic() + grace_s
-    left = dict(targets)
-    while True:
-        left = {pid: ct for pid, ct in left.items() if pid != os.getpid() and process_alive(pid, ct)}
-        if not left or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    killed = []
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except OSError:
-            pass
-    return killed
+    the system gave to another process since from being killed. No SIGTERM first: the ranks
+    were told to end through their run already."""
+    return end_processes(targets, grace_s=grace_s)
 
 
 def _wait(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
@@ -606,40 +541,5 @@ def _wait(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _killpg(proc)
+        end_process_tree(proc, CHILD_END_GRACE_S)
         return proc.poll()
-
-
-def _killpg(proc: subprocess.Popen) -> None:
-    """TERM, then KILL, the process's whole session (msrun's workers run in their own
-    process groups: kill them by the pids msrun spawned too)."""
-    try:
-        import psutil
-
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:
-        children = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in [proc.pid] + [c.pid for c in children]:
-            try:
-                os.killpg(os.getpgid(pid), sig)
-            except (ProcessLookupError, PermissionError, OSError):
-                try:
-                    os.kill(pid, sig)
-                except OSError:
-                    pass
-        deadline = time.time() + 5
-        while time.time() < deadline and (proc.poll() is None or any(_alive(c.pid) for c in children)):
-            time.sleep(0.1)
-        if proc.poll() is not None and not any(_alive(c.pid) for c in children):
-            return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False

@@ -15,42 +15,18 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import socket
-import stat
 import sys
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Have the kernel send `sig` to this process when its parent (the raylet that started
-    this Ray worker) dies; exits at once if the parent is already gone. False where prctl is
-    not available (not Linux)."""
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent:  # it died before the call: nobody will signal us
-        os._exit(1)
-    return True
+from mindpulse.aggregator.rundir_io import open_log_fd
+from mindpulse.processes import die_with_parent
 
 
 def _redirect_output(log_path: str) -> None:
-    """Point fds 1 and 2 (Python and MindSpore's C++ logs) at the rank's log file."""
-    folder = os.path.dirname(log_path)
-    os.makedirs(folder, exist_ok=True)
-    # the run directory's mode (output.mode): owner read/write, group/other read only where
-    # the logs folder grants them read
-    mode = 0o600 | (os.stat(folder).st_mode & (stat.S_IRGRP | stat.S_IROTH))
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
-    os.fchmod(fd, mode)
+    """Point fds 1 and 2 (Python and MindSpore's C++ logs) at the rank's log file (with the
+    run directory's mode, output.mode), line-buffered."""
+    fd = open_log_fd(log_path)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -64,7 +40,7 @@ class RankActor:
     def __init__(self, rank: int, log_path: str):
         self.rank = rank
         self.log_path = log_path
-        die_with_parent()
+        die_with_parent()  # SIGKILL when the raylet that started this Ray worker dies
         _redirect_output(log_path)
         # a rank killed by SIGSEGV/SIGBUS/SIGABRT/SIGFPE/SIGILL says so in its log (Ray does not
         # report a dead worker's signal): the failure block reads it from there

@@ -55,7 +55,7 @@ def _python(code: str, **kw) -> subprocess.Popen:
 def test_a_child_started_with_the_death_signal_dies_with_its_parent():
     parent = _python("""
         import subprocess, sys, signal, time
-        from mindpulse.node.agent import die_with_parent_preexec
+        from mindpulse.processes import die_with_parent_preexec
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
                                  preexec_fn=die_with_parent_preexec(signal.SIGKILL))
         print(child.pid, flush=True)
