@@ -29,7 +29,7 @@ that was non-finite (NaN/Inf loss, local gradients or counts), and packets carry
 metric. The reduced records keep every step's cluster values. docs/run_directory.md has the
 details.
 
-Damage: readers resynchronise past damaged bytes (`protocol.iter_stream`) and count them.
+Damage: readers resynchronise past damaged bytes (`packet_stream.iter_stream`) and count them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from typing import Any
 
 import msgpack
 
-from mindpulse.protocol import SCHEMA_VERSION, Packet, PacketError, from_wire, iter_stream
+from mindpulse.packet_stream import iter_stream
+from mindpulse.protocol import SCHEMA_VERSION, Packet, PacketError, from_wire
 
 from .reducer import ReducedStep
 from .rundir_io import file_mode_in, fsync_dir

@@ -6,10 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
-mkdir -p "$tree/mindpulse"
-cp mindpulse/*.py "$tree/mindpulse/"
+copy_py() {  # every .py file under folder $1, subfolders included, into $2 at the same relative paths
+  mkdir -p "$2" && (cd "$1" && find . -name "*.py" -exec cp --parents {} "$2/" \;)
+}
+# the shared base and its subpackages (mindpulse/config/, ...), then each code folder once, under its name
+copy_py mindpulse "$tree/mindpulse"
 for pkg in launcher node workers aggregator views; do
-  mkdir -p "$tree/mindpulse/$pkg" && (cd "$pkg" && find . -name "*.py" -exec cp --parents {} "$tree/mindpulse/$pkg/" \;)
+  copy_py "$pkg" "$tree/mindpulse/$pkg"
 done
 # run from the assembled tree: import-linter puts the working directory first on sys.path
 repo=$(pwd)

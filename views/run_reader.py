@@ -35,7 +35,8 @@ from mindpulse.aggregator.metrics_store import (
 )
 from mindpulse.aggregator.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker
 from mindpulse.config import RunConfig, sections_of
-from mindpulse.protocol import EventPacket, Packet, PacketError, StepPacket, from_wire, iter_stream
+from mindpulse.packet_stream import iter_stream
+from mindpulse.protocol import EventPacket, Packet, PacketError, StepPacket, from_wire
 
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
@@ -54,7 +55,7 @@ class MetricsTail:
     per poll than a short one. When the aggregator closes the followed file (it gets a numbered
     name, a new `metrics.msgpack` begins), the rest of it is read through the open file and the
     new one is followed from its start. A torn last record (the aggregator is mid-write) waits
-    until the rest of it arrives; damaged bytes are skipped (`protocol.iter_stream`) and counted.
+    until the rest of it arrives; damaged bytes are skipped (`packet_stream.iter_stream`) and counted.
     """
 
     def __init__(self, path: Path, chunk: int = READ_CHUNK):

@@ -18,8 +18,10 @@ def _assemble(tree: Path) -> Path:
     """The installed package layout (code folders mapped under `mindpulse`), as files."""
     pkg = tree / "mindpulse"
     pkg.mkdir(parents=True)
-    for f in (ROOT / "mindpulse").glob("*.py"):
-        (pkg / f.name).write_bytes(f.read_bytes())
+    for f in (ROOT / "mindpulse").rglob("*.py"):
+        dest = pkg / f.relative_to(ROOT / "mindpulse")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(f.read_bytes())
     for folder in CODE_FOLDERS:
         for f in (ROOT / folder).rglob("*.py"):
             dest = pkg / folder / f.relative_to(ROOT / folder)

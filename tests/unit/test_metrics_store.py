@@ -27,7 +27,8 @@ from mindpulse.aggregator.metrics_store import (
     with_attempts,
 )
 from mindpulse.aggregator.reducer import reduce_step
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket, iter_stream
+from mindpulse.packet_stream import iter_stream
+from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
 from mindpulse.views.report import build_report, load_run
 from mindpulse.views.run_reader import RunReader
 from mindpulse.views.top import RunView

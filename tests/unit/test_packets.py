@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mindpulse.packet_stream import iter_stream
 from mindpulse.protocol import (
     MAX_PACKET_BYTES,
     SCHEMA_VERSION,
@@ -20,7 +21,6 @@ from mindpulse.protocol import (
     StepPacket,
     TelemetryPacket,
     decode,
-    iter_stream,
 )
 
 
