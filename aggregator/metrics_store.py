@@ -393,11 +393,11 @@ class MetricsWriter:
             self._floor = self._size
 
     @classmethod
-    def for_run(cls, run_dir: Path, cfg: Any, settings: dict[str, Any], restart: bool = False) -> MetricsWriter:
+    def for_run(cls, run_dir: Path, cfg: Any, attempt: int, restart: bool = False) -> MetricsWriter:
         """The writer of a run's aggregator: `output.max_file_size` and `monitor.collect_freq`
-        from its config, the attempt from the launcher's settings."""
+        from its config, `attempt` from the launcher's settings."""
         return cls(Path(run_dir) / METRICS, max_file_size=cfg.output.max_file_size,
-                   attempt=settings.get("attempt", 0), collect_freq=cfg.monitor.collect_freq, restart=restart)
+                   attempt=attempt, collect_freq=cfg.monitor.collect_freq, restart=restart)
 
     # ---- writing
     def _marker(self, reason: str) -> dict[str, Any]:
