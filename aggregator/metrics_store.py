@@ -50,6 +50,7 @@ from typing import Any
 
 import msgpack
 
+from mindpulse.config import MonitorConfig
 from mindpulse.protocol import SCHEMA_VERSION, Packet, PacketError, from_wire, iter_stream
 
 from .reducer import ReducedStep
@@ -351,7 +352,8 @@ class MetricsWriter:
     aggregator serves (the markers it writes). `collect_freq`: the thinning's step stride.
     `restart`: Ray restarted this aggregator (its marker says so)."""
 
-    def __init__(self, path: Path, max_file_size: int = 0, attempt: int = 0, collect_freq: int = 10,
+    def __init__(self, path: Path, max_file_size: int = 0, attempt: int = 0,
+                 collect_freq: int = MonitorConfig.collect_freq,
                  keep_full: int | None = None, restart: bool = False):
         self.path = Path(path)
         self.dir = self.path.parent

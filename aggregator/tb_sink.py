@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mindpulse.config import MonitorConfig
+
 from .reducer import ReducedStep, collect_ranks
 
 log = logging.getLogger(__name__)
@@ -180,7 +182,7 @@ class TensorBoardSink:
     """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
 
     def __init__(self, run_dir: Path, flush_secs: float = 10.0, collect_freq: int = 1,
-                 straggler_threshold: float = 0.7):
+                 straggler_threshold: float = MonitorConfig.straggler_threshold):
         """`collect_freq`: every rank's scalars every N steps; the steps between carry the
         ranks that matter (extremes, non-finite ranks, stragglers), so the work per step
         does not grow with the ranks."""

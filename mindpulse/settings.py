@@ -118,7 +118,6 @@ class NodeSettings:
     """Each of the node's ranks → its physical card."""
     world_size: int | None = None
     telemetry_interval_s: float = MonitorConfig.telemetry_interval_s
-    decision_timeout_s: float = MonitorConfig.decision_timeout_s
     straggler_window: int = MonitorConfig.straggler_window
     collect_freq: int = MonitorConfig.collect_freq
     compute_window: int = COMPUTE_DROP_WINDOW
