@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from mindpulse.config import RULE_DEFAULTS, RuleKind
 from mindpulse.partial import NodeComputeDrops
+from mindpulse.settings import COMPUTE_DROP_WINDOW
 
 from .card_peaks import resolve_peak
 from .reducer import ReducedStep
@@ -29,18 +29,9 @@ SUMMARY_STEPS = 4096
 """summary.json's `compute` figures are medians over at most this many of the newest steps."""
 
 
-def compute_drop_window(anomalies: Iterable[dict[str, Any]] | None) -> int:
-    """The `compute_drop` rule's window from the config's `anomalies` (plain dicts): the nodes
-    keep each rank's TFLOPS over it."""
-    for c in anomalies or ():
-        if isinstance(c, dict) and c.get("rule") == "compute_drop" and c.get("window"):
-            return int(c["window"])
-    return int(RULE_DEFAULTS[RuleKind.COMPUTE_DROP]["window"])
-
-
 class ComputeWatch:
     def __init__(self, run_dir: Path | str | None, peak_tflops: float = 0.0, dtype: str = "float16",
-                 window: int = 20, say: Callable[[str], None] | None = None):
+                 window: int = COMPUTE_DROP_WINDOW, say: Callable[[str], None] | None = None):
         self.run_dir = run_dir
         self.configured = float(peak_tflops or 0.0)
         self.dtype = dtype

@@ -50,6 +50,7 @@ from typing import Any
 
 import msgpack
 
+from mindpulse.config import MonitorConfig
 from mindpulse.packet_stream import iter_stream
 from mindpulse.protocol import SCHEMA_VERSION, Packet, PacketError, from_wire
 
@@ -352,7 +353,8 @@ class MetricsWriter:
     aggregator serves (the markers it writes). `collect_freq`: the thinning's step stride.
     `restart`: Ray restarted this aggregator (its marker says so)."""
 
-    def __init__(self, path: Path, max_file_size: int = 0, attempt: int = 0, collect_freq: int = 10,
+    def __init__(self, path: Path, max_file_size: int = 0, attempt: int = 0,
+                 collect_freq: int = MonitorConfig.collect_freq,
                  keep_full: int | None = None, restart: bool = False):
         self.path = Path(path)
         self.dir = self.path.parent
@@ -394,11 +396,11 @@ class MetricsWriter:
             self._floor = self._size
 
     @classmethod
-    def for_run(cls, run_dir: Path, cfg: Any, settings: dict[str, Any], restart: bool = False) -> MetricsWriter:
+    def for_run(cls, run_dir: Path, cfg: Any, attempt: int, restart: bool = False) -> MetricsWriter:
         """The writer of a run's aggregator: `output.max_file_size` and `monitor.collect_freq`
-        from its config, the attempt from the launcher's settings."""
+        from its config, `attempt` from the launcher's settings."""
         return cls(Path(run_dir) / METRICS, max_file_size=cfg.output.max_file_size,
-                   attempt=settings.get("attempt", 0), collect_freq=cfg.monitor.collect_freq, restart=restart)
+                   attempt=attempt, collect_freq=cfg.monitor.collect_freq, restart=restart)
 
     # ---- writing
     def _marker(self, reason: str) -> dict[str, Any]:

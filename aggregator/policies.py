@@ -1,24 +1,55 @@
 """Anomaly rules: small classes that read a reduced step (or telemetry) and return a
 firing whose message quotes the numbers. Policies decide; the aggregator acts.
 
-Rule configs arrive as plain dicts (the `anomalies` list of the run config, as
-`mindpulse.config.AnomalyRuleConfig` fields); their defaults live in the config module
-(`RULE_DEFAULTS`), filled in by `resolve_rule` when a rule is built.
+Each rule gets its typed config, a `mindpulse.config.AnomalyRuleConfig` (the `anomalies`
+list of the run config) with every placeholder replaced by the rule's default
+(`RULE_DEFAULTS`, filled in by `resolve_rule` when the rule is built: `rule_config`). A plain
+dict of its fields is taken too (rules.json's entries, hand-written rules).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mindpulse.config import DEFAULT_RULES, resolve_rule
+from mindpulse.config import DEFAULT_RULES, AnomalyRuleConfig, RuleKind, resolve_rule, sections_of
 from mindpulse.protocol import Action
 
 from .reducer import ReducedStep
+
+RuleInput = AnomalyRuleConfig | Mapping[str, Any]
+"""A rule's config: typed, or the plain dict of its fields."""
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(AnomalyRuleConfig))
+_KINDS = frozenset(k.value for k in RuleKind)
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def plain_rule(cfg: RuleInput) -> dict[str, Any]:
+    """A rule's config as a plain dict (enum values as their text)."""
+    if isinstance(cfg, AnomalyRuleConfig):
+        return {f: _plain(getattr(cfg, f)) for f in _FIELDS}
+    return {k: _plain(v) for k, v in cfg.items()}
+
+
+def rule_config(cfg: RuleInput, kind: str | None = None, straggler_threshold: float | None = None) -> AnomalyRuleConfig:
+    """The typed config of a rule of `kind` (default: the config's own `rule`), every
+    placeholder filled with the rule's default; fields `AnomalyRuleConfig` does not have are
+    left out, and a kind it does not know (an extra rule) keeps the config's default `rule`."""
+    raw = plain_rule(cfg)
+    raw["rule"] = raw.get("rule") or kind or RuleKind.THRESHOLD.value
+    raw = resolve_rule(raw, straggler_threshold)
+    typed = {k: v for k, v in raw.items() if k in _FIELDS and not (k == "rule" and v not in _KINDS)}
+    return sections_of({"anomalies": [typed]}).anomalies[0]
 
 
 @dataclass
@@ -48,11 +79,16 @@ def _fmt(x: float | None) -> str:
 class Rule:
     kind = "rule"
 
-    def __init__(self, cfg: dict[str, Any]):
-        cfg = resolve_rule(dict(cfg, rule=cfg.get("rule") or self.kind))
-        self.cfg = cfg
-        self.name = cfg.get("name") or self.kind
-        self.action = Action(cfg.get("action") or Action.WARN)
+    def __init__(self, cfg: RuleInput):
+        self.config = rule_config(cfg, self.kind)
+        """The rule's typed config, every default filled in."""
+        self.name = self.config.name or self.kind
+        self.action = self.config.action or Action.WARN
+
+    @property
+    def cfg(self) -> dict[str, Any]:
+        """The config as a plain dict (rules.json's form), its `rule` this rule's kind."""
+        return dict(plain_rule(self.config), rule=self.kind)
 
     def check(self, red: ReducedStep) -> Firing | None:
         return None
@@ -102,13 +138,13 @@ class GradExplosionRule(Rule):
 
     kind = "grad_explosion"
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: RuleInput):
         super().__init__(cfg)
-        cfg = self.cfg  # resolved: every default filled in
-        self.limit = cfg.get("threshold")
-        self.factor = cfg["factor"]
-        self.window = cfg["window"]
-        self.warmup = cfg["warmup"]
+        c = self.config
+        self.limit = c.threshold
+        self.factor = c.factor
+        self.window = c.window
+        self.warmup = c.warmup
         self.history: deque[float] = deque(maxlen=self.window)
 
     def check(self, red: ReducedStep) -> Firing | None:
@@ -139,13 +175,13 @@ class LossSpikeRule(Rule):
 
     kind = "loss_spike"
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: RuleInput):
         super().__init__(cfg)
-        cfg = self.cfg  # resolved: every default filled in
-        self.z = cfg["z"]
-        self.window = cfg["window"]
-        self.warmup = cfg["warmup"]
-        self.patience = cfg["patience"]
+        c = self.config
+        self.z = c.z
+        self.window = c.window
+        self.warmup = c.warmup
+        self.patience = c.patience
         self.history: deque[float] = deque(maxlen=self.window)
         self.hits = 0
 
@@ -181,15 +217,15 @@ class ThresholdRule(Rule):
 
     kind = "threshold"
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: RuleInput):
         super().__init__(cfg)
-        cfg = self.cfg  # resolved: every default filled in
-        self.metric = cfg["metric"]
-        self.op = cfg["op"]
-        self.threshold = float(cfg["threshold"])
-        self.for_steps = cfg["for_steps"]
+        c = self.config
+        self.metric = c.metric
+        self.op = c.op
+        self.threshold = float(c.threshold)  # type: ignore[arg-type]  # a threshold rule has one (config checks)
+        self.for_steps = c.for_steps
         self.count = 0
-        if not cfg.get("name"):
+        if not c.name:
             self.name = f"{self.metric}{self.op}{self.threshold:g}"
 
     def check(self, red: ReducedStep) -> Firing | None:
@@ -211,12 +247,12 @@ class CardOverloadRule(Rule):
     """A card's temperature, HBM use (%) or power above a limit for `for_s` seconds."""
 
     kind = "card_overload"
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: RuleInput):
         super().__init__(cfg)
-        cfg = self.cfg  # resolved: every default filled in
-        self.metric = cfg["metric"]
-        self.threshold = cfg["threshold"]
-        self.for_s = cfg["for_s"]
+        c = self.config
+        self.metric = c.metric
+        self.threshold = c.threshold
+        self.for_s = c.for_s
         self.since: dict[tuple[Any, Any], float] = {}
         self.fired: set[tuple[Any, Any]] = set()
 
@@ -259,10 +295,9 @@ class DesyncRule(Rule):
     CAUSES = ("ranks initialised without a common seed or a broadcast of the weights; "
               "a rank loaded another checkpoint; silent data corruption on a card")
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: RuleInput):
         super().__init__(cfg)
-        cfg = self.cfg  # resolved: every default filled in
-        self.tolerance = float(cfg["tolerance"])
+        self.tolerance = float(self.config.tolerance)
 
     def check(self, red: ReducedStep) -> Firing | None:
         fps = red.fingerprints
@@ -298,11 +333,10 @@ class StragglerRule(Rule):
 
     kind = "straggler"
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: RuleInput):
         super().__init__(cfg)
-        cfg = self.cfg  # resolved: every default filled in
-        self.threshold = float(cfg["threshold"])
-        self.patience = int(cfg["patience"])
+        self.threshold = float(self.config.threshold)  # type: ignore[arg-type]  # filled in: resolve_rule
+        self.patience = int(self.config.patience)
         self.hits: dict[int, int] = {}
         self.flagged: set[int] = set()
 
@@ -333,11 +367,10 @@ class ComputeDropRule(Rule):
 
     kind = "compute_drop"
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: RuleInput):
         super().__init__(cfg)
-        cfg = self.cfg
-        self.factor = float(cfg["factor"])
-        self.for_steps = int(cfg["for_steps"])
+        self.factor = float(self.config.factor)
+        self.for_steps = int(self.config.for_steps)
         self.hits: dict[int, int] = {}
         self.flagged: set[int] = set()
 
@@ -374,7 +407,7 @@ RULES: dict[str, type[Rule]] = {
 }
 
 
-def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]] | None = None,
+def build_rules(configs: Sequence[RuleInput], extra_kinds: Mapping[str, type[Rule]] | None = None,
                 straggler_threshold: float | None = None) -> list[Rule]:
     """Defaults, replaced by user entries of the same built-in kind; threshold rules added.
     A straggler rule without a threshold takes `straggler_threshold` (monitor.straggler_threshold)."""
@@ -384,18 +417,18 @@ def build_rules(configs: list[dict[str, Any]], extra_kinds: dict[str, type[Rule]
         chosen.setdefault(k, {"rule": k})
     added: list[dict[str, Any]] = []
     for c in configs:
-        kind = c.get("rule")
+        plain = plain_rule(c)
         # a user entry of a default's kind replaces the default; several entries of one
         # kind (card_overload on temp_c and on power_w) all stay
-        chosen.pop(kind, None)
-        added.append(c)
+        chosen.pop(plain.get("rule"), None)
+        added.append(plain)
     rules = []
     for c in list(chosen.values()) + added:
         if c.get("enabled", True) is False:
             continue
         cls = kinds.get(c["rule"])
         if cls is not None:
-            rules.append(cls(resolve_rule(c, straggler_threshold)))
+            rules.append(cls(rule_config(c, c["rule"], straggler_threshold)))
     return rules
 
 

@@ -36,7 +36,7 @@ import shlex
 import stat
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,9 @@ from typing import Any
 import yaml
 
 from mindpulse.config import AnomalyRuleConfig, ConfigError, RunConfig, check_rule, resolve_rule
+from mindpulse.settings import AggregatorSettings
 
-from .policies import RULES, Rule, build_rules
+from .policies import RULES, Rule, RuleInput, build_rules, plain_rule
 from .rundir_io import write_atomic, write_json_atomic
 
 REQUESTS_DIR = "rule_requests"
@@ -144,24 +145,24 @@ class Entry:
         return out
 
 
-def entries_of(rules: list[Rule], anomalies: list[dict[str, Any]] | None = None,
+def entries_of(rules: list[Rule], anomalies: Sequence[RuleInput] | None = None,
                straggler_threshold: float | None = None,
                kinds: dict[str, type[Rule]] | None = None) -> list[Entry]:
     """The job's rules as entries: the built ones in their order, then the config's entries
     that are turned off (`set NAME.enabled=true` turns them on)."""
     out = [Entry(full_config(r.cfg), r.name, r) for r in rules]
     for c in anomalies or []:
-        if isinstance(c, dict) and c.get("enabled", True) is False:
-            cfg = full_config(resolve_rule(c, straggler_threshold))
+        plain = plain_rule(c)
+        if plain.get("enabled", True) is False:
+            cfg = full_config(resolve_rule(plain, straggler_threshold))
             out.append(Entry(cfg, rule_name(cfg, kinds)))
     return out
 
 
 def entries_from_config(cfg: RunConfig) -> list[Entry]:
     """What the aggregator starts with for this config (before any change)."""
-    plain = cfg.to_dict()["anomalies"]
     st = cfg.monitor.straggler_threshold
-    return entries_of(build_rules([dict(c) for c in plain], straggler_threshold=st), plain, st)
+    return entries_of(build_rules(cfg.anomalies, straggler_threshold=st), cfg.anomalies, st)
 
 
 def refs_of(entries: list[Entry]) -> list[str]:
@@ -406,19 +407,19 @@ class LiveRules:
     """The aggregator's rules as changed while the job runs: the policy engine's list is
     replaced in place, between steps."""
 
-    def __init__(self, run_dir: Path, engine: Any, settings: dict[str, Any], *, straggler_threshold: float,
+    def __init__(self, run_dir: Path, engine: Any, settings: AggregatorSettings, *,
                  next_step: Callable[[], int], say: Callable[[str], None],
                  milestone: Callable[[str, int], None] | None = None, replay: bool = False):
         self.run_dir = Path(run_dir)
         self.engine = engine
         self.settings = settings
-        self.st = straggler_threshold
+        self.st = settings.config.monitor.straggler_threshold
         self.next_step = next_step
         self.say = say
         self.milestone = milestone
-        self.attempt = int(settings.get("attempt") or 0)
-        self.kinds: dict[str, type[Rule]] = dict(RULES, **(settings.get("extra_rules") or {}))
-        self.entries = entries_of(list(engine.rules), settings.get("anomalies"), straggler_threshold, self.kinds)
+        self.attempt = settings.attempt
+        self.kinds: dict[str, type[Rule]] = dict(RULES, **settings.extra_rules)
+        self.entries = entries_of(list(engine.rules), settings.config.anomalies, self.st, self.kinds)
         self._run_cfg: RunConfig | None = None
         self._last_scan = 0.0
         state = read_state(self.run_dir) or {}
@@ -441,15 +442,12 @@ class LiveRules:
     # -- run config (the metrics a threshold rule may name) --
     def run_cfg(self) -> RunConfig | None:
         if self._run_cfg is None:
-            from mindpulse.config import from_dict, sections_of
+            from mindpulse.config import from_dict
 
             try:
-                self._run_cfg = from_dict(yaml.safe_load(self.settings["config_yaml"]))
+                self._run_cfg = from_dict(yaml.safe_load(self.settings.config_yaml))
             except Exception:
-                try:
-                    self._run_cfg = sections_of({k: v for k, v in self.settings.items() if k != "anomalies"})
-                except Exception:
-                    return None
+                self._run_cfg = self.settings.config
         return self._run_cfg
 
     # -- applying --

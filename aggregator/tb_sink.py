@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mindpulse.config import MonitorConfig
 from mindpulse.metrics import rank_tb_scalars, tb_scalars
 from mindpulse.partial import collect_ranks
 
@@ -169,7 +170,7 @@ class TensorBoardSink:
     """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
 
     def __init__(self, run_dir: Path, flush_secs: float = 10.0, collect_freq: int = 1,
-                 straggler_threshold: float = 0.7):
+                 straggler_threshold: float = MonitorConfig.straggler_threshold):
         """`collect_freq`: every rank's scalars every N steps; the steps between carry the
         ranks that matter (extremes, non-finite ranks, stragglers), so the work per step
         does not grow with the ranks."""

@@ -109,15 +109,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def aggregator_settings(**monitor: Any) -> dict[str, Any]:
-    """The aggregator settings `mindpulse launch` passes with the default config."""
+def aggregator_settings(*overrides: str) -> Any:
+    """The `AggregatorSettings` `mindpulse launch` passes with the default config (changed by
+    `--set`-style `overrides`, e.g. "monitor.max_lag_steps=2"), built by the launcher's own
+    `launcher/spec.py` function (first attempt, no resume)."""
     from mindpulse.config import load_config
+    from mindpulse.launcher.spec import aggregator_settings as settings_of
 
-    cfg, _ = load_config(None)
-    plain = cfg.to_dict()
-    mon = dict(plain["monitor"], **monitor)
-    return {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
-            "tensorboard": cfg.output.tensorboard, "monitor": mon}
+    cfg, _ = load_config(None, list(overrides))
+    return settings_of(cfg)
 
 
 def write_result(path: str | os.PathLike | None, name: str, data: dict[str, Any], t0: float) -> None:

@@ -202,8 +202,7 @@ def agent_process_cost(rpn: int = 8, rate: float = 20.0, seconds: float = 15.0) 
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}})
     try:
         cfg, _ = load_config(None, ["world.nodes=1", f"world.ranks_per_node={rpn}", f"output.root={tmp}"])
-        settings = C.aggregator_settings()
-        settings["world"] = {"nodes": 1, "ranks_per_node": rpn}
+        settings = C.aggregator_settings("world.nodes=1", f"world.ranks_per_node={rpn}")
         agg = start_aggregator(f"agent-{os.getpid()}", "mindpulse-bench", tmp, rpn, 10 ** 9, None, settings=settings)
         ray.get(agg.ping.remote(), timeout=120)
         token = secrets.token_hex(16)
@@ -263,10 +262,9 @@ def run(args: argparse.Namespace) -> dict:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}})
     try:
-        settings = C.aggregator_settings()
-        settings["tensorboard"] = not args.no_tensorboard
-        settings["world"] = {"nodes": nodes, "ranks_per_node": rpn}
-        settings["monitor"] = dict(settings.get("monitor") or {}, max_lag_steps=LAG, per_print_step=10 ** 9)
+        settings = C.aggregator_settings(f"output.tensorboard={str(not args.no_tensorboard).lower()}",
+                                         f"world.nodes={nodes}", f"world.ranks_per_node={rpn}",
+                                         f"monitor.max_lag_steps={LAG}", f"monitor.per_print_step={10 ** 9}")
         agg = start_aggregator(f"fanin-{os.getpid()}", "mindpulse-bench", tmp, ranks, 10 ** 9, None,
                                settings=settings)
         agg_pid = ray.get(agg.ping.remote())

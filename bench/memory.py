@@ -38,8 +38,7 @@ def main() -> None:
     from mindpulse.aggregator.core import AggregatorCore
     from mindpulse.protocol import Directive, StepPacket
 
-    settings = C.aggregator_settings()
-    settings["tensorboard"] = args.tensorboard == "on"
+    settings = C.aggregator_settings(f"output.tensorboard={str(args.tensorboard == 'on').lower()}")
     tmp = Path(tempfile.mkdtemp(prefix="mindpulse-bench-memory-"))
     proc = psutil.Process()
     core = AggregatorCore(tmp / "run", args.world, 10, args.steps, settings)

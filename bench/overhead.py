@@ -132,7 +132,7 @@ class Launch:
         from mindpulse.aggregator.core import actor_name, start_aggregator
         from mindpulse.config import load_config
         from mindpulse.launcher.node_agents import NodeAgents
-        from mindpulse.launcher.spec import rank_settings
+        from mindpulse.launcher.spec import aggregator_settings, rank_settings
 
         sets = [f"job.recipe.{k}={shape[k]}" for k in ("seq_length", "hidden_size", "num_layers", "num_heads",
                                                        "intermediate_size")]
@@ -145,10 +145,7 @@ class Launch:
         plain = cfg.to_dict()
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
         # what launcher/attempt.py hands the aggregator (no resume, first attempt)
-        agg_settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
-                        "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"], "world": plain["world"],
-                        "start_step": 0, "msrun": plain["msrun"], "attempt": 0, "output": plain["output"],
-                        "config_yaml": (self.run_dir / "config.yaml").read_text(), "best": None}
+        agg_settings = aggregator_settings(cfg, config_yaml=(self.run_dir / "config.yaml").read_text())
         self.name = f"bench-overhead-{name}-{os.getpid()}"
         self.aggregator = start_aggregator(self.name, cfg.ray.namespace, self.run_dir, cfg.world.world_size,
                                            cfg.monitor.per_print_step, cfg.train.steps or None,

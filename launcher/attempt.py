@@ -23,7 +23,7 @@ from .node_agents import NodeAgents
 from .progress import Console
 from .ray_session import RaySession
 from .rundir import PidFile, apply_run_mode, make_dir, run_modes, write_json
-from .spec import RunResult, RunStatus, rank_settings, rank_specs, settings_path_of
+from .spec import RunResult, RunStatus, aggregator_settings, rank_settings, rank_specs, settings_path_of
 from .worker_group import RefOwner, WorkerGroup, worker_group
 
 AGGREGATOR_TIMEOUT_S = 60
@@ -82,18 +82,14 @@ class Attempt:
 
         cfg = self.cfg
         check_cluster(cfg, ray.cluster_resources(), [n for n in ray.nodes() if n.get("Alive")])
-        plain = cfg.to_dict()
-        agg_settings = {"anomalies": plain["anomalies"], "checkpoint": plain["checkpoint"], "eval": plain["eval"],
-                        "tensorboard": cfg.output.tensorboard, "monitor": plain["monitor"], "world": plain["world"],
-                        "start_step": self.start_step(),
-                        "rollbacks": dict((self.resume or {}).get("rollbacks") or {}),  # per rule, this launch
-                        "goodput": self.goodput,
-                        "peak_dtype": peak_dtype(cfg.job.script),  # MFU's peak from the table of known cards
-                        "msrun": plain["msrun"],  # msrun.cluster_time_out: the default start-up limit
-                        "attempt": self.index, "output": plain["output"],  # metrics.msgpack's markers, segments
-                        "config_yaml": (self.run_dir / "config.yaml").read_text(),
-                        # the manifest's best: a restarted run keeps it until a step beats it
-                        "best": best_seed(self.run_dir / "checkpoints")}
+        agg_settings = aggregator_settings(
+            cfg, attempt=self.index, start_step=self.start_step(),
+            rollbacks=(self.resume or {}).get("rollbacks"),  # per rule, this launch
+            goodput=self.goodput,
+            peak_dtype=peak_dtype(cfg.job.script),  # MFU's peak from the table of known cards
+            config_yaml=(self.run_dir / "config.yaml").read_text(),
+            # the manifest's best: a restarted run keeps it until a step beats it
+            best=best_seed(self.run_dir / "checkpoints"))
         self.aggregator = start_aggregator(self.name, cfg.ray.namespace, self.run_dir, cfg.world.world_size,
                                            cfg.monitor.per_print_step, self.total_steps(),
                                            node_id=ray.get_runtime_context().get_node_id(), settings=agg_settings)

@@ -14,7 +14,7 @@ from mindpulse.config import RunConfig
 
 from . import interrupts as waits
 from .preflight import LaunchRefused
-from .spec import free_port, node_devices
+from .spec import free_port, node_settings
 
 DEVICE_RESOURCE = {"cpu": "CPU", "ascend": "NPU", "gpu": "GPU"}
 """Ray's resource name for a card of each `world.device`."""
@@ -56,7 +56,6 @@ class NodeAgents:
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from mindpulse.aggregator.compute import compute_drop_window
         from mindpulse.node.agent import WORKER_ENV, NodeAgent, driver_identity
 
         w = self.cfg.world
@@ -74,8 +73,9 @@ class NodeAgents:
         by_id = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
         self.node_ips = [by_id.get(nid, "") for _, nid in
                          sorted(placement_group_table(pg).get("bundles_to_node_id", {}).items())]
-        devices = node_devices(self.cfg)
         group = self.cfg.monitor.groups_of(w.nodes)  # a leader also passes the lease down to its members
+        # its watchdog ends the node's processes of the run when the launcher is gone
+        driver = driver_identity()
         for n in range(w.nodes):
             self.agents.append(ray.remote(NodeAgent).options(
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
@@ -83,15 +83,7 @@ class NodeAgents:
                 # threaded: run_msrun holds one thread for the whole job; kill_ranks, stop,
                 # dump_stacks and telemetry must still get through
                 max_concurrency=8 + group,
-            ).remote(n, aggregator, w.device.value,
-                     {n * w.ranks_per_node + i: devices[i] for i in range(w.ranks_per_node)},
-                     self.cfg.monitor.telemetry_interval_s, w.ranks_per_node, self.cfg.monitor.decision_timeout_s,
-                     # its watchdog ends the node's processes of the run when the launcher is gone
-                     driver=driver_identity(), straggler_window=self.cfg.monitor.straggler_window,
-                     collect_freq=self.cfg.monitor.collect_freq, relay_token=relay_token,
-                     world_size=w.world_size,
-                     # the compute_drop rule's window: the node keeps each rank's TFLOPS median
-                     compute_window=compute_drop_window(self.cfg.to_dict()["anomalies"])))
+            ).remote(aggregator, node_settings(self.cfg, n, relay_token=relay_token, driver=driver)))
 
     def wait_ready(self) -> None:
         """Wait for every agent created by `reserve` and link the groups of the tree."""

@@ -22,6 +22,7 @@ from mindpulse.protocol import (
     RankSettings,
     ResumePoint,
 )
+from mindpulse.settings import AggregatorSettings, BestSeed, NodeSettings, compute_drop_window
 
 
 class RunStatus(str, enum.Enum):
@@ -328,3 +329,35 @@ def rank_settings(cfg: RunConfig, *, run_dir: str, run_id: str, attempt: int, ag
         relay_token=relay_token,
         task=task,
     )
+
+
+def aggregator_settings(cfg: RunConfig, *, attempt: int = 0, start_step: int = 0,
+                        rollbacks: dict[str, int] | None = None, goodput: dict[str, Any] | None = None,
+                        config_yaml: str = "", best: dict[str, Any] | None = None,
+                        peak_dtype: str = "") -> AggregatorSettings:
+    """The launcher → aggregator contract for one attempt. `start_step`: the step the attempt
+    resumes after; `rollbacks`: each rule's rollbacks in this launch; `goodput`: the launch's
+    start and the earlier attempts' productive seconds ({started, productive_s}); `best`: the
+    manifest's best checkpoint (launcher/resume.py `best_seed`); `peak_dtype`: MFU's dtype."""
+    goodput = goodput or {}
+    return AggregatorSettings(
+        config=cfg, tensorboard=cfg.output.tensorboard, start_step=start_step, attempt=attempt,
+        rollbacks=dict(rollbacks or {}), launch_started=float(goodput.get("started") or 0.0),
+        productive_before_s=float(goodput.get("productive_s") or 0.0), peak_dtype=peak_dtype,
+        config_yaml=config_yaml, best=BestSeed.of(best))
+
+
+def node_settings(cfg: RunConfig, node: int, *, relay_token: str = "",
+                  driver: dict[str, Any] | None = None) -> NodeSettings:
+    """The launcher → node agent contract: node `node` of one attempt. `driver`: the
+    launcher's process identity (the agent's watchdog ends the node's processes once it is gone)."""
+    w = cfg.world
+    devices = node_devices(cfg)
+    return NodeSettings(
+        node=node, device=w.device.value,
+        rank_devices={node * w.ranks_per_node + i: devices[i] for i in range(w.ranks_per_node)},
+        world_size=w.world_size, telemetry_interval_s=cfg.monitor.telemetry_interval_s,
+        straggler_window=cfg.monitor.straggler_window,
+        collect_freq=cfg.monitor.collect_freq,
+        # the compute_drop rule's window: the node keeps each rank's TFLOPS median
+        compute_window=compute_drop_window(cfg.anomalies), relay_token=relay_token, driver=dict(driver or {}))

@@ -16,6 +16,7 @@ import functools
 import json
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -177,6 +178,11 @@ class EventPacket(Packet):
     pid: int = 0
     host: str = ""
     message: str = ""
+    state: str = ""
+    """A heartbeat's `RankState` value (empty: between steps, or not a heartbeat)."""
+    state_step: int = 0
+    """A heartbeat's step of `state`: the step the loop is inside, or the one it saves or
+    evaluates after."""
 
     SCHEMA: ClassVar[dict[str, tuple[type, ...]]] = {
         "rank": (int,),
@@ -186,8 +192,18 @@ class EventPacket(Packet):
         "pid": (int,),
         "host": (str,),
         "message": (str,),
+        "state": (str,),
+        "state_step": (int,),
     }
     REQUIRED: ClassVar[tuple[str, ...]] = ("rank", "kind")
+
+    @property
+    def rank_state(self) -> RankState:
+        """A heartbeat's state (an unknown value reads as between steps)."""
+        try:
+            return RankState(self.state)
+        except ValueError:
+            return RankState.IDLE
 
 
 @dataclass
@@ -374,23 +390,60 @@ def decode_wire(data: bytes) -> tuple[Packet, dict[str, Any]]:
     return from_wire(obj), obj
 
 
-@dataclass
+class RankState(str, enum.Enum):
+    """What a rank's loop is doing, as its heartbeat says (with the step it is about)."""
+
+    IDLE = ""
+    """Between steps (or before the first)."""
+    IN_STEP = "in_step"
+    """Inside a step (it began, its faults let it start, it has not ended): a rank blocked
+    before the step the others are in is told from those waiting inside its collective."""
+    SAVING = "saving"
+    """Writing a checkpoint after a step: time the hang clock does not count."""
+    EVALUATING = "evaluating"
+    """Evaluating after a step: time the hang clock does not count."""
+
+    @property
+    def busy(self) -> bool:
+        return self in (RankState.SAVING, RankState.EVALUATING)
+
+
+SAVE_ORDER = (CheckpointKind.PERIODIC, CheckpointKind.BEST, CheckpointKind.LAST)
+"""The order a directive's checkpoint kinds are listed in."""
+
+
+@dataclass(frozen=True, init=False)
 class Directive:
-    """The aggregator's answer at a decision point."""
+    """The aggregator's answer at a decision point (built once, never changed)."""
 
     step: int
     action: Action = Action.CONTINUE
     reason: str = ""
-    save: str = ""
-    """Non-empty: rank 0 saves a checkpoint after the step; comma-separated
-    `CheckpointKind` values (`periodic`, `best`, `last`)."""
+    saves: frozenset[CheckpointKind] = frozenset()
+    """Non-empty: rank 0 saves a checkpoint after the step, for each of these reasons (one
+    file may serve several). On the wire: a list of `CheckpointKind` values."""
     metric: float | None = None
     """The reduced metric of the step (recorded with a `best` checkpoint)."""
     metric_name: str = ""
 
+    def __init__(self, step: int, action: Action = Action.CONTINUE, reason: str = "",
+                 saves: Iterable[CheckpointKind | str] = (), metric: float | None = None, metric_name: str = "",
+                 *, save: str = ""):
+        """`save`: the kinds as text (`periodic,best`), the form `save` reads back; joined to `saves`."""
+        kinds = {CheckpointKind(k) for k in saves} | {CheckpointKind(k) for k in save.split(",") if k}
+        for name, value in (("step", step), ("action", action), ("reason", reason), ("saves", frozenset(kinds)),
+                            ("metric", metric), ("metric_name", metric_name)):
+            object.__setattr__(self, name, value)
+
     @property
     def save_kinds(self) -> list[CheckpointKind]:
-        return [CheckpointKind(k) for k in self.save.split(",") if k in _CKPT_KINDS]
+        """`saves` in their fixed order (periodic, best, last)."""
+        return [k for k in SAVE_ORDER if k in self.saves]
+
+    @property
+    def save(self) -> str:
+        """`save_kinds` as text (`periodic,best`), for messages."""
+        return ",".join(k.value for k in self.save_kinds)
 
     @staticmethod
     def no_directive(step: int, why: str) -> Directive:
@@ -400,7 +453,8 @@ class Directive:
     def encode(self) -> bytes:
         return msgpack.packb(
             {"v": SCHEMA_VERSION, "t": "directive", "step": self.step, "action": self.action.value,
-             "reason": self.reason, "save": self.save, "metric": self.metric, "metric_name": self.metric_name},
+             "reason": self.reason, "save": [k.value for k in self.save_kinds], "metric": self.metric,
+             "metric_name": self.metric_name},
             use_bin_type=True,
         )
 
@@ -411,8 +465,12 @@ class Directive:
             if obj.get("v") != SCHEMA_VERSION or obj.get("t") != "directive":
                 raise PacketError("version", f"not a directive of schema {SCHEMA_VERSION}")
             m = obj.get("metric")
+            save = obj.get("save") or []
+            if not isinstance(save, list):
+                raise PacketError("malformed", f"bad directive (save {save!r} is not a list of checkpoint kinds)")
             return Directive(step=int(obj["step"]), action=Action(obj["action"]),
-                             reason=str(obj.get("reason", "")), save=str(obj.get("save", "")),
+                             reason=str(obj.get("reason", "")),
+                             saves=frozenset(CheckpointKind(k) for k in save if k in _CKPT_KINDS),
                              metric=float(m) if isinstance(m, (int, float)) else None,
                              metric_name=str(obj.get("metric_name", "")))
         except PacketError:
@@ -436,6 +494,7 @@ __all__ = [
     "Action",
     "RULE_ACTIONS",
     "Directive",
+    "RankState",
     "Lease",
     "from_wire",
     "CheckpointKind",

@@ -32,6 +32,7 @@ from mindpulse.aggregator.rundir_io import open_log_fd
 from mindpulse.node.relay import NodeBatch
 from mindpulse.process_identity import process_alive, process_identity, same_process_table
 from mindpulse.processes import descendants, die_with_parent_preexec, end_process_tree, end_processes
+from mindpulse.settings import NodeSettings
 from mindpulse.uplink import Receipt, Uplink, UplinkServer
 
 if TYPE_CHECKING:
@@ -88,20 +89,20 @@ async def _members_decide(agent: NodeAgent, step: int, timeout: float) -> bytes:
 
 
 class NodeAgent:
-    def __init__(self, node: int, aggregator: Any, device: str, rank_devices: dict[int, int],
-                 interval_s: float = 5.0, local_ranks: int = 1, decision_timeout_s: float = 120.0,
-                 driver: dict[str, Any] | None = None, straggler_window: int = 10, collect_freq: int = 10,
-                 relay_token: str = "", world_size: int | None = None, compute_window: int = 20):
-        """`driver`: the launcher's `driver_identity()`; while it is given, a watchdog ends this
-        node's processes of the run once that process is gone."""
+    def __init__(self, aggregator: Any, settings: NodeSettings):
+        """`settings`: the launcher's `NodeSettings` for this node (launcher/spec.py
+        `node_settings`); while they name the driver, a watchdog ends this node's processes of
+        the run once that process is gone."""
         from mindpulse.node.relay import NodePreReducer, RelayServer
 
+        node = settings.node
+        self.settings = settings
         self.node = node
         self.name = f"node{node}-{socket.gethostname()}"
         self.aggregator = aggregator
-        self.device = device
-        self.rank_devices = {int(k): int(v) for k, v in rank_devices.items()}
-        self.interval_s = interval_s
+        self.device = settings.device
+        self.rank_devices = {int(k): int(v) for k, v in settings.rank_devices.items()}
+        self.interval_s = settings.telemetry_interval_s
         self.sampler = None
         self.sent = 0
         self.errors: list[str] = []
@@ -114,7 +115,7 @@ class NodeAgent:
         # children are started from this one thread: their parent-death signal is tied to the
         # thread that forked them, and Ray's actor threads are not ours to keep alive
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mindpulse-spawn")
-        self.driver = dict(driver or {})
+        self.driver = dict(settings.driver)
         self._ending = threading.Event()
         """Set to stop the watchdog (tests; the agent itself ends with its process)."""
         self._watchdog: threading.Thread | None = None
@@ -122,10 +123,11 @@ class NodeAgent:
         # one partial per node and step
         ranks = sorted(self.rank_devices)
         self.prereduce = NodePreReducer(node, range(ranks[0], ranks[-1] + 1) if ranks else range(0),
-                                        straggler_window=straggler_window, collect_freq=collect_freq,
-                                        world_size=world_size, compute_window=compute_window)
-        self.relay = RelayServer(self._forward_send, functools.partial(_forward_decide, self), local_ranks,
-                                 prereduce=self.prereduce, token=relay_token, pushed_leases=True)
+                                        straggler_window=settings.straggler_window,
+                                        collect_freq=settings.collect_freq, world_size=settings.world_size,
+                                        compute_window=settings.compute_window)
+        self.relay = RelayServer(self._forward_send, functools.partial(_forward_decide, self), settings.local_ranks,
+                                 prereduce=self.prereduce, token=settings.relay_token, pushed_leases=True)
         self.relay_port = self.relay.start()
         # steps go up, and the lease comes down, over one stream (mindpulse/uplink.py): to the
         # aggregator, or to the group's leader

@@ -46,6 +46,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from mindpulse.config import MonitorConfig
 from mindpulse.lease_board import MAX_BODY as MAX_BOARD_LEASE
 from mindpulse.lease_board import LeaseBoard
 from mindpulse.partial import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
@@ -62,6 +63,7 @@ from mindpulse.protocol import (
     frame_int,
     frame_timeout,
 )
+from mindpulse.settings import COMPUTE_DROP_WINDOW
 
 NodeBatch = dict[str, Any]
 """{"steps": [bytes], "other": [bytes], "partials": [wire partial], "rejected": {reason: n}}"""
@@ -77,8 +79,9 @@ def empty_batch() -> NodeBatch:
 class NodePreReducer:
     """One node's steps: `add(raw)` files a packet; complete steps come out as partials."""
 
-    def __init__(self, node: int, ranks: range, straggler_window: int = 10, collect_freq: int = 10,
-                 world_size: int | None = None, compute_window: int = 20):
+    def __init__(self, node: int, ranks: range, straggler_window: int = MonitorConfig.straggler_window,
+                 collect_freq: int = MonitorConfig.collect_freq, world_size: int | None = None,
+                 compute_window: int = COMPUTE_DROP_WINDOW):
         """`world_size`: which of this node's ranks a collect step keeps whole follows from
         it (`collect_ranks`); None keeps every rank of the node whole at a collect step."""
         self.node = node

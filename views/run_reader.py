@@ -2,7 +2,7 @@
 
 It reads the run's metrics incrementally (every segment: `metrics.000001.msgpack`, ... then
 `metrics.msgpack`, see aggregator/metrics_store.py), skipping and counting damaged bytes,
-decodes every packet with the protocol's `from_wire`, reads the run's resolved config
+tells its records apart with the aggregator's own replay (aggregator/replay.py), reads the run's resolved config
 (`config.yaml`) and `summary.json`, and completes steps with the aggregator's own
 `StepReducer` and scores stragglers with its `StragglerTracker` built from the run's config. A
 view therefore shows what the aggregator computed, not a second implementation of step
@@ -23,20 +23,12 @@ from typing import Any
 
 import yaml
 
-from mindpulse.aggregator.metrics_store import (
-    ATTEMPT,
-    META_TYPES,
-    METRICS,
-    REDUCED,
-    attempt_of,
-    closed_segments,
-    drop_pending,
-    reduced_from_record,
-)
+from mindpulse.aggregator.metrics_store import METRICS, closed_segments
 from mindpulse.aggregator.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker
+from mindpulse.aggregator.replay import RecordReplay, step_from_record
 from mindpulse.config import RunConfig, sections_of
 from mindpulse.packet_stream import iter_stream
-from mindpulse.protocol import EventPacket, Packet, PacketError, StepPacket, from_wire
+from mindpulse.protocol import EventPacket, Packet, StepPacket
 
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
@@ -444,16 +436,12 @@ class RunReader:
             self._reset()
         packets: list[Packet] = []
         items: list[tuple[str, int, Any]] = []
-        for obj in objs:
-            t = obj.get("t")
-            if t in META_TYPES:
-                self._meta(obj, t, items)
+        for rec in self._records.read(objs):
+            self._cur = rec.attempt
+            if rec.packet is None:
+                self._meta(rec.marker, rec.reduced, items)
                 continue
-            try:
-                p = from_wire(obj)
-            except PacketError:
-                self.rejected += 1
-                continue
+            p = rec.packet
             packets.append(p)
             if isinstance(p, (StepPacket, EventPacket)):
                 self.max_rank = max(self.max_rank, p.rank)
@@ -475,30 +463,34 @@ class RunReader:
         self._forget()
         return Batch(objects=len(objs), packets=packets, restarted=restarted)
 
-    def _meta(self, obj: dict[str, Any], t: str, items: list[tuple[str, int, Any]]) -> None:
-        """The aggregator's own records: attempt markers, reduced steps, thinning markers."""
-        if t == ATTEMPT:
-            a = attempt_of(obj)
-            if a is None:
-                self.rejected += 1
-                return
-            self._cur = a
-            info = self._info(a)
-            ts = obj.get("ts")
+    def _meta(self, marker: dict[str, Any] | None, red: ReducedStep | None,
+              items: list[tuple[str, int, Any]]) -> None:
+        """The aggregator's own records: attempt markers, reduced steps (thinning markers are
+        only counted, by the replay)."""
+        if marker is not None:
+            info = self._info(self._cur)
+            ts = marker.get("ts")
             if info.started is None and isinstance(ts, (int, float)) and not isinstance(ts, bool):
                 info.started = float(ts)
-            if obj.get("reason") == "restart":
+            if marker.get("reason") == "restart":
                 info.restarts += 1
-        elif t == REDUCED:
-            red = reduced_from_record(obj)
-            if red is None:
-                self.rejected += 1
-                return
+        elif red is not None:
             self.record_world = max(self.record_world, red.world_size)
             items.append(("reduced", self._cur, red))
-        else:
-            self.thinned_segments += 1
-        self.meta_records += 1
+
+    @property
+    def rejected(self) -> int:
+        """Records that were neither a valid packet nor a valid record of the aggregator's."""
+        return self._records.rejected
+
+    @property
+    def meta_records(self) -> int:
+        """The aggregator's own records read (attempt markers, reduced steps, thinning markers)."""
+        return self._records.meta_records
+
+    @property
+    def thinned_segments(self) -> int:
+        return self._records.thinned_segments
 
     def _info(self, attempt: int) -> AttemptInfo:
         info = self.attempts.get(attempt)
@@ -523,10 +515,7 @@ class RunReader:
     def _reset(self) -> None:
         """Forget every record (a new reader, or the metrics file was replaced)."""
         self.records = 0
-        self.rejected = 0
-        self.meta_records = 0
-        """The aggregator's own records read (attempt markers, reduced steps, thinning markers)."""
-        self.thinned_segments = 0
+        self._records = RecordReplay()
         self.max_rank = -1
         self.record_world = 0
         self.newest_step_seen = -1
@@ -541,8 +530,8 @@ class RunReader:
         self._base = 0  # the attempt of the first item kept
         self._rebuild()
 
-    def _wanted(self) -> tuple[int, int]:
-        return self.world_size, self.config.monitor.straggler_window
+    def _wanted(self) -> tuple[int, int, int]:
+        return self.world_size, self.config.monitor.straggler_window, self.config.world.ranks_per_node
 
     def _rebuild(self) -> None:
         """A fresh reducer and straggler tracker for the current world size and window,
@@ -577,10 +566,10 @@ class RunReader:
         if red is not None:
             self._retired.update({"duplicates": red.duplicates, "late": red.late,
                                   "evicted_incomplete": red.evicted_incomplete})
-        ws, window = self._built_for
+        ws, window, ranks_per_node = self._built_for
         # built as the aggregator builds them (aggregator/core.py)
         self.reducer = StepReducer(ws) if ws > 0 else None
-        self.stragglers = StragglerTracker(window)
+        self.stragglers = StragglerTracker(window, ranks_per_node)
         self.attempt = attempt
         self._done: set[int] = set()  # steps this attempt's reducer completed (recent ones)
         self._done_order: deque[int] = deque()
@@ -642,9 +631,9 @@ class RunReader:
     def _on_record(self, red: ReducedStep, attempt: int) -> None:
         """The aggregator's reduced record of a step: only used when the packets read cannot
         complete the step (their per-rank detail was thinned); its scores are the aggregator's."""
-        if red.step in self._done:
+        packets = step_from_record(self.reducer, red, self._done)
+        if packets is None:
             return
-        packets = drop_pending(self.reducer, red.step) if self.reducer is not None else {}
         red.per_rank = dict(sorted(packets.items()))  # the packets thinning kept (non-finite ranks)
         self._info(attempt).from_records += 1
         self._take(red, attempt)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.protocol import EventKind, EventPacket, RankSettings
+from mindpulse.protocol import EventKind, EventPacket, RankSettings, RankState
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +33,21 @@ def dump_stacks_on_sigusr1() -> None:
 
 
 IN_STEP = "in step {}"
-"""A beat's message while the loop is inside a step (it began, its faults let it start, it
-has not ended); the aggregator reads it back to tell a rank blocked before the step the
-others are in (the one they wait for) from those waiting inside it (in its all-reduce)."""
-BUSY_SAVING = "saving"
-BUSY_EVALUATING = "evaluating"
+"""A beat's message (for people) while the loop is inside a step; the aggregator reads the
+beat's `state` (`RankState.IN_STEP`) and `state_step` to tell a rank blocked before the step
+the others are in (the one they wait for) from those waiting inside it (in its all-reduce)."""
+BUSY_SAVING = RankState.SAVING
+BUSY_EVALUATING = RankState.EVALUATING
 BUSY = "{} after step {}"
-"""A beat's message while the rank writes a checkpoint or evaluates after a step: time the
-hang clock does not count (a long save or evaluation is not a hang)."""
+"""A beat's message while the rank writes a checkpoint or evaluates after a step (its state
+`RankState.SAVING` or `EVALUATING`): time the hang clock does not count (a long save or
+evaluation is not a hang)."""
 
 
 class Heartbeat:
     def __init__(self, settings: RankSettings, rank: int, current_step: Callable[[], int],
                  in_step: Callable[[], int | None] | None = None, *, connect: Callable[[], Any] | None = None,
-                 busy: Callable[[], str | None] | None = None):
+                 busy: Callable[[], RankState | None] | None = None):
         self.settings = settings
         self.connect = connect
         """Opens the beat's own channel (the session's `connect`, handed in: the session owns
@@ -72,9 +73,14 @@ class Heartbeat:
     def packet(self) -> EventPacket:
         """One beat: the last finished step, and the step the loop is inside (if any)."""
         inside, busy, step = self.in_step(), self.busy(), self.current_step()
-        message = BUSY.format(busy, step) if busy else IN_STEP.format(inside) if inside is not None else ""
+        if busy:
+            state, state_step, message = RankState(busy), step, BUSY.format(RankState(busy).value, step)
+        elif inside is not None:
+            state, state_step, message = RankState.IN_STEP, inside, IN_STEP.format(inside)
+        else:
+            state, state_step, message = RankState.IDLE, 0, ""
         return EventPacket(rank=self.rank, kind=EventKind.HEARTBEAT.value, ts=time.time(), step=step,
-                           pid=os.getpid(), message=message)
+                           pid=os.getpid(), message=message, state=state.value, state_step=state_step)
 
     def _beat(self) -> None:
         if self.connect is None:

@@ -54,6 +54,7 @@ from mindpulse.protocol import (
     FrameReader,
     Lease,
     RankSettings,
+    RankState,
     Schedule,
     StepPacket,
     decode_frame_body,
@@ -602,7 +603,7 @@ class RankSession:
         """The step the loop is inside: its faults let it start, it has not ended (the
         heartbeat says so: a rank blocked before a step that the others are inside is the
         one they wait for)."""
-        self.busy: str | None = None
+        self.busy: RankState | None = None
         """What the rank does outside its steps right now: `saving` (a checkpoint) or `evaluating`
         (the heartbeat says so: that time is not a hang)."""
         self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step, lambda: self.in_step,
@@ -887,7 +888,7 @@ class RankSession:
             return
         if lease.stopping and pkt.step >= lease.stop_after:
             d = Directive(step=pkt.step, action=Action.STOP, reason=lease.reason,
-                          save=CheckpointKind.LAST.value if lease.save_last else "")
+                          saves=frozenset({CheckpointKind.LAST}) if lease.save_last else frozenset())
             self._follow(d, pkt)
         elif not lease.allows(pkt.step + 1, self.schedule.max_lag_steps):
             log.warning("[rank %d] no lease for step %d after %.0fs (aggregator at step %d); continuing",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import mindpulse.aggregator.core as core_mod
+import mindpulse.aggregator.hang_clocks as core_mod
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import ConfigError, from_dict
 from mindpulse.protocol import EventKind, EventPacket, StepPacket, parse_fault

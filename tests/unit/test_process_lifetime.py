@@ -77,6 +77,7 @@ class WatchedAgent:
     @staticmethod
     def make(driver: dict):
         from mindpulse.node.agent import NodeAgent
+        from mindpulse.settings import NodeSettings
 
         class Agent(NodeAgent):
             exited = False
@@ -84,7 +85,8 @@ class WatchedAgent:
             def _exit(self) -> None:
                 type(self).exited = True
 
-        return Agent(0, None, "cpu", {0: 0}, interval_s=0, driver=driver)
+        return Agent(None, NodeSettings(node=0, device="cpu", rank_devices={0: 0}, telemetry_interval_s=0,
+                                        driver=driver))
 
 
 @pytest.mark.slow  # real processes killed and reaped: seconds each

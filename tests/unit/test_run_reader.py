@@ -61,7 +61,7 @@ def test_reader_reduces_exactly_as_reduce_all(tmp_path):
     path = _write(tmp_path / "run", packets)
     steps = [p for p in packets if isinstance(p, StepPacket)]
     expected = reduce_all(steps, 3)
-    tracker = StragglerTracker(RunConfig().monitor.straggler_window)  # no config.yaml: the config's default
+    tracker = StragglerTracker(RunConfig().monitor.straggler_window, RunConfig().world.ranks_per_node)  # no config.yaml: the config's default
     for red in expected:
         tracker.update(red)
 
@@ -179,7 +179,7 @@ def test_reader_follows_segments_closed_while_it_reads(tmp_path, monkeypatch):
     live.poll()
     assert len(closed_segments(run)) > 10
     expected = reduce_all([p for p in packets if isinstance(p, StepPacket)], 3)
-    tracker = StragglerTracker(RunConfig().monitor.straggler_window)
+    tracker = StragglerTracker(RunConfig().monitor.straggler_window, RunConfig().world.ranks_per_node)
     for red in expected:
         tracker.update(red)
     newest = max(expected, key=lambda r: r.step)
@@ -207,7 +207,7 @@ def test_damaged_bytes_in_the_middle_hide_nothing_after_them(tmp_path):
     assert reader.tail.skipped_bytes == len(junk) and reader.tail.errors == 1
     assert reader.totals()["metrics"]["damaged_bytes_skipped"] == len(junk)
     expected = reduce_all([p for p in packets if isinstance(p, StepPacket)], 3)
-    tracker = StragglerTracker(RunConfig().monitor.straggler_window)
+    tracker = StragglerTracker(RunConfig().monitor.straggler_window, RunConfig().world.ranks_per_node)
     for red in expected:
         tracker.update(red)
     assert _records(reader.reduced) == _records(expected)

@@ -1,0 +1,150 @@
+"""The aggregator's intake: packets and node partials in, checked once, stored in
+`metrics.msgpack` as they came, and reduced.
+
+A node agent's batch (node/relay.py) carries its ranks' step packets (validated there,
+stored here without decoding), its other packets, and one partial per step its ranks
+completed; a rank outside a launch sends encoded packets. Each complete step goes to
+`on_reduced`; events and telemetry go to their handlers. One bad packet never costs the
+batch: it is counted in `rejected` by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from mindpulse.partial import from_wire as partial_from_wire
+from mindpulse.protocol import EventPacket, Packet, PacketError, StepPacket, TelemetryPacket, decode
+
+from .hang_clocks import HangClocks
+from .metrics_store import MetricsWriter
+from .reducer import ReducedStep, StepReducer
+
+log = logging.getLogger(__name__)
+
+STEP_WINDOW = 256
+"""How far beyond the newest reduced step (or the start step) a packet's step may be."""
+
+
+class Intake:
+    def __init__(self, reducer: StepReducer, metrics: MetricsWriter, clocks: HangClocks, *, world_size: int,
+                 start_step: int, on_reduced: Callable[[ReducedStep], None],
+                 on_event: Callable[[EventPacket], None], on_telemetry: Callable[[TelemetryPacket], None]):
+        self.reducer = reducer
+        self.metrics = metrics
+        self.clocks = clocks
+        self.world_size = world_size
+        self.start_step = start_step
+        self.on_reduced = on_reduced
+        self.on_event = on_event
+        self.on_telemetry = on_telemetry
+        self.accepted = 0
+        self.rejected: Counter[str] = Counter()
+        self.group_partials = 0
+        """Step partials that came merged over several nodes by a group leader."""
+
+    def ingest(self, batch: list[bytes]) -> list[ReducedStep]:
+        """Accept a batch of encoded packets; returns the steps this batch completed."""
+        good_raw: list[bytes] = []
+        packets: list[Packet] = []
+        for raw in batch if isinstance(batch, (list, tuple)) else [batch]:
+            try:
+                pkt = decode(raw)
+            except PacketError as exc:
+                self.rejected[exc.reason] += 1
+                continue
+            why = self._out_of_bounds(pkt)
+            if why:  # before any bookkeeping: a forged rank or step must not move the clocks
+                self.rejected[why] += 1
+                continue
+            good_raw.append(bytes(raw))
+            packets.append(pkt)
+        self.metrics.append(good_raw)
+        self.accepted += len(packets)
+        done: list[ReducedStep] = []
+        for pkt in packets:
+            done.extend(self.accept_one(pkt))
+        return done
+
+    def _beyond_window(self, step: int) -> bool:
+        return step > max(self.reducer.reduced_through, self.start_step) + STEP_WINDOW
+
+    def _out_of_bounds(self, pkt: Packet) -> str:
+        rank = getattr(pkt, "rank", None)
+        if rank is not None and rank >= self.world_size:
+            return "rank_out_of_world"
+        step = getattr(pkt, "step", None)
+        if step is not None and self._beyond_window(step):
+            return "step_out_of_window"
+        return ""
+
+    def accept_one(self, pkt: Packet) -> list[ReducedStep]:
+        """One packet in isolation: whatever it holds, the batch goes on (counted)."""
+        try:
+            return self._accept(pkt)
+        except Exception as exc:
+            self.rejected["apply_error"] += 1
+            if self.rejected["apply_error"] <= 5:
+                log.exception("a %s packet could not be applied: %s", type(pkt).__name__, exc)
+            return []
+
+    def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> list[ReducedStep]:
+        """Several nodes' batches in one call (a group leader's), each `(node or nodes, batch)`."""
+        done: list[ReducedStep] = []
+        with self.metrics.held():  # one write to metrics.msgpack per call
+            for nodes, batch in batches:
+                done.extend(self.ingest_node(nodes, batch))
+        return done
+
+    def ingest_node(self, node: int | list[int], batch: dict[str, Any]) -> list[ReducedStep]:
+        """A node agent's batch (node/relay.py): its step packets validated there (stored
+        as they are, never decoded here), its other packets, and one partial per step its
+        ranks completed; the work per step follows nodes, not ranks."""
+        steps = batch.get("steps") or []
+        if not isinstance(steps, list):
+            steps = []
+        try:  # the common case costs one join: every item bytes-like
+            self.metrics.append(steps)
+        except TypeError:  # something else among them: store the bytes, drop the rest
+            steps = [bytes(b) for b in steps if isinstance(b, (bytes, bytearray))]
+            self.metrics.append(steps)
+        self.accepted += len(steps)
+        for reason, n in (batch.get("rejected") or {}).items():
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                self.rejected[f"node:{reason}"[:64]] += n
+        done = self.ingest(list(batch.get("other") or []))
+        for wire in batch.get("partials") or []:
+            try:
+                part = partial_from_wire(wire)
+            except Exception:
+                self.rejected["malformed_partial"] += 1
+                continue
+            if self._beyond_window(part.step):
+                self.rejected["step_out_of_window"] += 1
+                continue
+            self.clocks.on_node_step([node] if isinstance(node, int) else list(node), part.step)
+            if not isinstance(node, int) and len(node) > 1:
+                self.group_partials += 1  # a group leader's merge of several nodes (node/group.py)
+            out = self.reducer.add_partial(node, part)
+            for red in out:
+                self.on_reduced(red)
+            done.extend(out)
+        return done
+
+    def _accept(self, pkt: Packet) -> list[ReducedStep]:
+        if isinstance(pkt, StepPacket):
+            self.clocks.on_step_packet(pkt.rank, pkt.step, pkt.step > self.reducer.last_step_of_rank.get(pkt.rank, -1))
+            out = self.reducer.add(pkt)
+            for red in out:
+                self.on_reduced(red)
+            return out
+        if isinstance(pkt, EventPacket):
+            self.on_event(pkt)
+        elif isinstance(pkt, TelemetryPacket):
+            self.on_telemetry(pkt)
+        return []
+
+
+__all__ = ["STEP_WINDOW", "Intake"]
