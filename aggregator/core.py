@@ -272,7 +272,7 @@ class AggregatorCore:
             text = tables.cluster_table(red, self.total_steps, self.straggler_threshold)
             if self.telemetry_latest:
                 text += "\n" + tables.card_table(self.telemetry_latest.values(), self.compute.card_tflops)
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, said in its place
             self.rejected["table_error"] += 1
             text = f"step {red.step}: the cluster table could not be drawn ({type(exc).__name__}: {exc})"
         self.console.append(text)
@@ -417,7 +417,7 @@ class AggregatorActor:
         replay = False
         try:
             replay = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        except Exception:
+        except Exception:  # outside a Ray actor (tests): never reconstructed
             pass
         self.core = AggregatorCore(Path(run_dir), world_size, per_print_step, total_steps, settings, replay=replay)
         self.core.defer_sinks = True  # drawn once the lease and directive are on their way (`_moved`)

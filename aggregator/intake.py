@@ -84,7 +84,7 @@ class Intake:
         """One packet in isolation: whatever it holds, the batch goes on (counted)."""
         try:
             return self._accept(pkt)
-        except Exception as exc:
+        except Exception as exc:  # one bad packet must not stop the aggregator: counted, logged
             self.rejected["apply_error"] += 1
             if self.rejected["apply_error"] <= 5:
                 log.exception("a %s packet could not be applied: %s", type(pkt).__name__, exc)
@@ -118,7 +118,7 @@ class Intake:
         for wire in batch.get("partials") or []:
             try:
                 part = partial_from_wire(wire)
-            except Exception:
+            except Exception:  # a malformed partial is counted and dropped; the batch goes on
                 self.rejected["malformed_partial"] += 1
                 continue
             if self._beyond_window(part.step):

@@ -51,6 +51,7 @@ from typing import Any
 import msgpack
 
 from mindpulse.config import MonitorConfig
+from mindpulse.errors import MindpulseError
 from mindpulse.packet_stream import iter_stream
 from mindpulse.protocol import SCHEMA_VERSION, Packet, PacketError, from_wire
 
@@ -282,7 +283,7 @@ def keep_when_thinned(obj: dict[str, Any], keep_every: int) -> bool:
     return isinstance(extra, dict) and any(isinstance(k, str) and k.startswith("eval_") for k in extra)
 
 
-class _Aborted(Exception):
+class _Aborted(MindpulseError):
     pass
 
 

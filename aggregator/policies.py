@@ -456,7 +456,7 @@ class PolicyEngine:
         for rule in self.rules:
             try:
                 f = rule.check(red)
-            except Exception as exc:
+            except Exception as exc:  # a failing rule must not stop the others: counted, reported once per cause
                 self._failed(rule, exc)
                 continue
             if f is not None:
@@ -468,6 +468,6 @@ class PolicyEngine:
         for rule in self.rules:
             try:
                 out.extend(rule.check_telemetry(cards, now, step))
-            except Exception as exc:
+            except Exception as exc:  # a failing rule must not stop the others: counted, reported once per cause
                 self._failed(rule, exc)
         return out

@@ -109,7 +109,7 @@ def rule_name(cfg: dict[str, Any], kinds: dict[str, type[Rule]] | None = None) -
     if cls is not None:
         try:
             return cls(cfg).name
-        except Exception:
+        except Exception:  # a config the rule refuses still has a name: the config's own
             pass
     return str(cfg.get("name") or cfg.get("rule"))
 
@@ -446,7 +446,7 @@ class LiveRules:
 
             try:
                 self._run_cfg = from_dict(yaml.safe_load(self.settings.config_yaml))
-            except Exception:
+            except Exception:  # an unreadable stored YAML: fall back to the launcher's parsed config
                 self._run_cfg = self.settings.config
         return self._run_cfg
 
@@ -478,7 +478,7 @@ class LiveRules:
         """A change applied before (an earlier attempt, or before a restart), re-applied silently."""
         try:
             new, _ = self._plan(req)
-        except Exception as exc:
+        except Exception as exc:  # a change that no longer applies is said, the rules stand as they are
             self.say(f"rules: WARNING the change {req.get('command')!r} could not be applied again: {exc}")
             return
         self._commit(new)
@@ -552,7 +552,7 @@ class LiveRules:
             if len(self.applied) >= MAX_CHANGES:
                 raise ConfigError(f"this run has applied {MAX_CHANGES} rule changes, the most one run takes")
             new, records = self._plan(req)
-        except Exception as exc:
+        except Exception as exc:  # any refused change is recorded and answered, the running rules stay
             why = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
             self.rejected.append({"id": rid, "time": now, "step": step, "command": command, "error": why[:1000]})
             del self.rejected[:-KEEP_REJECTED]

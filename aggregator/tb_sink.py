@@ -191,7 +191,7 @@ class TensorBoardSink:
             # (tensorboardX names files by the second and opens them with "wb")
             self._writer = summary_writer(self.logdir, flush_secs, f".{os.getpid()}.{next(_WRITER_SEQ)}",
                                           on_error=lambda exc: self._error("flush", exc))
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("open", exc)
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -244,7 +244,7 @@ class TensorBoardSink:
         try:
             with self._lock:
                 self._write_reduced(red, also or [])
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("reduced", exc)
 
     def _write_reduced(self, red: ReducedStep, also: list[tuple[str, Any]]) -> None:
@@ -304,7 +304,7 @@ class TensorBoardSink:
         try:
             with self._lock:
                 self._scalars(items, int(step), ts if _number(ts) and ts > 0 else None)
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("scalars", exc)
 
     def on_weights(self, step: int, weights: dict) -> None:
@@ -325,7 +325,7 @@ class TensorBoardSink:
                             f"{prefix}/{_tag_part(name)}", min=h["min"], max=h["max"], num=h["num"], sum=h["sum"],
                             sum_squares=h["sum_squares"], bucket_limits=h["edges"], bucket_counts=h["counts"],
                             global_step=int(step))
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("weights", exc)
 
     def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
@@ -343,7 +343,7 @@ class TensorBoardSink:
                     prefix = f"card_{_tag_part(node)}_{_tag_part(i if cid is None else cid)}"
                     scalars += [(f"{prefix}/{suffix}", card.get(key)) for suffix, key in _CARD_SCALARS]
                 self._scalars(scalars, int(step), wt)
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("telemetry", exc)
 
     def on_anomaly(self, record: dict) -> None:
@@ -365,7 +365,7 @@ class TensorBoardSink:
                 head = (f"**{_md_escape(_fmt(rec.get('rule')))}** at step {_fmt(rec.get('step'))}"
                         f" (rank {_fmt(rec.get('rank'))}): {_md_escape(_fmt(rec.get('action')))}")
                 self._add_text("anomalies", head + "\n\n" + "\n".join(rows), step)
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("anomaly", exc)
 
     def on_text(self, tag: str, text: str, step: int = 0) -> None:
@@ -379,7 +379,7 @@ class TensorBoardSink:
                     # markdown would reflow YAML: indent it as a code block
                     body = "\n".join("    " + line for line in body.splitlines())
                 self._add_text(str(tag), body, int(step))
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("text", exc)
 
     # ---- lifetime ----------------------------------------------------------------------
@@ -390,7 +390,7 @@ class TensorBoardSink:
         try:
             with self._lock:
                 self._writer.flush()
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("flush", exc)
 
     def close(self) -> None:
@@ -402,7 +402,7 @@ class TensorBoardSink:
                 self.closed = True
                 self._writer.flush()
                 self._writer.close()
-        except Exception as exc:
+        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("close", exc)
 
     def __enter__(self) -> TensorBoardSink:

@@ -173,7 +173,7 @@ class Launch:
         self.nodes.flush(kill=False)
         try:
             snap = ray.get(self.aggregator.close.remote(), timeout=60)
-        except Exception as exc:
+        except Exception as exc:  # a benchmark still reports what it measured: said
             print(f"[overhead] aggregator close: {exc}", file=sys.stderr)
         self.nodes.shutdown()
         self.nodes.release()
@@ -181,7 +181,7 @@ class Launch:
         self.stand_in.wait()
         try:
             ray.kill(self.aggregator, no_restart=True)
-        except Exception:
+        except Exception:  # best effort cleanup: the actor may be gone already
             pass
         return snap
 
@@ -382,7 +382,7 @@ def _cpu(proc) -> float:
     try:
         t = proc.cpu_times()
         return t.user + t.system
-    except Exception:
+    except Exception:  # a process psutil can no longer read: no CPU figure
         return float("nan")
 
 

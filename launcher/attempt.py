@@ -133,7 +133,7 @@ class Attempt:
 
         try:
             info = ray.get(self.aggregator.poll.remote(), timeout=10)
-        except Exception:
+        except Exception:  # no answer this tick: no progress shown, asked again at the next
             return None
         for text in info["console"]:
             self.console.say(text)
@@ -147,7 +147,7 @@ class Attempt:
         stale = max(3.0, min(15.0, (timeout or AUTO_HANG_MIN_S) / 2))
         try:
             return ray.get(self.aggregator.hang_check.remote(timeout, stale), timeout=10)
-        except Exception:
+        except Exception:  # no answer: no hang verdict this tick, asked again at the next
             return None
 
     def save_in_progress(self) -> dict[str, Any] | None:
@@ -158,7 +158,7 @@ class Attempt:
         """Every rank stops after the next decision step (the aggregator's stop directive)."""
         try:
             self.aggregator.request_stop.remote(reason, "interrupt", True)
-        except Exception:
+        except Exception:  # best effort: the ranks are killed anyway if they do not stop
             pass
 
     def kill_ranks(self) -> None:
@@ -175,7 +175,7 @@ class Attempt:
         try:
             self.poll(final=True)
             snapshot = ray.get(self.aggregator.close.remote(), timeout=30)
-        except Exception as exc:
+        except Exception as exc:  # a lost aggregator costs the cluster metrics, not the ranks' results: said, flagged
             self.console.say(f"mindpulse: WARNING the aggregator did not answer at the end ({exc}); the ranks' own "
                              "results stand, the cluster metrics are incomplete (metrics.msgpack has what it "
                              "accepted)")
@@ -215,11 +215,12 @@ class Attempt:
                 intr = self.interrupts
                 again = (lambda: intr.count >= 2) if interrupted and intr is not None else None
                 snapshot = waits.get(self.aggregator.close.remote(), 10, again, "the aggregator's close")
+            # best effort at abort: the aggregator is killed next, the run is ending anyway
             except (Exception, waits.StartInterrupted):
                 pass
             try:
                 ray.kill(self.aggregator, no_restart=True)
-            except Exception:
+            except Exception:  # best effort cleanup: the actor may be gone already
                 pass
         self.nodes.release()
         return snapshot

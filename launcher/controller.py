@@ -94,6 +94,7 @@ class Controller:
                 raise
             # a later attempt cannot be placed (a node is gone): the run has a history; keep it
             self.result, self.snapshot = RunResult(status=RunStatus.FAILED, message=f"restart refused: {exc}"), {}
+        # any launcher error fails this attempt with its message (logged), never the controller
         except Exception as exc:
             log.exception("attempt %d failed in the launcher", self.index)
             if self.attempt is not None:
@@ -174,7 +175,7 @@ class Controller:
 
             try:
                 supersede_after(ckpt_dir, 0, note="rolled back to the start")
-            except Exception as exc:
+            except Exception as exc:  # the rollback goes on from the start; the stale listing is only said
                 self.console.say(f"mindpulse: rollback: the newer checkpoints stay listed: {exc}")
         record = {"rule": rb["rule"], "anomaly_step": anomaly, "from_step": stop.get("step"), "to_step": to_step,
                   "skipped_batches": skipped, "lr_factor": float(rb["lr_factor"])}

@@ -105,6 +105,7 @@ class Launch:
             for s, h in old.items():
                 signal.signal(s, h)
             return self._refuse(exc)
+        # any launcher error becomes a failed run (logged): its message goes into the summary
         except Exception as exc:
             log.exception("launcher failed")
             result = RunResult(status=RunStatus.FAILED, message=f"launcher error: {type(exc).__name__}: {exc}")

@@ -149,7 +149,7 @@ class NodeAgents:
                 res = waits.get(agent.start_telemetry.remote(pids), 60, self.interrupted, "the telemetry")
                 if res.get("source") is None and self.cfg.monitor.telemetry_interval_s > 0:
                     say(f"mindpulse: no telemetry on {res['node']}: {res.get('reason')}")
-            except Exception as exc:
+            except Exception as exc:  # telemetry is optional: the run goes on without it, said once
                 say(f"mindpulse: node agent {n} did not start telemetry: {exc}")
 
     def dump_stacks(self, pids: dict[int, int], logs_dir: str, ready: list[int],
@@ -162,7 +162,7 @@ class NodeAgents:
             mine = {r: p for r, p in pids.items() if r // rpn == n}
             try:
                 ray.get(agent.dump_stacks.remote(mine, logs_dir, ready), timeout=90)
-            except Exception as exc:
+            except Exception as exc:  # a diagnostic that failed must not stop the run's end: said
                 say(f"mindpulse: stack dump on node {n} failed: {exc}")
 
     def saving_now(self, ckpt_dir: str) -> dict[str, Any] | None:
@@ -175,7 +175,7 @@ class NodeAgents:
             return {"error": "no node agent"}
         try:
             return ray.get(self.agents[0].saving_now.remote(ckpt_dir), timeout=5)
-        except Exception as exc:
+        except Exception as exc:  # an unanswered question is reported in the answer itself
             return {"error": f"node 0's agent did not answer ({type(exc).__name__})"}
 
     def kill_ranks(self) -> None:
@@ -183,7 +183,7 @@ class NodeAgents:
         for a in self.agents:
             try:
                 a.kill_ranks.remote()
-            except Exception:
+            except Exception:  # best effort kill: an agent already gone has no ranks left
                 pass
 
     # ---- the end ------------------------------------------------------------------------------
@@ -208,17 +208,17 @@ class NodeAgents:
                 try:
                     # at the end (`release`) the ranks were told to end: one still running is killed
                     refs.append(a.stop.remote(kill=kill, end_ranks=release))
-                except Exception:
+                except Exception:  # an agent already gone has nothing to flush: the others still end
                     pass
             for ref in refs:
                 try:
                     ends.append(ray.get(ref, timeout=20))
-                except Exception:
+                except Exception:  # an agent that does not answer is left out of the ends, the others still count
                     pass
             for a in wave if release else ():
                 try:
                     ray.kill(a, no_restart=True)
-                except Exception:
+                except Exception:  # best effort cleanup: the actor may be gone already
                     pass
         return ends
 
@@ -234,17 +234,17 @@ class NodeAgents:
         for a in self.agents:
             try:
                 asked.append(a.stop.remote(kill=True))
-            except Exception:
+            except Exception:  # best effort: the agents are killed just below anyway
                 pass
         if asked:
             try:
                 ray.wait(asked, num_returns=len(asked), timeout=grace_s)
-            except Exception:
+            except Exception:  # best effort: the agents are killed just below anyway
                 pass
         for a in self.agents:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:
+            except Exception:  # best effort cleanup: the actor may be gone already
                 pass
 
     def release(self) -> None:
@@ -255,6 +255,6 @@ class NodeAgents:
             return
         try:
             remove_placement_group(self.pg)
-        except Exception:
+        except Exception:  # best effort cleanup: Ray frees the group with the job anyway
             pass
         self.pg = None

@@ -11,9 +11,10 @@ import shutil
 from typing import Any
 
 from mindpulse.config import Device, RunConfig
+from mindpulse.errors import MindpulseError
 
 
-class LaunchRefused(RuntimeError):
+class LaunchRefused(MindpulseError, RuntimeError):
     """The cluster cannot run this config; nothing was started (exit code 2)."""
 
 

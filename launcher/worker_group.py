@@ -149,6 +149,7 @@ class RayWorkerGroup(WorkerGroup):
         try:
             infos = waits.get([a.info.remote() for a in self.actors], RANK_START_TIMEOUT_S, self.interrupted,
                               "the rank actors")
+        # a start that timed out is said, not raised: the run calls below are still made and judged
         except Exception as exc:
             self.say(f"mindpulse: ranks did not start: {exc}")
         self.rank_pids = {i["rank"]: i["pid"] for i in infos}
@@ -168,7 +169,7 @@ class RayWorkerGroup(WorkerGroup):
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:
+            except Exception:  # best effort kill: the actor may be gone already
                 pass
 
     def terminate(self, graceful: bool) -> None:
@@ -181,7 +182,7 @@ class RayWorkerGroup(WorkerGroup):
                     ending.append(a.__ray_terminate__.remote())
                 else:
                     ray.kill(a, no_restart=True)
-            except Exception:
+            except Exception:  # best effort: an actor already gone needs no end
                 pass
         # the scheduler leaves once it sees every worker unregistered, but it looks only every
         # 5 s (MindSpore's meta server): once the rank actors are gone (each unregisters as it
@@ -201,7 +202,7 @@ class RayWorkerGroup(WorkerGroup):
         if self.nodes.agents:
             try:
                 ray.get(self.nodes.agents[0].wait_scheduler.remote(wait), timeout=wait + 15)
-            except Exception:
+            except Exception:  # best effort: the scheduler is ended right after whether it left or not
                 pass
 
 
@@ -216,7 +217,7 @@ class RayWorkerGroup(WorkerGroup):
         for agent in self.nodes.agents:
             try:
                 refs.append(agent.end_ranks.remote())
-            except Exception:
+            except Exception:  # best effort: an agent already gone has no rank processes to wait for
                 pass
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=RANK_EXIT_GRACE_S + 10)

@@ -88,7 +88,7 @@ def sweep_stale(directory: str, now: float | None = None) -> list[str]:
                     os.close(fd)
             except OSError:
                 continue
-    except Exception:
+    except Exception:  # sweeping stale pages is best effort: the directory unreadable leaves them, nothing else
         pass
     return removed
 

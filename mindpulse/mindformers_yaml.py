@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from mindpulse.errors import MindpulseError
+
 RUN_MODES = ("train", "finetune")
 """The run modes this job trains with; MindFormers' eval and predict modes are not training runs."""
 
@@ -46,7 +48,7 @@ STOP_CALLBACK = "TrainCallBack"
 """MindFormers' registered callback that ends training at `stop_step` (run_context.request_stop)."""
 
 
-class MindFormersConfigError(ValueError):
+class MindFormersConfigError(MindpulseError, ValueError):
     """A MindFormers YAML (or an override of it) that this job cannot run; says what to change."""
 
 

@@ -87,7 +87,7 @@ def iter_stream(data_or_file: Any, stats: dict[str, int] | None = None, final: b
             obj = next(pu)
         except StopIteration:
             return "wait" if len(piece) < too_big else None
-        except Exception:
+        except Exception:  # any undecodable bytes here only mean no record starts at h
             return None
         return "ok" if is_record(obj) else None
 

@@ -53,5 +53,5 @@ def process_alive(pid: int | None, create_time: float | None = None) -> bool:
         if create_time is not None and abs(p.create_time() - float(create_time)) > 1.0:
             return False
         return p.status() != psutil.STATUS_ZOMBIE
-    except Exception:
+    except Exception:  # a process psutil cannot read (gone, denied, bad pid) counts as not this one alive
         return False

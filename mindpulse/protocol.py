@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from mindpulse.errors import MindpulseError
 from mindpulse.metrics import STEP_METRICS
 
 SCHEMA_VERSION = 1
@@ -36,7 +37,7 @@ _UNPACK_LIMITS = dict(
 )
 
 
-class PacketError(ValueError):
+class PacketError(MindpulseError, ValueError):
     """A packet that cannot be accepted; `reason` is a short category for counters."""
 
     def __init__(self, reason: str, detail: str):

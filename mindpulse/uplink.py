@@ -252,7 +252,7 @@ class UplinkServer:
         try:
             try:
                 hello = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
-            except Exception:
+            except Exception:  # a peer that sends no valid hello is refused just below
                 hello = {}
             token = hello.get("token")
             if not (hello.get("op") == "hello" and isinstance(token, str) and hmac.compare_digest(token, self.token)):
@@ -309,7 +309,7 @@ class UplinkServer:
             return False
         try:
             raw = self.directive_now(frame_int(step, -1))
-        except Exception:
+        except Exception:  # no directive at hand: the slow path (_answer) asks the aggregator instead
             return False
         if raw is None:
             return False
@@ -320,7 +320,7 @@ class UplinkServer:
         step, timeout = frame_int(step, -1), frame_timeout(timeout)
         try:
             raw = await self.directive(step, timeout)
-        except Exception as exc:
+        except Exception as exc:  # the rank gets no directive naming the error, never a hung wait
             raw = Directive.no_directive(step, f"aggregator error: {exc}").encode()
         if not writer.is_closing():
             self._write(writer, encode_frame({"seq": seq, "directive": raw}))
@@ -471,7 +471,7 @@ class Uplink:
                     self._on_frame(await _read_frame(reader))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # a lost connection is retried by this loop: recorded, counted
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self.stats["connect_errors"] += 1
                 log.debug("node %d uplink: %s", self.node, self.last_error)
@@ -507,5 +507,5 @@ def _call(fn: Callable[[], None] | None) -> None:
         return
     try:
         fn()
-    except Exception as exc:
+    except Exception as exc:  # a callback's failure must not break the stream: logged
         log.warning("uplink: an acknowledgement callback failed: %s", exc)

@@ -64,7 +64,7 @@ def node_ip() -> str:
         import ray
 
         return ray.util.get_node_ip_address()
-    except Exception:
+    except Exception:  # outside Ray (tests, a plain process) the node is this machine
         return "127.0.0.1"
 
 
@@ -365,7 +365,7 @@ class NodeAgent:
             lost = self._in_loop(self.uplink.close(UPLINK_CLOSE_S), UPLINK_CLOSE_S + 5)
             if self.server is not None:
                 self._in_loop(self.server.close())
-        except Exception as exc:
+        except Exception as exc:  # the agent's stop must always return its record: the error goes into it
             group = {}
             self.errors.append(f"stop: {exc!r}")
         self.relay.stop()
@@ -413,7 +413,7 @@ class NodeAgent:
                     proc = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
                                           text=True, timeout=30)
                     text = proc.stdout + proc.stderr
-                except Exception as exc:
+                except Exception as exc:  # a failed dump is written into the rank's stack file instead
                     text = f"py-spy failed: {exc}"
             try:
                 # only ranks that registered faulthandler (the monitor started): SIGUSR1's
@@ -447,7 +447,7 @@ class NodeAgent:
             import psutil
 
             self._tracked.setdefault(pid, psutil.Process(pid).create_time())
-        except Exception:
+        except Exception:  # a process already gone or not ours is simply not tracked
             pass
 
     def _track(self) -> None:
@@ -480,7 +480,7 @@ class NodeAgent:
             for job in jobs():
                 if job.get("JobID") == me:
                     return not job.get("IsDead")
-        except Exception:
+        except Exception:  # Ray's job table unreadable: the driver's liveness is unknown, not dead
             return None
         return None
 

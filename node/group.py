@@ -100,7 +100,7 @@ class GroupLeader:
             for wire in batch.get("partials") or []:
                 try:
                     part = from_wire(wire)
-                except Exception:
+                except Exception:  # a malformed partial from a member is counted and dropped; the group's batch goes on
                     self._rejected["malformed_partial"] += 1
                     continue
                 per = self._parts.setdefault(part.step, {})

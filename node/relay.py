@@ -227,7 +227,7 @@ class RelayServer:
         fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
         try:
             fut.result(5)
-        except Exception:
+        except Exception:  # best effort at stop: the loop's thread is joined just below
             pass
         self._thread.join(5)
 
@@ -245,7 +245,7 @@ class RelayServer:
             try:
                 self.board = LeaseBoard()
                 self._publish()
-            except Exception as exc:
+            except Exception as exc:  # the board is an optimisation: without it ranks ask the relay for each lease
                 log.warning("relay: no shared-memory lease board (%s); ranks ask for each lease", exc)
         self._ready.set()
         await self._stop.wait()
@@ -359,7 +359,7 @@ class RelayServer:
         self.stats["forward_calls"] += 1
         try:
             self.forward_send(batch)
-        except Exception as exc:
+        except Exception as exc:  # a forward that failed must not kill the relay's loop: counted, logged
             self.stats["forward_errors"] += 1
             log.warning("relay could not forward a batch: %s", exc)
 
@@ -380,7 +380,7 @@ class RelayServer:
         """A lease pushed down (call in the relay's loop); a malformed one is counted, not kept."""
         try:
             lease = Lease.decode(raw)
-        except Exception:
+        except Exception:  # a malformed lease is counted and dropped, the old one stays
             self.stats["bad_leases"] += 1
             return
         self._new_lease(lease, raw)
@@ -420,7 +420,7 @@ class RelayServer:
         if self.board is not None:
             try:
                 self.board.close()
-            except Exception as exc:
+            except Exception as exc:  # best effort cleanup at stop: logged
                 log.warning("relay: could not remove the lease board %s: %s", self.board.path, exc)
             self.board = None
 
@@ -456,7 +456,7 @@ class RelayServer:
         self.stats["decide_calls"] += 1
         try:
             directive = await self.forward_decide(batch, step, timeout)
-        except Exception as exc:
+        except Exception as exc:  # the waiting ranks get a no-directive naming the error, never a hung wait
             self.stats["forward_errors"] += 1
             directive = Directive.no_directive(step, str(exc)).encode()
         if not group["done"].done():
@@ -525,7 +525,7 @@ class _RankConnection(asyncio.Protocol):
                 return
             try:
                 msg = decode_frame_body(body)
-            except Exception:
+            except Exception:  # a malformed frame: refused before the hello, counted and skipped after it
                 if not self.authenticated:
                     self._refuse()
                     return

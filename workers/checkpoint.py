@@ -36,6 +36,7 @@ from mindpulse.aggregator.rundir_io import (  # the run directory's I/O
     modes_of,
     write_atomic,
 )
+from mindpulse.errors import MindpulseError
 from mindpulse.protocol import CheckpointKind
 
 from .model_params import is_model_param
@@ -47,12 +48,12 @@ KINDS = tuple(k.value for k in CheckpointKind)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class ManifestError(ValueError):
+class ManifestError(MindpulseError, ValueError):
     """A manifest that cannot be trusted (not JSON, wrong shape, a path that is not a bare
     file name in its folder); the message names the file."""
 
 
-class CheckpointRefused(ValueError):
+class CheckpointRefused(MindpulseError, ValueError):
     """A checkpoint a rank must not load (missing, or its size or sha256 differs from the
     manifest's); the message names the file."""
 

@@ -52,7 +52,7 @@ class CheckpointWriter:
                                         metric_name=directive.metric_name, before_write=self.before_write)
             msg = json.dumps([dict(e.__dict__, path=str(self.manager.dir / e.path)) for e in entries])
             self.report(EventKind.CHECKPOINT, msg)
-        except Exception as exc:
+        except Exception as exc:  # a failed save must not stop training: counted, logged and reported
             self.failures += 1
             log.error("[rank 0] checkpoint save at step %d failed: %s", step, exc)
             self.report(EventKind.ERROR, f"checkpoint save at step {step} failed: {exc}")

@@ -52,7 +52,7 @@ def weights_on_host(params) -> bool:
         if ms.get_context("device_target") != "CPU":
             return False
         return all(p.dtype in HOST_DTYPES for p in params)
-    except Exception:
+    except Exception:  # anything unexpected: not on the host, read through MindSpore instead
         return False
 
 
@@ -80,7 +80,7 @@ class HostViews:
         p = self.params[i]
         try:
             addr, size = p.data_ptr(), p.size
-        except Exception:
+        except Exception:  # no device pointer for this tensor: read it through MindSpore
             return host_array(p)
         kept = self._kept[i]
         if kept is not None and kept[0] == addr and kept[1] == size:

@@ -87,7 +87,7 @@ class Heartbeat:
             return  # nowhere to beat to (a session outside a launch)
         try:
             channel = self.connect()
-        except Exception as exc:
+        except Exception as exc:  # the monitor never kills the training it watches: no heartbeat, logged
             log.warning("[rank %d] heartbeat has no connection: %s", self.rank, exc)
             return
         while not self._stop.wait(self.settings.monitor.heartbeat_s):

@@ -28,12 +28,14 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from mindpulse.errors import MindpulseError
+
 LEFT_OUT = ("nltk", "datasets", "jieba", "rouge_chinese")
 """Imported by MindFormers' package at start, used only by features the recipe does not use
 (text metrics, Hugging Face data loading)."""
 
 
-class LeftOut(ImportError):
+class LeftOut(MindpulseError, ImportError):
     """A MindFormers feature needed a package that was left out of its import."""
 
 

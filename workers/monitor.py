@@ -86,7 +86,7 @@ def _lr_table(lr: Any) -> Any:
     kept = _TABLE_VIEWS.get(id(table))
     try:
         addr = table.data_ptr()
-    except Exception:
+    except Exception:  # no device pointer for this table: read it through MindSpore
         return table.asnumpy()
     if kept is not None and kept[0] is table and kept[1] == addr:
         return kept[2]
@@ -104,7 +104,7 @@ def _tokens_per_batch(ds: Any) -> int | None:
     try:
         shape = ds.output_shapes()[0] if ds is not None else None
         return int(shape[0]) * int(shape[1]) if shape is not None and len(shape) >= 2 else None
-    except Exception:
+    except Exception:  # a dataset that does not say its shape: tokens per step unknown
         return None
 
 
@@ -309,7 +309,7 @@ class Monitor(Callback):
             ds = getattr(cb, "train_dataset", None)
             try:
                 s.batch_size = int(ds.get_batch_size()) if ds is not None else None
-            except Exception:
+            except Exception:  # a dataset that does not say its batch size: unknown, not an error
                 s.batch_size = None
         if s.tokens_per_step is None:
             s.tokens_per_step = _tokens_per_batch(getattr(cb, "train_dataset", None))
@@ -366,7 +366,7 @@ class Monitor(Callback):
             return {}
         try:
             return read_stats(self._probe)
-        except Exception as exc:
+        except Exception as exc:  # the monitor never kills the training it watches: logged and counted
             self.session.monitor_error("reading the gradient statistics", exc)
             return {}
 
@@ -375,7 +375,7 @@ class Monitor(Callback):
         error (counted, logged), never an exception in the training loop."""
         try:
             return split_outputs(outputs)
-        except Exception as exc:
+        except Exception as exc:  # the monitor never kills the training it watches: logged and counted
             self.session.monitor_error("reading the step's outputs", exc)
             return None, {}
 

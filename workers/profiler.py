@@ -44,7 +44,7 @@ class ProfileWindow:
             self._profiler = Profiler(output_path=self.out_dir, start_profile=False)
             self._profiler.start()
             log.info("[rank %d] profiling steps %d..%d into %s", self.rank, *self.window, self.out_dir)
-        except Exception as exc:
+        except Exception as exc:  # profiling is optional: training goes on without it, logged
             log.error("[rank %d] the profiler did not start: %s", self.rank, exc)
             self.window = None
 
@@ -56,5 +56,5 @@ class ProfileWindow:
         try:
             prof.stop()
             prof.analyse()
-        except Exception as exc:
+        except Exception as exc:  # profiling is optional: training goes on without its report, logged
             log.error("[rank %d] the profiler did not finish: %s", self.rank, exc)

@@ -103,7 +103,7 @@ def release_communication(rank: int) -> None:
 
         if getattr(GlobalComm, "INITED", False):
             release()
-    except Exception as exc:
+    except Exception as exc:  # best effort cleanup at exit: said on stderr
         print(f"[rank {rank}] communication release failed: {exc}", file=sys.stderr, flush=True)
 
 

@@ -9,10 +9,11 @@ import functools
 import os
 from pathlib import Path
 
+from mindpulse.errors import MindpulseError
 from mindpulse.protocol import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
 
 
-class SettingsError(RuntimeError):
+class SettingsError(MindpulseError, RuntimeError):
     """job.json is missing or not of this version: the launcher and the rank disagree."""
 
 

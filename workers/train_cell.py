@@ -220,7 +220,7 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
         def _mark(cell, inputs):
             try:
                 ms.runtime.synchronize()
-            except Exception:
+            except Exception:  # best effort: without the sync the timing only includes queued work
                 pass
             self.pre_reduce_ts = time.perf_counter()
             wanted = self.capture_grads
@@ -228,13 +228,13 @@ class MonitoredTrainOneStepCell(nn.TrainOneStepCell):
                 try:
                     grads = inputs[0]
                     self.captured_grads = {n: g.asnumpy() for n, g in zip(names, grads) if n in wanted}
-                except Exception:
+                except Exception:  # histograms are optional: none this step rather than a failed step
                     self.captured_grads = None
                 self.capture_grads = None
 
         try:
             self.grad_reducer.register_forward_pre_hook(_mark)
-        except Exception:
+        except Exception:  # no hook on this reducer: no reduce timing, training unchanged
             return False
         self._timing_on = True
         return True

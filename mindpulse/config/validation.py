@@ -30,10 +30,11 @@ from mindpulse.config.schema import (
     RuleKind,
     RunConfig,
 )
+from mindpulse.errors import MindpulseError
 from mindpulse.protocol import RULE_ACTIONS, Action, FaultKind, parse_fault
 
 
-class ConfigError(ValueError):
+class ConfigError(MindpulseError, ValueError):
     """A config problem; the message names the dotted path, the bad value and what is allowed."""
 
 

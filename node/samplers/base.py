@@ -12,6 +12,8 @@ import abc
 import threading
 from typing import Any, TypedDict, cast
 
+from mindpulse.errors import MindpulseError
+
 __all__ = [
     "CARD_KEYS",
     "HOST_KEYS",
@@ -61,7 +63,7 @@ _MB = float(1 << 20)
 _EXCERPT = 200
 
 
-class TelemetryUnavailable(RuntimeError):
+class TelemetryUnavailable(MindpulseError, RuntimeError):
     """No telemetry source for the requested device on this machine; the message says why."""
 
 
