@@ -25,7 +25,7 @@ OK = RunResult(status=RunStatus.SUCCEEDED, outcomes={0: RankOutcome(rank=0, exit
 
 
 def _checkpoint(ckpt_dir: Path, step: int) -> str:
-    from mindpulse.workers.checkpoint import CkptEntry, sha256_of, write_manifest
+    from mindpulse.checkpoint_manifest import CkptEntry, sha256_of, write_manifest
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}-periodic.ckpt"
