@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig
+from mindpulse.fault_specs import CHECK_FAULTS, parse_fault
 from mindpulse.formatting import number
-from mindpulse.protocol import CHECK_FAULTS, Action, EventKind, parse_fault
+from mindpulse.protocol import Action, EventKind
 
 from .preflight import LaunchRefused
 

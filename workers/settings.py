@@ -9,7 +9,7 @@ import functools
 import os
 from pathlib import Path
 
-from mindpulse.protocol import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
+from mindpulse.rank_settings import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
 
 
 class SettingsError(RuntimeError):

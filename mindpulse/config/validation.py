@@ -30,7 +30,8 @@ from mindpulse.config.schema import (
     RuleKind,
     RunConfig,
 )
-from mindpulse.protocol import RULE_ACTIONS, Action, FaultKind, parse_fault
+from mindpulse.fault_specs import FaultKind, parse_fault
+from mindpulse.protocol import RULE_ACTIONS, Action
 
 
 class ConfigError(ValueError):

@@ -156,8 +156,9 @@ def _settings(run_dir, **config):
 
 def _saving_channel():
     """A channel whose every decision says "save the best", the metric falling."""
-    from mindpulse.protocol import Directive, Lease, decode
-    from mindpulse.workers.session import Channel
+    from mindpulse.directives import Directive, Lease
+    from mindpulse.protocol import decode
+    from mindpulse.workers.channel import Channel
 
     class SavingChannel(Channel):
         def __init__(self):
@@ -231,7 +232,7 @@ def test_checkpoint_files_follow_the_output_mode(tmp_path, cell, mode, file_mode
     st = _settings(tmp_path, **({"output": {"mode": mode}} if mode else {}))
     events = []
     writer = CheckpointWriter.for_run(st, lambda kind, msg: events.append((kind, msg)))
-    from mindpulse.protocol import Directive
+    from mindpulse.directives import Directive
 
     writer.write(Directive(step=2, save="periodic,best", metric=1.0, metric_name="loss"), 2, 1, cell)
     ckpt_dir = tmp_path / "checkpoints"

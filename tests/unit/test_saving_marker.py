@@ -56,7 +56,7 @@ def test_a_marker_that_cannot_be_written_is_no_error(tmp_path):
 
 
 def test_slow_save_is_a_fault_of_rank_0_only():
-    from mindpulse.protocol import FaultKind, parse_fault
+    from mindpulse.fault_specs import FaultKind, parse_fault
 
     f = parse_fault("slow_save@0:4", world_size=2)
     assert f.kind is FaultKind.SLOW_SAVE and (f.rank, f.step) == (0, 4) and str(f) == "slow_save@0:4"

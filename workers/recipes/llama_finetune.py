@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from mindpulse.protocol import RankSettings
+    from mindpulse.rank_settings import RankSettings
 
 log = logging.getLogger(__name__)
 
