@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mindpulse.directives import Directive, Lease
 from mindpulse.partial import collect_ranks
-from mindpulse.protocol import Directive, EventKind, EventPacket, Lease, Packet, TelemetryPacket
+from mindpulse.protocol import EventKind, EventPacket, Packet, TelemetryPacket
 from mindpulse.settings import AggregatorSettings, compute_drop_window
 from mindpulse.uplink import UplinkServer
 
@@ -401,7 +402,7 @@ class AggregatorCore:
 # lease down and answers rank 0's decisions at checkpoint candidates once every rank has
 # reported that step (or after the timeout, naming the missing ranks). Ray calls remain for
 # the launcher (poll, snapshot, stop) and for a rank outside a launch (`ingest`, `decide`,
-# `lease` as a long poll: workers/session.py's ActorChannel).
+# `lease` as a long poll: workers/channel.py's ActorChannel).
 
 
 def actor_name(run_id: str) -> str:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import CheckpointConfig
-from mindpulse.protocol import Action, CheckpointKind, Directive, EventPacket, Lease
+from mindpulse.directives import Directive, Lease
+from mindpulse.protocol import Action, CheckpointKind, EventPacket
 from mindpulse.settings import AggregatorSettings
 
 from .policies import Firing, PolicyEngine, build_rules, rule_config

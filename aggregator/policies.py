@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mindpulse.config import DEFAULT_RULES, AnomalyRuleConfig, RuleKind, resolve_rule, sections_of
+from mindpulse.formatting import general
 from mindpulse.protocol import Action
 
 from .reducer import ReducedStep
@@ -68,14 +69,6 @@ class Firing:
         return d
 
 
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.6g}"
-
-
 class Rule:
     kind = "rule"
 
@@ -118,19 +111,19 @@ class NonFiniteRule(Rule):
             p = red.per_rank[r]
             what = []
             if p.loss is not None and not math.isfinite(p.loss):
-                what.append(f"loss {_fmt(p.loss)}")
+                what.append(f"loss {general(p.loss)}")
             if p.nan_count:
                 what.append(f"{p.nan_count} NaN gradient values")
             if p.inf_count:
                 what.append(f"{p.inf_count} Inf gradient values")
             if p.grad_norm_local is not None and not math.isfinite(p.grad_norm_local) and not what:
-                what.append(f"local grad norm {_fmt(p.grad_norm_local)}")
+                what.append(f"local grad norm {general(p.grad_norm_local)}")
             value = p.loss if (p.loss is not None and not math.isfinite(p.loss)) else p.grad_norm_local
             others = f" (also ranks {bad[1:]})" if len(bad) > 1 else ""
             msg = f"non-finite values on rank {r} at step {red.step}: {', '.join(what)}{others}"
             return self.fire(red.step, r, value, None, msg)
-        return self.fire(red.step, None, red.grad_norm, None,
-                         f"global grad norm is {_fmt(red.grad_norm)} at step {red.step} (no rank reported it locally)")
+        return self.fire(red.step, None, red.grad_norm, None, f"global grad norm is {general(red.grad_norm)} at step "
+                         f"{red.step} (no rank reported it locally)")
 
 
 class GradExplosionRule(Rule):
@@ -155,16 +148,16 @@ class GradExplosionRule(Rule):
         culprit = red.grad_norm_local_max_rank
         if self.limit is not None and g > self.limit:
             firing = self.fire(red.step, culprit, g, self.limit,
-                               f"gradient explosion at step {red.step}: global grad norm {_fmt(g)} > limit "
-                               f"{_fmt(self.limit)} (largest local norm on rank {culprit}: "
-                               f"{_fmt(red.grad_norm_local_max)})")
+                               f"gradient explosion at step {red.step}: global grad norm {general(g)} > limit "
+                               f"{general(self.limit)} (largest local norm on rank {culprit}: "
+                               f"{general(red.grad_norm_local_max)})")
         elif len(self.history) >= self.warmup and self.history:
             med = statistics.median(self.history)
             if med > 0 and g > self.factor * med:
                 firing = self.fire(red.step, culprit, g, self.factor * med,
-                                   f"gradient explosion at step {red.step}: global grad norm {_fmt(g)} is "
-                                   f"{g / med:.1f}x its rolling median {_fmt(med)} (limit {self.factor:g}x); "
-                                   f"largest local norm on rank {culprit}: {_fmt(red.grad_norm_local_max)}")
+                                   f"gradient explosion at step {red.step}: global grad norm {general(g)} is "
+                                   f"{g / med:.1f}x its rolling median {general(med)} (limit {self.factor:g}x); "
+                                   f"largest local norm on rank {culprit}: {general(red.grad_norm_local_max)}")
         if firing is None:
             self.history.append(g)  # spikes stay out of the baseline
         return firing
@@ -200,9 +193,9 @@ class LossSpikeRule(Rule):
                 if self.hits >= self.patience:
                     rank = red.loss_max_rank
                     firing = self.fire(red.step, rank, loss, med + self.z * scale,
-                                       f"loss spike at step {red.step}: mean loss {_fmt(loss)} is {zs:.1f} robust "
-                                       f"z-scores above the rolling median {_fmt(med)} (limit z={self.z:g}, "
-                                       f"{self.hits} consecutive); highest on rank {rank}: {_fmt(red.loss_max)}")
+                                       f"loss spike at step {red.step}: mean loss {general(loss)} is {zs:.1f} robust "
+                                       f"z-scores above the rolling median {general(med)} (limit z={self.z:g}, "
+                                       f"{self.hits} consecutive); highest on rank {rank}: {general(red.loss_max)}")
                 return firing  # spikes stay out of the baseline
             self.hits = 0
         self.history.append(loss)
@@ -236,7 +229,7 @@ class ThresholdRule(Rule):
             self.count += 1
             if self.count == self.for_steps:  # fires once per excursion
                 return self.fire(red.step, None, v, self.threshold,
-                                 f"{self.metric} = {_fmt(v)} {self.op} {_fmt(self.threshold)} for "
+                                 f"{self.metric} = {general(v)} {self.op} {general(self.threshold)} for "
                                  f"{self.for_steps} step(s) at step {red.step}")
         else:
             self.count = 0
@@ -281,7 +274,7 @@ class CardOverloadRule(Rule):
                 ranks = card.get("ranks") or []
                 out.append(self.fire(step, ranks[0] if ranks else None, v, self.threshold,
                                      f"card overload: node {key[0]} card {key[1]} (ranks {ranks}) {self.metric} "
-                                     f"{_fmt(v)} > {_fmt(self.threshold)} for {now - start:.0f}s "
+                                     f"{general(v)} > {general(self.threshold)} for {now - start:.0f}s "
                                      f"(limit {self.for_s:g}s)"))
         return out
 
@@ -312,7 +305,7 @@ class DesyncRule(Rule):
                          if not math.isfinite(n) or abs(n - ref) > self.tolerance * max(abs(ref), 1e-12))
             if not odd:
                 return None
-            detail = ", ".join(f"rank {r} norm {_fmt(norms[r])}" for r in odd) + f" vs median {_fmt(ref)}"
+            detail = ", ".join(f"rank {r} norm {general(norms[r])}" for r in odd) + f" vs median {general(ref)}"
         else:
             groups: dict[str, list[int]] = {}
             for r, fp in sorted(fps.items()):

@@ -44,10 +44,10 @@ from typing import Any
 import yaml
 
 from mindpulse.config import AnomalyRuleConfig, ConfigError, RunConfig, check_rule, resolve_rule
+from mindpulse.rundir_io import write_atomic, write_json_atomic
 from mindpulse.settings import AggregatorSettings
 
 from .policies import RULES, Rule, RuleInput, build_rules, plain_rule
-from .rundir_io import write_atomic, write_json_atomic
 
 REQUESTS_DIR = "rule_requests"
 STATE_FILE = "rules.json"

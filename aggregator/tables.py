@@ -1,29 +1,19 @@
-"""Cluster tables for the console (tabulate): one row per rank and a cluster line."""
+"""Cluster tables for the console (tabulate): one row per rank and a cluster line, the
+per-card table, and the end-of-run rank and totals tables. The driver prints them as the
+aggregator renders them; `mindpulse top` renders the same tables from a run directory.
+Every number is written by `mindpulse.formatting`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from tabulate import tabulate
 
+from mindpulse.formatting import millis, number
 from mindpulse.metrics import columns
 
 from .reducer import ReducedStep
-
-
-def _num(x: Any, fmt: str = ".4f") -> str:
-    if x is None:
-        return "-"
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-        return str(x)  # NaN/Inf, or read back from JSON as "nan"
-    return format(x, fmt)
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f}"
-
 
 MAX_TABLE_RANKS = 16
 """Above this many ranks the table shows the ranks that matter and counts the rest."""
@@ -57,11 +47,11 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
             [
                 r,
                 red.step,
-                _num(p.loss),
-                _num(p.grad_norm_local, ".3f"),
-                _ms(p.step_time_s),
-                _num(sps, ".1f"),
-                _num(tps, ".0f"),
+                number(p.loss),
+                number(p.grad_norm_local, ".3f"),
+                millis(p.step_time_s),
+                number(sps, ".1f"),
+                number(tps, ".0f"),
                 _mfu(p.tflops, red.peak_tflops),
                 *(c.rank_cell(p) for c in _COLUMNS),
                 (p.fingerprint or "")[:12],
@@ -74,25 +64,25 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_th
         if ranks is not None and shown:
             what = f"other ranks (shown: {min(shown)}..{max(shown)})"
         rows.append([f"+{hidden}", red.step, *[""] * (7 + len(_COLUMNS)), what])
-    note = f"lr {_num(red.lr, '.2e')}"
+    note = f"lr {number(red.lr, '.2e')}"
     if red.loss_scale_min is not None:  # a loss-scale cell runs: its scale and the steps it skipped
-        scale = _num(red.loss_scale_min, ".4g")
+        scale = number(red.loss_scale_min, ".4g")
         if red.loss_scale_max is not None and red.loss_scale_max != red.loss_scale_min:
-            scale += f"..{_num(red.loss_scale_max, '.4g')}"
+            scale += f"..{number(red.loss_scale_max, '.4g')}"
         note += f"  loss scale {scale}  overflow steps {red.overflow_steps}"
         if red.overflow_ranks:
             note += " (this step skipped)"
     if red.extra:
-        note += "  " + "  ".join(f"{k} {_num(v)}" for k, v in red.extra.items())
+        note += "  " + "  ".join(f"{k} {number(v)}" for k, v in red.extra.items())
     rows.append(
         [
             "all",
             red.step,
-            f"{_num(red.loss_mean)} ({_num(red.loss_min)}..{_num(red.loss_max)})",
-            _num(red.grad_norm, ".3f"),
-            _ms(red.step_time_max),
-            _num(red.samples_per_s, ".1f"),
-            _num(red.tokens_per_s, ".0f"),
+            f"{number(red.loss_mean)} ({number(red.loss_min)}..{number(red.loss_max)})",
+            number(red.grad_norm, ".3f"),
+            millis(red.step_time_max),
+            number(red.samples_per_s, ".1f"),
+            number(red.tokens_per_s, ".0f"),
             _cluster_mfu(red),
             *(c.cluster_cell(red) for c in _COLUMNS),
             "",
@@ -115,7 +105,7 @@ def _mfu(tflops: float | None, peak: float | None) -> str:
     """A rank's MFU (achieved / peak TFLOPS), "-" without a peak or a figure."""
     if tflops is None or not peak:
         return "-"
-    return _num(tflops / peak, ".3f")
+    return number(tflops / peak, ".3f")
 
 
 def _cluster_mfu(red: ReducedStep) -> str:
@@ -123,9 +113,9 @@ def _cluster_mfu(red: ReducedStep) -> str:
     if red.mfu_mean is None:
         return "-"
     if red.mfu_min is None or red.mfu_max is None or red.world_size < 2:
-        return _num(red.mfu_mean, ".3f")
-    return (f"{_num(red.mfu_mean, '.3f')} ({_num(red.mfu_min, '.3f')} r{red.mfu_min_rank}.."
-            f"{_num(red.mfu_max, '.3f')} r{red.mfu_max_rank})")
+        return number(red.mfu_mean, ".3f")
+    return (f"{number(red.mfu_mean, '.3f')} ({number(red.mfu_min, '.3f')} r{red.mfu_min_rank}.."
+            f"{number(red.mfu_max, '.3f')} r{red.mfu_max_rank})")
 
 
 def summary_table(ranks: Iterable[dict[str, Any]]) -> str:
@@ -148,14 +138,14 @@ def totals_table(summary: dict[str, Any]) -> str:
         ["status", summary.get("status")],
         ["steps completed", summary.get("steps_completed")],
         ["world size", summary.get("world_size")],
-        ["first loss (mean)", _num(summary.get("first_loss"))],
-        ["last loss (mean)", _num(summary.get("last_loss"))],
-        ["best loss (mean)", _num(summary.get("best_loss"))],
+        ["first loss (mean)", number(summary.get("first_loss"))],
+        ["last loss (mean)", number(summary.get("last_loss"))],
+        ["best loss (mean)", number(summary.get("best_loss"))],
         ["fingerprints equal", summary.get("fingerprints_equal")],
         ["packets accepted", summary.get("packets", {}).get("accepted")],
         ["packets rejected", summary.get("packets", {}).get("rejected")],
-        ["monitor wait s (all ranks)", _num(summary.get("monitor_wait_s"), ".3f")],
-        ["wall time s", _num(summary.get("wall_time_s"), ".1f")],
+        ["monitor wait s (all ranks)", number(summary.get("monitor_wait_s"), ".3f")],
+        ["wall time s", number(summary.get("wall_time_s"), ".1f")],
     ]
     if summary.get("stop"):
         rows.append(["stop", summary["stop"].get("message")])
@@ -176,11 +166,11 @@ def card_table(cards: Iterable[dict[str, Any]], tflops_of: Callable[[dict[str, A
             c.get("node"),
             c.get("name") if card == -1 else card,
             ",".join(str(r) for r in c.get("ranks") or []) or "-",
-            _num(c.get("util_pct"), ".0f") + ("%" if c.get("util_pct") is not None else ""),
-            *([_num(tflops_of(c), ".3g")] if tflops_of is not None else []),
+            number(c.get("util_pct"), ".0f") + ("%" if c.get("util_pct") is not None else ""),
+            *([number(tflops_of(c), ".3g")] if tflops_of is not None else []),
             mem,
-            _num(c.get("power_w"), ".1f"),
-            _num(c.get("temp_c"), ".0f"),
+            number(c.get("power_w"), ".1f"),
+            number(c.get("temp_c"), ".0f"),
             c.get("health") or "-",
         ])
     headers = ["node", "card", "ranks", "util", *(["TFLOPS"] if tflops_of is not None else []), "memory", "power W",

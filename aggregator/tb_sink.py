@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import MonitorConfig
+from mindpulse.formatting import cell
 from mindpulse.metrics import rank_tb_scalars, tb_scalars
 from mindpulse.partial import collect_ranks
 
@@ -80,12 +81,9 @@ def _tag_part(x: Any) -> str:
     return s or "unknown"
 
 
-def _fmt(x: Any) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return repr(x) if not math.isfinite(x) else f"{x:.6g}"
-    return str(x)
+def _text(x: Any) -> str:
+    """A value in a TensorBoard text: floats to six significant digits, the rest as it is."""
+    return cell(x, ".6g", scientific=False)
 
 
 def _md_escape(text: str) -> str:
@@ -292,9 +290,9 @@ class TensorBoardSink:
             bad = {r: p.loss for r, p in (red.per_rank or {}).items()
                    if p.loss is not None and not math.isfinite(p.loss)}
             ranks = sorted(set(red.nonfinite_ranks or []) | set(bad))
-            lines = [f"**non-finite loss** at step {step}: loss/mean = {_fmt(loss)}",
+            lines = [f"**non-finite loss** at step {step}: loss/mean = {_text(loss)}",
                      f"ranks with non-finite values: {ranks}"]
-            lines += [f"- rank {r}: loss {_fmt(v)}" for r, v in sorted(bad.items())]
+            lines += [f"- rank {r}: loss {_text(v)}" for r, v in sorted(bad.items())]
             self._add_text("loss/nonfinite", "\n\n".join(lines), step, wt)
 
     def on_scalars(self, items: list[tuple[str, Any]], step: int, ts: float | None = None) -> None:
@@ -357,13 +355,13 @@ class TensorBoardSink:
                 step = int(step) if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
                 rows = ["| field | value |", "|---|---|"]
                 for key in ("rule", "step", "rank", "value", "threshold", "action", "message"):
-                    rows.append(f"| {key} | {_md_escape(_fmt(rec.get(key)))} |")
+                    rows.append(f"| {key} | {_md_escape(_text(rec.get(key)))} |")
                 others = {k: v for k, v in rec.items()
                           if k not in ("rule", "step", "rank", "value", "threshold", "action", "message")}
                 if others:
                     rows.append(f"| other | {_md_escape(json.dumps(others, default=str))} |")
-                head = (f"**{_md_escape(_fmt(rec.get('rule')))}** at step {_fmt(rec.get('step'))}"
-                        f" (rank {_fmt(rec.get('rank'))}): {_md_escape(_fmt(rec.get('action')))}")
+                head = (f"**{_md_escape(_text(rec.get('rule')))}** at step {_text(rec.get('step'))}"
+                        f" (rank {_text(rec.get('rank'))}): {_md_escape(_text(rec.get('action')))}")
                 self._add_text("anomalies", head + "\n\n" + "\n".join(rows), step)
         except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("anomaly", exc)

@@ -50,8 +50,9 @@ from pathlib import Path  # noqa: E402
 
 import ray  # noqa: E402
 
+from mindpulse.directives import Lease  # noqa: E402
 from mindpulse.node.relay import NodePreReducer  # noqa: E402
-from mindpulse.protocol import Lease, StepPacket  # noqa: E402
+from mindpulse.protocol import StepPacket  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -195,7 +196,7 @@ def agent_process_cost(rpn: int = 8, rate: float = 20.0, seconds: float = 15.0) 
     from mindpulse.aggregator.core import start_aggregator
     from mindpulse.config import load_config
     from mindpulse.launcher.node_agents import NodeAgents
-    from mindpulse.workers.session import RelayChannel
+    from mindpulse.workers.channel import RelayChannel
 
     tmp = Path(tempfile.mkdtemp(prefix="mp-agent-"))
     ray.init(num_cpus=rpn, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mindpulse.aggregator.rundir_io import write_atomic
 from mindpulse.config import AUTO_HANG_MIN_S, RunConfig
+from mindpulse.rundir_io import write_atomic
 
 from . import interrupts as waits
 from .interrupts import Interrupts

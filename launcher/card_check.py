@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig
-from mindpulse.protocol import CHECK_FAULTS, Action, EventKind, parse_fault
+from mindpulse.fault_specs import CHECK_FAULTS, parse_fault
+from mindpulse.formatting import number
+from mindpulse.protocol import Action, EventKind
 
 from .preflight import LaunchRefused
 
@@ -186,13 +188,11 @@ def format_table(report: dict[str, Any]) -> str:
     """The console table: one row per rank, then the medians and the verdict."""
     from tabulate import tabulate
 
-    def num(x: Any, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    rows = [[r["rank"], r["node"], r["card"], r.get("host") or "-", num(r["matmul_gflops"], ".1f"),
-             num(r["allreduce_gbps"], ".3f"), "yes" if r["ok"] else "NO", r["reason"]] for r in report["ranks"]]
+    rows = [[r["rank"], r["node"], r["card"], r.get("host") or "-", number(r["matmul_gflops"], ".1f"),
+             number(r["allreduce_gbps"], ".3f"), "yes" if r["ok"] else "NO", r["reason"]] for r in report["ranks"]]
     med = report["median"]
-    rows.append(["median", "", "", "", num(med["matmul_gflops"], ".1f"), num(med["allreduce_gbps"], ".3f"), "", ""])
+    rows.append(["median", "", "", "", number(med["matmul_gflops"], ".1f"), number(med["allreduce_gbps"], ".3f"),
+                 "", ""])
     size = report.get("matmul_size")
     shape = f"{size}x{size}" if size else "square"
     mib = (report.get("allreduce_bytes") or 0) / (1 << 20)

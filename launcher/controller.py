@@ -171,7 +171,7 @@ class Controller:
         resume.update(skip_batches=int(before.get("skip_batches") or 0) + skipped, lr_factor=float(rb["lr_factor"]),
                       lr_until_step=to_step + int(rb["lr_steps"]), rollbacks=counts)
         if point is None:  # back to the start: no checkpoint of the abandoned line stays latest or best
-            from mindpulse.workers.checkpoint import supersede_after
+            from mindpulse.checkpoint_manifest import supersede_after
 
             try:
                 supersede_after(ckpt_dir, 0, note="rolled back to the start")

@@ -49,7 +49,7 @@ class FailurePolicy:
     def _newest_valid(self) -> tuple[Any, list[str]]:
         """A malformed manifest is refused (a note) like a bad file: the restart then starts
         from the point this attempt started from."""
-        from mindpulse.workers.checkpoint import ManifestError, choose_resume
+        from mindpulse.checkpoint_manifest import ManifestError, choose_resume
 
         if not (self.checkpoints_dir / "manifest.json").exists():
             return None, []

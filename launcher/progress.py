@@ -6,10 +6,11 @@ line at most every 30 s, so log files are not flooded.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from typing import Any, TextIO
+
+from mindpulse.formatting import clock
 
 PLAIN_EVERY_S = 30.0
 
@@ -29,15 +30,6 @@ def printable(text: Any) -> str:
                                    else f"\\u{ord(m.group()):04x}"), text)
 
 
-def format_eta(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return "--:--"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
 def progress_text(progress: dict[str, Any], total: int | None, started: float, now: float | None = None,
                   first: tuple[int, float] | None = None) -> str:
     """`first` is (step, time) of the first step seen: the ETA uses the rate since then,
@@ -52,7 +44,7 @@ def progress_text(progress: dict[str, Any], total: int | None, started: float, n
             eta = (now - started) / step * (total - step)
     loss = progress.get("loss")
     sps = progress.get("samples_per_s")
-    parts = [f"step {step}/{total}" if total else f"step {step}", f"ETA {format_eta(eta)}" if total else ""]
+    parts = [f"step {step}/{total}" if total else f"step {step}", f"ETA {clock(eta)}" if total else ""]
     parts.append(f"loss {loss:.4f}" if isinstance(loss, float) else "loss -")
     parts.append(f"{sps:.1f} samples/s" if isinstance(sps, float) else "")
     return "  ".join(p for p in parts if p)

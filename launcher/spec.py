@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindpulse.config import Device, RunConfig, monitor_settings_of, schedule_of
-from mindpulse.protocol import (
+from mindpulse.rank_settings import (
     NODE_RANK_ENV,
     SETTINGS_ENV,
     CheckpointSettings,

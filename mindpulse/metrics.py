@@ -18,7 +18,7 @@ rank (the fingerprint, the parameter norm, user `extra` scalars, weight statisti
 reduced by hand in `mindpulse/partial.py`; it is declared here too (`Reduce` empty) so the
 packet schema stays whole.
 
-This module imports nothing of mindpulse: the packet codec below everything builds on it.
+This module imports nothing of mindpulse but the formatter: the packet codec builds on it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from mindpulse.formatting import number
 
 
 class Reduce(str, enum.Enum):
@@ -125,19 +127,13 @@ class StepMetric:
     required: bool = False
 
 
-def _num(x: Any, fmt: str) -> str:
-    if x is None:
-        return "-"
-    try:
-        return format(x, fmt)
-    except (TypeError, ValueError):
-        return str(x)
+def _ms(seconds: Any) -> str:
+    """Seconds as milliseconds with one decimal (monitoring's own costs are a few ms)."""
+    return number(None if seconds is None else seconds * 1000, ".1f")
 
 
 def _ms_with_rank(value: Any, rank: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1000:.1f} r{rank}" if rank is not None else f"{value * 1000:.1f}"
+    return _ms(value) + (f" r{rank}" if value is not None and rank is not None else "")
 
 
 def _scaled(p: Any) -> bool:
@@ -233,7 +229,7 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                 Reduction("monitor_self_sum", Reduce.SUM, "Every rank's seconds in mindpulse's code, summed.",
                           tb="monitor/self_s/sum", total="monitor_self_s")),
         aliases={"monitor_self_s": "monitor_self_max"}, rank_tb="monitor_self_s",
-        column=Column("self ms", lambda p: _num(None if p.monitor_self_s is None else p.monitor_self_s * 1000, ".1f"),
+        column=Column("self ms", lambda p: _ms(p.monitor_self_s),
                       lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank))),
     StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss."),
     StepMetric("weights", dict, doc="Every collect_freq steps: per-layer norms, update ratios, histograms."),

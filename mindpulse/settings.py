@@ -1,7 +1,7 @@
 """The launcher's contracts with its long-lived actors: what the aggregator and each node
 agent are told when an attempt starts.
 
-`RankSettings` (mindpulse/protocol.py) is the launcher → rank contract; these two are the
+`RankSettings` (mindpulse/rank_settings.py) is the launcher → rank contract; these two are the
 launcher → aggregator and launcher → node agent ones. `launcher/spec.py` builds all three
 once per attempt from the run's config (the benchmarks build them through the same
 functions), so every default comes from the config's dataclasses (mindpulse/config) and

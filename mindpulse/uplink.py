@@ -8,8 +8,8 @@ caller's per step (Ray's core worker threads, gRPC, the actor's event loop), aga
 is taken from the ranks: at a 25 ms step it was a fifth of the monitoring overhead. Ray
 still starts, restarts and finds the processes; the stream only moves the steps.
 
-Frames are the protocol's (`encode_frame`: a 4-byte big-endian length, then a msgpack map;
-no pickle). Client → server:
+Frames are mindpulse/frames.py's (`encode_frame`: a 4-byte big-endian length, then a
+msgpack map; no pickle). Client → server:
   {"op": "hello", "token": t, "node": n}                 first frame; a wrong token closes
   {"op": "send", "seq": i, "entries": [[node, batch]]}   a node's `NodeBatch` (or a group
                                                          leader's merged ones: node is then a
@@ -56,7 +56,8 @@ from typing import Any
 
 import msgpack
 
-from mindpulse.protocol import FRAME_HEADER_BYTES, Directive, encode_frame, frame_int, frame_length, frame_timeout
+from mindpulse.directives import Directive
+from mindpulse.frames import FRAME_HEADER_BYTES, encode_frame, frame_int, frame_length, frame_timeout
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mindpulse.aggregator.rundir_io import open_log_fd
 from mindpulse.node.relay import NodeBatch
 from mindpulse.process_identity import process_alive, process_identity, same_process_table
 from mindpulse.processes import descendants, die_with_parent_preexec, end_process_tree, end_processes
+from mindpulse.rundir_io import open_log_fd
 from mindpulse.settings import NodeSettings
 from mindpulse.uplink import Receipt, Uplink, UplinkServer
 
@@ -429,7 +429,7 @@ class NodeAgent:
 
     def saving_now(self, ckpt_dir: str) -> dict[str, Any] | None:
         """Rank 0's save-in-progress marker in `ckpt_dir` on this host (`rundir_io.saving_now`)."""
-        from mindpulse.aggregator.rundir_io import saving_now
+        from mindpulse.rundir_io import saving_now
 
         return saving_now(ckpt_dir)
 

@@ -2,7 +2,8 @@
 agent sends the aggregator one batch per step over its uplink (mindpulse/uplink.py), so
 the aggregator's load grows with nodes, not ranks.
 
-Wire: the protocol's relay frames, a 4-byte big-endian length and a msgpack map (no pickle):
+Wire: the relay frames (mindpulse/frames.py), a 4-byte big-endian length and a msgpack map
+(no pickle):
   {"op": "send", "packets": [bytes, ...], "step": s?}            no answer
   {"op": "decide", "packets": [...], "step": s, "timeout": t, "expect": n?}
                                                                  answer {"directive": bytes}
@@ -20,7 +21,7 @@ does not yet let it start its next step; it then blocks until the answer. At a
 decision step the relay groups the decide calls of the `expect` ranks that make one
 (rank 0 alone at a checkpoint candidate) into one aggregator call.
 The server listens on 127.0.0.1 only: ranks are on the agent's own machine. The rank's
-side is `mindpulse.workers.session.RelayChannel`.
+side is `mindpulse.workers.channel.RelayChannel`.
 
 **Pre-reduction on the node**: the agent validates its ranks' packets once and reduces each
 step into one node partial, so the aggregator's work per step follows nodes, not ranks.
@@ -47,22 +48,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mindpulse.config import MonitorConfig
+from mindpulse.directives import Directive, Lease
+from mindpulse.frames import MAX_FRAME, FrameReader, decode_frame_body, encode_frame, frame_int, frame_timeout
 from mindpulse.lease_board import MAX_BODY as MAX_BOARD_LEASE
 from mindpulse.lease_board import LeaseBoard
 from mindpulse.partial import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
-from mindpulse.protocol import (
-    MAX_FRAME,
-    Directive,
-    FrameReader,
-    Lease,
-    PacketError,
-    StepPacket,
-    decode_frame_body,
-    decode_wire,
-    encode_frame,
-    frame_int,
-    frame_timeout,
-)
+from mindpulse.protocol import PacketError, StepPacket, decode_wire
 from mindpulse.settings import COMPUTE_DROP_WINDOW
 
 NodeBatch = dict[str, Any]

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover
 from mindpulse.aggregator.metrics_store import closed_segments
 from mindpulse.aggregator.reducer import ReducedStep
 from mindpulse.aggregator.tables import MAX_TABLE_RANKS, card_table, cluster_table
+from mindpulse.formatting import is_number
 from mindpulse.protocol import EventPacket, Packet, StepPacket, TelemetryPacket
 from mindpulse.views.run_reader import CONFIG, METRICS, SUMMARY, MetricsTail, RunReader
 
@@ -155,7 +156,7 @@ class RunView:
             return
         if isinstance(pkt, EventPacket) and pkt.kind == "error":
             self.errors[pkt.rank] = pkt.message
-        if isinstance(pkt, (StepPacket, EventPacket)) and _finite(pkt.ts):
+        if isinstance(pkt, (StepPacket, EventPacket)) and is_number(pkt.ts):
             self.newest_ts = max(self.newest_ts, float(pkt.ts))
 
     # ---- rendering
@@ -276,16 +277,12 @@ class RunView:
         return f"waiting for step {self.newest_step_seen} from rank@last step: {shown}{more}"
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _clean_card(card: dict[str, Any]) -> dict[str, Any]:
     """A card record safe for `card_table`: numbers or None, ranks a list of ints."""
     out = dict(card)
     for k in ("util_pct", "memory_used_mb", "memory_total_mb", "power_w", "temp_c"):
         v = card.get(k)
-        out[k] = float(v) if _finite(v) else None
+        out[k] = float(v) if is_number(v) else None
     ranks = card.get("ranks")
     out["ranks"] = [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else []
     h = card.get("health")

@@ -37,10 +37,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpulse.protocol import EventKind, EventPacket, RankSettings
+from mindpulse.protocol import EventKind, EventPacket
+from mindpulse.rank_settings import RankSettings
 
+from .channel import connect
 from .errors import StopTraining
-from .session import connect, sessions_created
+from .session import sessions_created
 
 log = logging.getLogger(__name__)
 

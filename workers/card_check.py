@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from mindpulse.config import from_dict
-from mindpulse.protocol import EventKind, EventPacket, RankSettings
+from mindpulse.protocol import EventKind, EventPacket
+from mindpulse.rank_settings import RankSettings
 
 from .faults import card_check_repeats
 from .settings import rank_id
@@ -145,7 +146,7 @@ class _Reporter:
     outside a launch: the result is only logged)."""
 
     def __init__(self, settings: RankSettings, rank: int):
-        from .session import connect
+        from .channel import connect
 
         self.rank = rank
         self.channel = connect(settings, rank) if settings.relays or settings.aggregator else None

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mindpulse.protocol import Directive, EventKind, RankSettings
+from mindpulse.directives import Directive
+from mindpulse.protocol import EventKind
+from mindpulse.rank_settings import RankSettings
 
 from .checkpoint import CheckpointManager
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.protocol import EventKind, EventPacket, RankSettings, RankState
+from mindpulse.protocol import EventKind, EventPacket, RankState
+from mindpulse.rank_settings import RankSettings
 
 log = logging.getLogger(__name__)
 

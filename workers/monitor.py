@@ -19,11 +19,13 @@ from typing import Any
 from mindspore import Tensor, nn
 from mindspore.train.callback import Callback
 
-from mindpulse.protocol import Directive, RankSettings
+from mindpulse.directives import Directive
+from mindpulse.rank_settings import RankSettings
 
+from .channel import Channel
 from .errors import StopTraining
 from .grad_probe import probe_of, read_stats
-from .session import UNLAUNCHED_SCHEDULE, Channel, RankSession, StepOutcome, schedule_with
+from .session import UNLAUNCHED_SCHEDULE, RankSession, StepOutcome, schedule_with
 from .settings import load_settings
 from .train_cell import split_outputs
 

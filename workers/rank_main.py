@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` import
     sys.path.pop(0)
 
 from mindpulse.config import from_dict  # noqa: E402
-from mindpulse.protocol import SETTINGS_ENV, RankSettings  # noqa: E402
+from mindpulse.rank_settings import SETTINGS_ENV, RankSettings  # noqa: E402
 from mindpulse.workers.errors import StopTraining  # noqa: E402
 from mindpulse.workers.heartbeat import dump_stacks_on_sigusr1  # noqa: E402
 from mindpulse.workers.settings import SettingsError, node_rank, rank_id, settings_at  # noqa: E402

@@ -11,27 +11,12 @@ injector, the profiler window, the weight statistics and the checkpoint writer.
 Outside a launch (no settings: a user script run by hand) it has no channel: it logs
 each step and never blocks.
 
-**The channel**, the rank's one way out: a `Channel` ships packets and fetches directives.
-
-Two kinds, one behaviour: `RelayChannel` talks to the node agent's packet relay over
-loopback (the normal case: the aggregator's load then grows with nodes, not ranks);
-`ActorChannel` calls the aggregator actor itself (a run without relays, a benchmark).
-
-Events are buffered and sent fire-and-forget in batches; a step's packet goes out at once
-(`send_step`), with whatever is queued. Before a step the rank asks for its `lease`: the
-answer comes from the cache without any I/O while the aggregator keeps up, and blocks
-only when the aggregator is more than `monitor.max_lag_steps` steps behind. The relay
-pushes every new lease down a connection of the relay channel's own, so the lease is
-most often already in the socket when the rank needs it (no round trip). Rank 0 at a
-checkpoint candidate sends the step in a `decide` call that returns its directive, so the
-aggregator has seen everything before it decides. A missing or dead peer never blocks
-training for longer than the decision timeout: the rank goes on (`Directive.no_directive`,
-no lease) and says why in its log.
+The channel to the node's relay (or the aggregator) is workers/channel.py's; the loop's
+values become packet numbers through workers/coerce.py.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import logging
 import os
@@ -42,27 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindpulse.config import RunConfig, monitor_settings_of, schedule_of
-from mindpulse.lease_board import LeaseView
-from mindpulse.protocol import (
-    FRAME_HEADER_BYTES,
-    MAX_FRAME,
-    Action,
-    CheckpointKind,
-    Directive,
-    EventKind,
-    EventPacket,
-    FrameReader,
-    Lease,
-    RankSettings,
-    RankState,
-    Schedule,
-    StepPacket,
-    decode_frame_body,
-    encode_frame,
-    frame_length,
-)
+from mindpulse.directives import Directive
+from mindpulse.protocol import Action, CheckpointKind, EventKind, EventPacket, RankState, StepPacket
+from mindpulse.rank_settings import RankSettings, Schedule
 
+from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
+from .coerce import as_count, as_number
 from .faults import FaultInjector, faults_for
 from .fingerprint import HostViews, fingerprint_of, param_sums
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
@@ -74,377 +45,6 @@ from .weight_stats import DEFAULT_HIST_REGEX, WeightStats, structure_text
 
 log = logging.getLogger(__name__)
 
-BATCH_PACKETS = 32
-"""A batch goes out when it holds this many packets..."""
-FLUSH_S = 0.5
-"""...or when this long has passed since the last one went (checked on `send`)."""
-CONNECT_TIMEOUT_S = 10.0
-WRITE_TIMEOUT_S = 30.0
-REPLY_GRACE_S = 15.0
-"""Waited past the decision timeout for the directive itself: the peer answers after
-at most the timeout it was handed, so a longer silence means it is gone."""
-
-
-class Channel(abc.ABC):
-    """Buffered packets out, directives back; subclasses only move batches."""
-
-    def __init__(self, decision_timeout_s: float = 120.0):
-        self.decision_timeout_s = decision_timeout_s
-        self.failures = 0
-        """Batches or decisions that did not get through (the rank went on regardless)."""
-        self._buffer: list[bytes] = []
-        self._last_flush = time.monotonic()
-        self._lease: Lease | None = None
-        self.lost_since: float | None = None
-        """When the peer stopped answering (None while it answers)."""
-
-    def send(self, packet: bytes) -> None:
-        """Queue one encoded packet; it goes out with the next batch."""
-        self._buffer.append(packet)
-        if len(self._buffer) >= BATCH_PACKETS or time.monotonic() - self._last_flush >= FLUSH_S:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send what is queued now (fire-and-forget)."""
-        if self._buffer:
-            self._ship(self._take())
-
-    def send_step(self, packet: bytes, step: int) -> None:
-        """A rank's packet of `step`: out now, with what is queued (the relay forwards a
-        step as soon as every rank of its node has sent it)."""
-        self._ship(self._take() + [packet], step)
-
-    def decide(self, packet: bytes, step: int, expect: int | None = None) -> Directive:
-        """Send the queue and the decision step's packet; wait for the step's directive.
-        `expect`: how many ranks of the node decide this step (None: all of them)."""
-        return self._decide(self._take() + [packet], step, expect)
-
-    def lease(self, need: int) -> tuple[Lease | None, float]:
-        """The lease once step `need` is reduced or a stop is decided: (lease, seconds this
-        rank was blocked). None when no lease could be had (the rank goes on)."""
-        self._poll_lease()
-        cached = self._lease
-        if _grants(cached, need):
-            return cached, 0.0
-        lease, waited = self._fetch_lease(need)
-        if lease is not None:
-            self._lease = lease
-        return lease, waited
-
-    def close(self) -> None:
-        """Send what is queued and let go of the connection (a later call reconnects)."""
-        self.flush()
-
-    def _take(self) -> list[bytes]:
-        batch, self._buffer = self._buffer, []
-        self._last_flush = time.monotonic()
-        return batch
-
-    def _no_directive(self, step: int, why: Any) -> Directive:
-        self.failures += 1
-        log.warning("no directive for step %d (%s); continuing", step, why)
-        return Directive.no_directive(step, str(why))
-
-    def lost_for(self) -> float:
-        """Seconds since the peer last answered (0 while it answers)."""
-        return 0.0 if self.lost_since is None else time.monotonic() - self.lost_since
-
-    def _answered(self) -> None:
-        self.lost_since = None
-
-    def _lost(self) -> None:
-        if self.lost_since is None:
-            self.lost_since = time.monotonic()
-
-    def _no_lease(self, need: int, why: Any) -> tuple[None, float]:
-        self._lost()
-        self.failures += 1
-        log.warning("no lease for step %d (%s); continuing", need, why)
-        return None, 0.0
-
-    @abc.abstractmethod
-    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
-        """Hand a batch over (`step`: it ends with this rank's packet of that step); never
-        raises (count a failure and log instead)."""
-
-    @abc.abstractmethod
-    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
-        """Hand a batch over and return the step's directive; never raises."""
-
-    @abc.abstractmethod
-    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
-        """Ask the peer for the lease covering `need`; never raises."""
-
-    def _poll_lease(self) -> None:
-        """Take, without waiting, a lease the peer already sent (none by default: only a
-        channel whose peer pushes leases has one)."""
-        return None
-
-
-def _grants(lease: Lease | None, need: int) -> bool:
-    return lease is not None and lease.covers(need)
-
-
-class RelayChannel(Channel):
-    """Frames (protocol's `encode_frame`) to the node agent's relay on this machine.
-
-    Packets and decisions go on one connection. Leases are read from the node's lease
-    board (mindpulse/lease_board.py: shared memory the agent writes each new lease to), so
-    taking the lease before a step is a read of mapped memory: no socket, no round trip.
-    A second connection asks the relay for leases only at the first lease (the answer
-    names the board) and when the board's lease does not let this rank start its next
-    step; the rank then blocks until the relay answers. Without a board (no shared memory
-    on the node) every lease is asked for there."""
-
-    def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0, token: str = ""):
-        super().__init__(decision_timeout_s)
-        self.addr = (host, port)
-        self.token = token
-        self.sock: socket.socket | None = None
-        self.lease_sock: socket.socket | None = None
-        self._lease_reader = FrameReader()
-        self.board: LeaseView | None = None
-        self._greeted = False
-        """The relay answered this connection's first lease question (and named its board)."""
-        self._no_service = False
-        """The relay has no lease to give (no aggregator behind it): nothing holds the rank."""
-        self._connect()
-        # the lease connection opens at the first lease asked for: a channel that never asks
-        # (the heartbeat's) never opens one
-
-    def _open(self, what: str) -> socket.socket | None:
-        try:
-            sock = socket.create_connection(self.addr, timeout=CONNECT_TIMEOUT_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.token:  # the relay drops a connection whose first frame is not this
-                sock.sendall(encode_frame({"op": "hello", "token": self.token}))
-            return sock
-        except OSError as exc:
-            self.failures += 1
-            log.warning("cannot reach the node's packet relay at %s:%d (%s): %s", *self.addr, what, exc)
-            return None
-
-    def _connect(self) -> None:
-        self.sock = self._open("packets")
-
-    def _write(self, obj: dict[str, Any]) -> bool:
-        if self.sock is None:
-            self._connect()
-            if self.sock is None:
-                return False
-        try:
-            self.sock.settimeout(WRITE_TIMEOUT_S)
-            self.sock.sendall(encode_frame(obj))
-            return True
-        except OSError as exc:
-            self.failures += 1
-            log.warning("packet relay write failed: %s", exc)
-            self._disconnect()
-            return False
-
-    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
-        frame: dict[str, Any] = {"op": "send", "packets": batch}
-        if step is not None:
-            frame["step"] = step
-        self._write(frame)
-
-    def _reply(self, sock: socket.socket | None = None) -> dict[str, Any]:
-        """The relay's answer to the request just written (it answers within the timeout
-        it was handed)."""
-        sock = sock or self.sock
-        assert sock is not None
-        sock.settimeout(self.decision_timeout_s + REPLY_GRACE_S)
-        n = frame_length(_recv_exact(sock, FRAME_HEADER_BYTES))
-        if n > MAX_FRAME:
-            raise ValueError(f"a {n}-byte frame from the relay")
-        return decode_frame_body(_recv_exact(sock, n))
-
-    # ---- leases: the board, and questions to the relay ------------------------------------
-    def _subscribe(self) -> socket.socket:
-        """The lease connection (raises OSError when the relay is unreachable)."""
-        if self.lease_sock is None:
-            sock = self._open("leases")
-            if sock is None:
-                raise OSError("relay unreachable")
-            self.lease_sock, self._lease_reader = sock, FrameReader()
-        return self.lease_sock
-
-    def _ask(self, need: int | None, deadline: float) -> None:
-        """Ask the relay for the lease (covering step `need`; None: as it is) and read
-        answers until one comes that does, or `deadline`. Raises OSError or ValueError when
-        the connection broke."""
-        sock = self._subscribe()
-        sock.settimeout(WRITE_TIMEOUT_S)
-        sock.sendall(encode_frame({"op": "lease"} if need is None else {"op": "lease", "need": need}))
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            sock.settimeout(left)
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                return
-            if not chunk:
-                raise ConnectionError("relay closed the lease connection")
-            for body in self._lease_reader.feed(chunk):
-                self._take_answer(decode_frame_body(body))
-            if self._no_service or (self._greeted and (need is None or _grants(self._lease, need))):
-                return
-
-    def _take_answer(self, msg: dict[str, Any]) -> None:
-        self._answered()
-        raw = msg.get("lease")
-        if raw is None:
-            self._no_service = True
-        else:
-            lease = Lease.decode(raw)
-            if self._lease is None or lease.reduced_through >= self._lease.reduced_through or lease.stopping:
-                self._lease = lease  # answers to questions asked earlier may come late: keep the newest
-        if not self._greeted:
-            self._greeted = True
-            path = msg.get("board")
-            if isinstance(path, str) and self.board is None:
-                try:
-                    self.board = LeaseView(path)
-                except (OSError, ValueError) as exc:
-                    log.info("no lease board at %s (%s): each lease is asked of the relay", path, exc)
-
-    def _poll_lease(self) -> None:
-        """The board's newest lease, if it moved (a read of shared memory)."""
-        if self.board is None:
-            return
-        raw = self.board.read()
-        if raw is not None:
-            try:
-                self._lease = Lease.decode(raw)
-            except Exception:  # a board is written whole or not at all; never trust it blindly
-                self.board.torn += 1
-
-    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
-        deadline = time.monotonic() + self.decision_timeout_s
-        waited = False
-        try:
-            if not self._greeted:  # the first lease (and the board's name): not a wait
-                self._ask(None, deadline)
-                self._poll_lease()
-            t0 = time.monotonic()
-            if not self._no_service and not _grants(self._lease, need):
-                waited = True
-                self._ask(need, deadline)
-        except Exception as exc:
-            self._drop_leases()
-            return self._no_lease(need, exc)
-        if self._no_service:
-            return None, 0.0
-        if self._lease is None:
-            return self._no_lease(need, "no lease from the relay")
-        return self._lease, (time.monotonic() - t0) if waited else 0.0
-
-    def _drop_leases(self) -> None:
-        """Let go of the lease connection and the board (the next lease asks again)."""
-        self._greeted = False
-        if self.board is not None:
-            self.board.close()
-            self.board = None
-        if self.lease_sock is not None:
-            try:
-                self.lease_sock.close()
-            finally:
-                self.lease_sock = None
-
-    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
-        frame: dict[str, Any] = {"op": "decide", "packets": batch, "step": step, "timeout": self.decision_timeout_s}
-        if expect is not None:
-            frame["expect"] = expect
-        if not self._write(frame):
-            return Directive.no_directive(step, "relay unreachable")
-        try:
-            return Directive.decode(self._reply()["directive"])
-        except Exception as exc:
-            self._disconnect()
-            return self._no_directive(step, exc)
-
-    def close(self) -> None:
-        super().close()
-        self._disconnect()
-        self._drop_leases()
-
-    def _disconnect(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            finally:
-                self.sock = None
-
-
-class ActorChannel(Channel):
-    """Calls the aggregator actor (`ingest` / `decide`) through its Ray handle."""
-
-    def __init__(self, handle: Any, decision_timeout_s: float = 120.0):
-        super().__init__(decision_timeout_s)
-        self.handle = handle
-
-    @staticmethod
-    def connect(settings: RankSettings) -> ActorChannel:
-        import ray
-
-        if not ray.is_initialized():
-            # a rank started outside Ray (msrun) joins the run's cluster as a driver
-            ray.init(address=settings.ray_address or "auto", namespace=settings.namespace,
-                     log_to_driver=False, logging_level=logging.WARNING)
-        handle = ray.get_actor(settings.aggregator, namespace=settings.namespace)
-        return ActorChannel(handle, settings.monitor.decision_timeout_s)
-
-    def _ship(self, batch: list[bytes], step: int | None = None) -> None:
-        try:
-            self.handle.ingest.remote(batch)
-        except Exception as exc:  # the aggregator is gone: training goes on
-            self.failures += 1
-            log.warning("could not ship %d packets to the aggregator: %s", len(batch), exc)
-
-    def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:
-        import ray
-
-        try:
-            ref = self.handle.decide.remote(batch, step, self.decision_timeout_s)
-            return Directive.decode(ray.get(ref, timeout=self.decision_timeout_s + 10))
-        except Exception as exc:
-            return self._no_directive(step, exc)
-
-    def _fetch_lease(self, need: int) -> tuple[Lease | None, float]:
-        import ray
-
-        t0 = time.monotonic()
-        try:
-            ref = self.handle.lease.remote(need - 1, self.decision_timeout_s)
-            lease = Lease.decode(ray.get(ref, timeout=self.decision_timeout_s + 10))
-            self._answered()
-            return lease, time.monotonic() - t0
-        except Exception as exc:
-            return self._no_lease(need, exc)
-
-
-def connect(settings: RankSettings, rank: int) -> Channel:
-    """This rank's channel: its node's relay when the run has one, else the aggregator."""
-    relay = settings.relay_of(rank)
-    if relay:
-        host, _, port = relay.rpartition(":")
-        return RelayChannel(host, int(port), settings.monitor.decision_timeout_s, token=settings.relay_token)
-    return ActorChannel.connect(settings)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("relay closed the connection")
-        buf.extend(chunk)
-    return bytes(buf)
-
-
-
 # Outside a launch (a script run by hand, a benchmark): the config's defaults, so a script
 # collects, decides and reports weights the same by hand as launched with a default config.
 UNLAUNCHED_SCHEDULE = schedule_of(RunConfig())
@@ -453,25 +53,6 @@ UNLAUNCHED_MONITOR = monitor_settings_of(RunConfig())  # its heartbeat interval 
 EVENT_MESSAGE_CHARS = 4000
 REPORTED_ERRORS = 20
 """Monitor errors per rank reported one by one (the rest are counted)."""
-
-
-def as_number(x: Any) -> float | None:
-    """A Python float from a number, a numpy scalar or a MindSpore tensor of one element
-    (the functional `value_and_grad` style hands the loss over as a Tensor)."""
-    if x is None:
-        return None
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
-    if hasattr(x, "asnumpy"):  # a MindSpore tensor
-        x = x.asnumpy()
-    if hasattr(x, "reshape") and getattr(x, "size", 1) == 1:  # numpy array or scalar of one value
-        return float(x.reshape(-1)[0])
-    return float(x)
-
-
-def as_count(x: Any) -> int:
-    v = as_number(x)
-    return int(v) if v is not None and v == v and abs(v) != float("inf") else 0
 STRUCTURE_MESSAGE_CHARS = 60000
 
 
@@ -698,7 +279,7 @@ class RankSession:
         self._self_from = (time.perf_counter() if since is None else since, self.since_packet.outside())
         try:
             return self._record(loss, step=step, **fields)
-        except Exception as exc:
+        except Exception as exc:  # the monitor's own error must never end training: logged and counted
             self.monitor_error(f"recording step {self.step}", exc)
             return self._outcome(self.step)
         finally:
@@ -745,7 +326,7 @@ class RankSession:
             if self.weight_stats is not None:
                 try:
                     weights = self.weight_stats.collect(self._last_sums)
-                except Exception as exc:
+                except Exception as exc:  # statistics are optional: the step's packet goes out without them
                     log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, s, exc)
         evaluates = self.evaluate is not None
         # rank 0 waits for the verdict on a checkpoint candidate (the checkpoint must hold
@@ -763,7 +344,7 @@ class RankSession:
                         f"evaluate() reported {undeclared}, not among the declared metrics {sorted(self.metrics)}; "
                         "add them to Monitor(metrics=[...]) and eval.metrics"))
                 extra = dict(extra or {}, **results)
-            except Exception as exc:
+            except Exception as exc:  # the user's evaluate() failing must not end training: logged
                 log.error("[rank %d] evaluation at step %d failed: %s", self.rank, s, exc)
             finally:
                 self.busy = None
@@ -803,7 +384,7 @@ class RankSession:
         if self.weight_stats is not None and self.schedule.is_collect(s + 1):
             try:
                 self.weight_stats.keep_previous()  # the next step is a collect step: measure its change
-            except Exception as exc:
+            except Exception as exc:  # the next update ratio is then missing, nothing else
                 log.warning("[rank %d] cannot keep the weights for the update ratio: %s", self.rank, exc)
         return self._outcome(s)
 
@@ -817,7 +398,7 @@ class RankSession:
         if self.flops_per_token is None and self.network is not None:
             try:  # once: 6 x the trainable parameters ("6N")
                 self.flops_per_token = params_flops_per_token(trainable_parameters(self.network))
-            except Exception as exc:
+            except Exception as exc:  # no FLOPs count: this rank reports no TFLOPS, it trains on
                 self.flops_per_token = 0
                 log.warning("[rank %d] cannot count the model's parameters for its FLOPs: %s", self.rank, exc)
         wait, comp = as_number(data_wait_s) or 0.0, as_number(compute_s)
@@ -842,7 +423,7 @@ class RankSession:
                         type(exc).__name__, exc, exc_info=self.errors <= 3)
             try:
                 self.send_event(EventKind.MONITOR_ERROR, f"{where}: {type(exc).__name__}: {exc}")
-            except Exception:
+            except Exception:  # reporting the error failed too: it is logged and counted already
                 pass
 
     # ---- shipping and directives -----------------------------------------------------------
@@ -932,7 +513,7 @@ class RankSession:
             params, views = self._listed()
             self._last_sums = param_sums(params, views=views)
             return fingerprint_of(self._last_sums)
-        except Exception as exc:
+        except Exception as exc:  # no fingerprint for this step: its packet goes out without one
             log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)
             self._last_sums = None
             return None, None
@@ -952,6 +533,6 @@ class RankSession:
                 pkt = EventPacket(rank=self.rank, kind=EventKind.STRUCTURE.value, ts=time.time(),
                                   message=text[:STRUCTURE_MESSAGE_CHARS])
                 self.channel.send(pkt.encode())
-        except Exception as exc:
+        except Exception as exc:  # weight statistics are optional: off for the run, training goes on
             log.warning("[rank %d] weight statistics are off: %s", self.rank, exc)
             self.weight_stats = None

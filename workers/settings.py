@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from mindpulse.errors import MindpulseError
-from mindpulse.protocol import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
+from mindpulse.rank_settings import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
 
 
 class SettingsError(MindpulseError, RuntimeError):

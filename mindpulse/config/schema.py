@@ -14,7 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpulse.protocol import Action, periodic_due
+from mindpulse.protocol import Action
+from mindpulse.rank_settings import periodic_due
 
 
 class Backend(str, enum.Enum):
@@ -395,7 +396,7 @@ class CheckpointConfig:
         return self.best_metric.startswith("eval_")
 
     def periodic_due(self, step: int) -> bool:
-        """Whether a periodic checkpoint is due after `step` (`mindpulse.protocol.periodic_due`)."""
+        """Whether a periodic checkpoint is due after `step` (`mindpulse.rank_settings.periodic_due`)."""
         return periodic_due(step, self.save_checkpoint_steps)
 
     def best_due(self, step: int) -> bool:

@@ -31,7 +31,8 @@ from mindpulse.config.schema import (
     RunConfig,
 )
 from mindpulse.errors import MindpulseError
-from mindpulse.protocol import RULE_ACTIONS, Action, FaultKind, parse_fault
+from mindpulse.fault_specs import FaultKind, parse_fault
+from mindpulse.protocol import RULE_ACTIONS, Action
 
 
 class ConfigError(MindpulseError, ValueError):

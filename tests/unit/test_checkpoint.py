@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from mindspore import nn
 
+import mindpulse.checkpoint_manifest as manifest
+from mindpulse.checkpoint_manifest import choose_resume, read_manifest, verify
 from mindpulse.workers import checkpoint as ck
-from mindpulse.workers.checkpoint import CheckpointManager, choose_resume, read_manifest, verify
+from mindpulse.workers.checkpoint import CheckpointManager
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_manifest_is_written_before_old_files_are_deleted(tmp_path, cell, monkey
     m = CheckpointManager(tmp_path, keep_periodic=1)
     m.save(cell, step=1, epoch=1, kinds=["periodic"])
     seen = []
-    real = ck.write_manifest
+    real = manifest.write_manifest
 
     def spy(d, entries, *args, **kwargs):
         seen.append((tmp_path / "step_00000001-periodic.ckpt").exists())
@@ -154,8 +156,9 @@ def _settings(run_dir, **config):
 
 def _saving_channel():
     """A channel whose every decision says "save the best", the metric falling."""
-    from mindpulse.protocol import Directive, Lease, decode
-    from mindpulse.workers.session import Channel
+    from mindpulse.directives import Directive, Lease
+    from mindpulse.protocol import decode
+    from mindpulse.workers.channel import Channel
 
     class SavingChannel(Channel):
         def __init__(self):
@@ -229,7 +232,7 @@ def test_checkpoint_files_follow_the_output_mode(tmp_path, cell, mode, file_mode
     st = _settings(tmp_path, **({"output": {"mode": mode}} if mode else {}))
     events = []
     writer = CheckpointWriter.for_run(st, lambda kind, msg: events.append((kind, msg)))
-    from mindpulse.protocol import Directive
+    from mindpulse.directives import Directive
 
     writer.write(Directive(step=2, save="periodic,best", metric=1.0, metric_name="loss"), 2, 1, cell)
     ckpt_dir = tmp_path / "checkpoints"
@@ -272,7 +275,7 @@ def _record(path, step=1, kind="periodic", sha="0" * 64, size=7):
 def test_a_malformed_manifest_is_refused_naming_the_file(tmp_path, text, why):
     (tmp_path / "manifest.json").write_text(text)
     for call in (lambda: read_manifest(tmp_path), lambda: choose_resume(tmp_path, "latest")):
-        with pytest.raises(ck.ManifestError) as info:
+        with pytest.raises(manifest.ManifestError) as info:
             call()
         assert str(tmp_path / "manifest.json") in str(info.value) and why in str(info.value)
 
@@ -287,19 +290,19 @@ def test_retention_never_deletes_outside_the_checkpoints_folder(tmp_path, cell):
     before = (ckpt_dir / "manifest.json").read_text()
     m = CheckpointManager(ckpt_dir, keep_periodic=1)  # not fatal to the rank
     for step in (2, 3):
-        with pytest.raises(ck.ManifestError, match="victim"):
+        with pytest.raises(manifest.ManifestError, match="victim"):
             m.save(cell, step=step, epoch=1, kinds=["periodic"])
     assert victim.exists() and (ckpt_dir / "manifest.json").read_text() == before
     # and the deletion itself only ever takes bare names, whatever the entries say
     m2 = CheckpointManager(tmp_path / "other", keep_periodic=1)
-    m2.entries = [ck.CkptEntry("../victim.ckpt", 1, 0, "periodic", None, "", 1, "0" * 64, 0.0)]
+    m2.entries = [manifest.CkptEntry("../victim.ckpt", 1, 0, "periodic", None, "", 1, "0" * 64, 0.0)]
     m2.save(cell, step=2, epoch=1, kinds=["periodic"])
     assert victim.exists()
 
 
 def test_verify_refuses_a_path_outside_the_folder(tmp_path):
     (tmp_path / "victim").write_bytes(b"x")
-    entry = ck.CkptEntry("../victim", 1, 0, "periodic", None, "", 1, "0" * 64, 0.0)
+    entry = manifest.CkptEntry("../victim", 1, 0, "periodic", None, "", 1, "0" * 64, 0.0)
     assert "not a file name inside" in verify(tmp_path / "checkpoints", entry)
 
 
@@ -307,25 +310,25 @@ def test_a_rank_checks_the_sha256_before_it_loads(tmp_path, cell):
     m = CheckpointManager(tmp_path, fmt="safetensors")
     (e,) = m.save(cell, step=2, epoch=1, kinds=["periodic"])
     path = tmp_path / e.path
-    ck.verify_for_load(path, "periodic")  # whole: passes
+    manifest.verify_for_load(path, "periodic")  # whole: passes
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(ck.CheckpointRefused, match=f"refused {path}.*sha256"):
-        ck.verify_for_load(path, "periodic")
+    with pytest.raises(manifest.CheckpointRefused, match=f"refused {path}.*sha256"):
+        manifest.verify_for_load(path, "periodic")
     # the recipe's loader refuses it before MindSpore reads anything
     from mindpulse.workers.recipes.llama_finetune import load_resume
 
-    with pytest.raises(ck.CheckpointRefused):
+    with pytest.raises(manifest.CheckpointRefused):
         load_resume(cell, str(path), "periodic")
     stray = tmp_path / "step_00000009-periodic.ckpt"
     stray.write_bytes(b"unlisted")
-    with pytest.raises(ck.CheckpointRefused, match="does not list it"):
-        ck.verify_for_load(stray, "periodic")
-    ck.verify_for_load(stray, "file")  # given by path, in no manifest: nothing to check against
+    with pytest.raises(manifest.CheckpointRefused, match="does not list it"):
+        manifest.verify_for_load(stray, "periodic")
+    manifest.verify_for_load(stray, "file")  # given by path, in no manifest: nothing to check against
     (tmp_path / "manifest.json").write_text("{")
-    with pytest.raises(ck.CheckpointRefused, match="not valid JSON"):
-        ck.verify_for_load(stray, "file")
+    with pytest.raises(manifest.CheckpointRefused, match="not valid JSON"):
+        manifest.verify_for_load(stray, "file")
 
 
 # ---- 16: resume loads either format --------------------------------------------------------------------
@@ -508,7 +511,7 @@ def test_a_write_in_progress_is_marked_for_the_launcher_and_unmarked_when_it_end
     """While rank 0 writes, its checkpoints folder says so (step and writer): the launcher
     lets the write finish before it stops the ranks after another rank failed. The marker
     goes when the write ends, whole or failed."""
-    from mindpulse.aggregator.rundir_io import SAVING_MARKER, saving_now
+    from mindpulse.rundir_io import SAVING_MARKER, saving_now
 
     m = CheckpointManager(tmp_path, keep_periodic=3)
     seen = []

@@ -389,7 +389,7 @@ def test_every_variable_mindpulse_gives_ranks_is_refused_in_env(backend, device)
     from mindpulse.config import env_reserved
     from mindpulse.launcher.spec import rank_specs, scheduler_env
     from mindpulse.node.agent import WORKER_ENV
-    from mindpulse.protocol import NODE_RANK_ENV, SETTINGS_ENV
+    from mindpulse.rank_settings import NODE_RANK_ENV, SETTINGS_ENV
 
     cfg = from_dict({"backend": backend, "world": {"device": device, "nodes": 2}})
     keys = {k for s in rank_specs(cfg) for k in s.env} | set(scheduler_env(cfg)) | set(WORKER_ENV)
@@ -470,7 +470,7 @@ def test_graph_mode_recipe_in_data_parallel_on_cpu_is_refused_before_launch():
 
 def test_the_rank_and_the_aggregator_agree_on_periodic_checkpoint_steps():
     """Rank 0 waits for a verdict exactly at the steps where the aggregator asks for a
-    periodic save: both read `mindpulse.protocol.periodic_due`."""
+    periodic save: both read `mindpulse.rank_settings.periodic_due`."""
     from mindpulse.config import schedule_of
 
     for every in (0, 1, 3, 10):

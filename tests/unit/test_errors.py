@@ -28,10 +28,7 @@ NOT_MINDPULSE_ERRORS = {
     "mindpulse.launcher.interrupts.StartInterrupted",
 }
 
-UNCHECKED_HANDLERS = {
-    # being split into smaller modules: the handlers get their reasons in the modules they move to
-    "workers/session.py",
-}
+UNCHECKED_HANDLERS: set[str] = set()
 
 _HEAVY_IMPORTS = ("mindspore", "mindformers")
 

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from mindpulse.directives import Lease
+from mindpulse.frames import FrameReader, encode_frame
 from mindpulse.lease_board import PREFIX, SIZE, STALE_AFTER_S, LeaseBoard, LeaseView
-from mindpulse.protocol import FrameReader, Lease, encode_frame
 
 
 def test_a_reader_sees_each_new_lease_once_and_nothing_in_between(tmp_path):

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mindpulse.directives import Directive
 from mindpulse.packet_stream import iter_stream
 from mindpulse.protocol import (
     MAX_PACKET_BYTES,
     SCHEMA_VERSION,
     Action,
-    Directive,
     EventPacket,
     PacketError,
     StepPacket,

@@ -135,7 +135,7 @@ def test_a_nodes_relay_pre_reduces_and_the_aggregator_merges_one_partial_per_nod
     from mindpulse.aggregator.core import AggregatorCore
     from mindpulse.node.relay import NodePreReducer, RelayServer
     from mindpulse.protocol import EventPacket
-    from mindpulse.workers.session import RelayChannel
+    from mindpulse.workers.channel import RelayChannel
 
     core = AggregatorCore(tmp_path, world_size=4, settings={"tensorboard": False,
                                                              "world": {"nodes": 2, "ranks_per_node": 2}})

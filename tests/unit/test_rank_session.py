@@ -7,22 +7,18 @@ import json
 
 import pytest
 
-from mindpulse.protocol import (
+from mindpulse.directives import Directive, Lease
+from mindpulse.protocol import Action, EventKind, StepPacket, decode
+from mindpulse.rank_settings import (
     SETTINGS_ENV,
-    Action,
     CheckpointSettings,
-    Directive,
-    EventKind,
-    Lease,
     MonitorSettings,
     ProfileSettings,
     RankSettings,
     ResumePoint,
     Schedule,
-    StepPacket,
-    decode,
 )
-from mindpulse.workers.session import BATCH_PACKETS, ActorChannel, Channel, RelayChannel, connect
+from mindpulse.workers.channel import BATCH_PACKETS, ActorChannel, Channel, RelayChannel, connect
 from mindpulse.workers.settings import SettingsError, settings_at
 
 

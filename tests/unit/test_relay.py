@@ -7,9 +7,11 @@ import struct
 import threading
 import time
 
+from mindpulse.directives import Directive, Lease
+from mindpulse.frames import decode_frame_body, encode_frame
 from mindpulse.node.relay import RelayServer
-from mindpulse.protocol import Action, Directive, Lease, StepPacket, decode, decode_frame_body, encode_frame
-from mindpulse.workers.session import RelayChannel as RelayClient
+from mindpulse.protocol import Action, StepPacket, decode
+from mindpulse.workers.channel import RelayChannel as RelayClient
 
 
 class Upstream:

@@ -61,7 +61,8 @@ def test_reader_reduces_exactly_as_reduce_all(tmp_path):
     path = _write(tmp_path / "run", packets)
     steps = [p for p in packets if isinstance(p, StepPacket)]
     expected = reduce_all(steps, 3)
-    tracker = StragglerTracker(RunConfig().monitor.straggler_window, RunConfig().world.ranks_per_node)  # no config.yaml: the config's default
+    cfg = RunConfig()  # no config.yaml: the config's default
+    tracker = StragglerTracker(cfg.monitor.straggler_window, cfg.world.ranks_per_node)
     for red in expected:
         tracker.update(red)
 

@@ -8,8 +8,9 @@ import pytest
 
 from mindpulse.aggregator.decisions import RollbackDecision, StopDecision
 from mindpulse.config import MonitorConfig, RuleKind, from_dict, load_config
+from mindpulse.directives import Directive
 from mindpulse.launcher.spec import aggregator_settings, node_settings
-from mindpulse.protocol import CheckpointKind, Directive, EventPacket, PacketError, RankState, decode
+from mindpulse.protocol import CheckpointKind, EventPacket, PacketError, RankState, decode
 from mindpulse.settings import COMPUTE_DROP_WINDOW, AggregatorSettings, BestSeed, NodeSettings
 from mindpulse.workers.heartbeat import BUSY_SAVING, Heartbeat
 

@@ -13,8 +13,10 @@ import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.metrics_store import read_wire
+from mindpulse.directives import Directive, Lease
+from mindpulse.frames import encode_frame
 from mindpulse.node.relay import NodePreReducer
-from mindpulse.protocol import Action, Directive, Lease, StepPacket, encode_frame
+from mindpulse.protocol import Action, StepPacket
 from mindpulse.uplink import Uplink, UplinkServer
 
 
@@ -325,7 +327,7 @@ def test_a_decide_frame_that_decides_its_step_is_answered_in_the_write_of_its_ac
     """Rank 0's decision at a checkpoint candidate: when ingesting the frame decided the step,
     the directive leaves with the frame's ack and the lease, in one write, without a task
     waiting for it (each write wakes the node agent, and rank 0 waits for this one)."""
-    from mindpulse.protocol import decode_frame_body
+    from mindpulse.frames import decode_frame_body
 
     class Writer:
         def __init__(self):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from mindpulse.protocol import RankSettings
+    from mindpulse.rank_settings import RankSettings
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def load_resume(train_net, path: str, kind: str = "") -> None:
     (size, sha256): a file that does not match is refused before MindSpore reads it."""
     import mindspore as ms
 
-    from mindpulse.workers.checkpoint import format_of, verify_for_load
+    from mindpulse.checkpoint_manifest import format_of, verify_for_load
 
     verify_for_load(path, kind)
     params = ms.load_checkpoint(str(path), format=format_of(path))
