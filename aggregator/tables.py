@@ -10,6 +10,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from mindpulse.config import MonitorConfig
 from mindpulse.formatting import millis, number
 from mindpulse.metrics import columns
 
@@ -23,7 +24,8 @@ _COLUMNS = columns()
 """The metric registry's columns (mindpulse/metrics.py, `StepMetric.column`), after the fixed ones."""
 
 
-def cluster_table(red: ReducedStep, total_steps: int | None = None, straggler_threshold: float = 0.7,
+def cluster_table(red: ReducedStep, total_steps: int | None = None,
+                  straggler_threshold: float = MonitorConfig.straggler_threshold,
                   ranks: range | None = None) -> str:
     """The step's table: every rank up to MAX_TABLE_RANKS, else the ranks that matter and a
     count of the rest; `ranks`: exactly those ranks (a page of `mindpulse top`)."""

@@ -27,6 +27,7 @@ import socket
 import time
 from typing import Any
 
+from mindpulse.config import MonitorConfig
 from mindpulse.directives import Directive, Lease
 from mindpulse.frames import FRAME_HEADER_BYTES, MAX_FRAME, FrameReader, decode_frame_body, encode_frame, frame_length
 from mindpulse.lease_board import LeaseView
@@ -48,7 +49,7 @@ at most the timeout it was handed, so a longer silence means it is gone."""
 class Channel(abc.ABC):
     """Buffered packets out, directives back; subclasses only move batches."""
 
-    def __init__(self, decision_timeout_s: float = 120.0):
+    def __init__(self, decision_timeout_s: float = MonitorConfig.decision_timeout_s):
         self.decision_timeout_s = decision_timeout_s
         self.failures = 0
         """Batches or decisions that did not get through (the rank went on regardless)."""
@@ -156,7 +157,8 @@ class RelayChannel(Channel):
     step; the rank then blocks until the relay answers. Without a board (no shared memory
     on the node) every lease is asked for there."""
 
-    def __init__(self, host: str, port: int, decision_timeout_s: float = 120.0, token: str = ""):
+    def __init__(self, host: str, port: int, decision_timeout_s: float = MonitorConfig.decision_timeout_s,
+                 token: str = ""):
         super().__init__(decision_timeout_s)
         self.addr = (host, port)
         self.token = token
@@ -341,7 +343,7 @@ class RelayChannel(Channel):
 class ActorChannel(Channel):
     """Calls the aggregator actor (`ingest` / `decide`) through its Ray handle."""
 
-    def __init__(self, handle: Any, decision_timeout_s: float = 120.0):
+    def __init__(self, handle: Any, decision_timeout_s: float = MonitorConfig.decision_timeout_s):
         super().__init__(decision_timeout_s)
         self.handle = handle
 
