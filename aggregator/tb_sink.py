@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import MonitorConfig
-from mindpulse.formatting import cell
+from mindpulse.formatting import cell, finite_float
 from mindpulse.metrics import rank_tb_scalars, tb_scalars
 from mindpulse.partial import collect_ranks
 
@@ -64,15 +64,7 @@ _MAX_TEXT_CHARS = 256 * 1024
 _WRITER_SEQ = itertools.count()
 
 
-def _number(x: Any) -> float | None:
-    """A plain finite float, or None (None, bools, strings, NaN and Inf are all None)."""
-    if x is None or isinstance(x, bool):
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
+_number = finite_float
 
 
 def _tag_part(x: Any) -> str:

@@ -29,6 +29,19 @@ def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def finite_float(x: Any) -> float | None:
+    """A plain finite float read from anything (a number, numpy scalar, numeric text), or None
+    (None, bools, other text, NaN and Inf are all None): the one reader of values a sampler,
+    a packet or a record may carry."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
 def _scientific(x: float) -> bool:
     return x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e6)
 

@@ -13,6 +13,7 @@ import threading
 from typing import Any, TypedDict, cast
 
 from mindpulse.errors import MindpulseError
+from mindpulse.formatting import finite_float
 
 __all__ = [
     "CARD_KEYS",
@@ -78,15 +79,8 @@ def card_record(**values: Any) -> CardRecord:
     return cast(CardRecord, rec)
 
 
-def as_float(v: Any) -> float | None:
-    """Float, or ``None`` for missing / non-numeric / non-finite values."""
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if f == f and f not in (float("inf"), float("-inf")) else None
+as_float = finite_float
+"""Float, or ``None`` for missing / non-numeric / non-finite values."""
 
 
 def bytes_to_mb(nbytes: Any) -> float | None:
