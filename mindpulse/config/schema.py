@@ -467,6 +467,58 @@ class PreflightConfig:
 
 
 @dataclass
+class PrometheusConfig:
+    port: int = 0
+    """Serve the job's metrics for Prometheus at `http://ADDRESS:PORT/metrics` from the aggregator
+    (0: off). Series and labels: docs/dashboards.md."""
+    address: str = "127.0.0.1"
+    """The address the endpoint listens on: loopback by default; any other address (`0.0.0.0`,
+    the head's cluster address) is an explicit choice: docs/security.md."""
+
+
+@dataclass
+class ExportersConfig:
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+
+
+class SwanLabMode(str, enum.Enum):
+    OFFLINE = "offline"
+    LOCAL = "local"
+    CLOUD = "cloud"
+
+
+@dataclass
+class SwanLabConfig:
+    enabled: bool = False
+    """Log the run to SwanLab (`pip install 'mindpulse[swanlab]'`): one SwanLab run per job."""
+    project: str = "mindpulse"
+    """SwanLab project."""
+    mode: SwanLabMode = SwanLabMode.OFFLINE
+    """`offline` (files under `logdir`, nothing leaves the machine), `local` (the same, for
+    `swanlab watch`) or `cloud` (sent to SwanLab's server: an explicit choice)."""
+    logdir: str = ""
+    """Where SwanLab writes its files (empty: `RUN_DIR/swanlab`)."""
+    workspace: str = ""
+    """SwanLab workspace (cloud mode; empty: the logged-in user's)."""
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = False
+    """Log the run to MLflow (`pip install 'mindpulse[mlflow]'`): one MLflow run per job."""
+    tracking_uri: str = ""
+    """MLflow tracking URI (empty: a file store in `<output.root>/mlruns`, on this machine)."""
+    experiment: str = "mindpulse"
+    """MLflow experiment name."""
+
+
+@dataclass
+class SinksConfig:
+    swanlab: SwanLabConfig = field(default_factory=SwanLabConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     """Run name: letters, digits, `.`, `_`, `-` (it becomes a folder name)."""
@@ -497,6 +549,8 @@ class RunConfig:
     docs/faults.md); --inject adds more."""
     output: OutputConfig = field(default_factory=OutputConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    exporters: ExportersConfig = field(default_factory=ExportersConfig)
+    sinks: SinksConfig = field(default_factory=SinksConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import itertools
 import math
 import re
@@ -164,6 +165,22 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{path}: {value!r} is not allowed; use a number {need}")
 
 
+def _validate_exporters(cfg: RunConfig) -> None:
+    prom = cfg.exporters.prometheus
+    if not 0 <= prom.port <= 65535:
+        raise ConfigError(f"exporters.prometheus.port: {prom.port} is not allowed; use 0 (off) or 1-65535")
+    try:
+        ipaddress.ip_address(prom.address)
+    except ValueError:
+        raise ConfigError(f"exporters.prometheus.address: {prom.address!r} is not an IP address; use one such as "
+                          "127.0.0.1 (this machine only, the default) or 0.0.0.0 (every interface: "
+                          "docs/security.md)") from None
+    if not cfg.sinks.swanlab.project.strip():
+        raise ConfigError("sinks.swanlab.project: empty; name the SwanLab project")
+    if not cfg.sinks.mlflow.experiment.strip():
+        raise ConfigError("sinks.mlflow.experiment: empty; name the MLflow experiment")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Checks across fields; raises ConfigError naming the first bad field."""
     if not _NAME_RE.match(cfg.name):
@@ -187,6 +204,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         if reason is not None:
             raise ConfigError(f"env.{key}: not allowed: {reason}. Variables mindpulse sets or relies on cannot "
                               "be set here (see the `env` row of the README's config reference)")
+    _validate_exporters(cfg)
     _positive("msrun.heartbeat_interval_s", cfg.msrun.heartbeat_interval_s, allow_zero=True)
     _positive("max_restarts", cfg.max_restarts, allow_zero=True)
     _positive("world.nodes", cfg.world.nodes)
