@@ -66,6 +66,7 @@ class AggregatorCore:
         """The step this attempt starts after (a resumed run): the step window counts from it."""
         self.sinks = Sinks(self.run_dir, tensorboard=settings.tensorboard, collect_freq=self.collect_freq,
                            straggler_threshold=self.straggler_threshold)
+        self.sinks.open_outputs(cfg, run=self.run_dir.name, attempt=settings.attempt)
         if self.sinks.tb is not None:
             if settings.config_yaml:
                 self.sinks.tb.on_text("config", "```\n" + settings.config_yaml + "\n```")
@@ -187,6 +188,8 @@ class AggregatorCore:
             info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
         elif pkt.kind == EventKind.CHECKPOINT:
             refused = self.decisions.on_checkpoint(pkt)
+            if self.sinks.outputs and not self.replaying:
+                self.sinks.each("on_checkpoint", pkt.step)
             if refused is not None:
                 self.goodput.checkpoint_at(pkt.step)
                 if refused:
@@ -223,6 +226,8 @@ class AggregatorCore:
         step = self.last_reduced.step if self.last_reduced else 0
         if self.tb is not None and not self.replaying:
             self.tb.on_telemetry(pkt.node, cards, pkt.ts, step)
+        if self.sinks.outputs and not self.replaying:
+            self.sinks.each("on_telemetry", pkt.node, cards, pkt.ts, step)
         self.decisions.on_telemetry(cards, time.time(), step)
 
     def milestone(self, text: str, step: int) -> None:
@@ -237,12 +242,12 @@ class AggregatorCore:
         self.last_reduced = red
         self.recent.append(red)
         self.goodput.add(StepTimes.of(red))
+        also: list[tuple[str, Any]] = []
+        launch = self.settings.launch_started
+        if launch and red.ts > launch:
+            ettr = (self.settings.productive_before_s + self.goodput.cum["productive"]) / (red.ts - launch)
+            also.append(("goodput/ettr", ettr))
         if self.tb is not None and not self.replaying:
-            also = []
-            launch = self.settings.launch_started
-            if launch and red.ts > launch:
-                ettr = (self.settings.productive_before_s + self.goodput.cum["productive"]) / (red.ts - launch)
-                also.append(("goodput/ettr", ettr))
             self.sinks.view(functools.partial(self._tb_step, red, also))
         self.totals.add(red)
         self._check_fingerprints(red)
@@ -252,6 +257,8 @@ class AggregatorCore:
         else:
             self.stragglers.update(red)
         self.metrics.append_reduced(red)
+        if self.sinks.outputs and not self.replaying:  # after the straggler scores, like the table
+            self.sinks.view(functools.partial(self.sinks.each, "on_reduced", red, also))
         directive = self.decisions.on_reduced(red, self.replaying)
         if (red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps)
                 or any(k.startswith("eval_") for k in red.extra) or directive.action.stops):
@@ -387,6 +394,7 @@ class AggregatorCore:
 
     def close(self) -> None:
         self.run_sinks()
+        self.sinks.close_outputs()
         self.metrics.close()
         self.anomalies.close()
         if self.tb is not None:

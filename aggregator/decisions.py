@@ -185,6 +185,7 @@ class Decisions:
             self.sinks.anomalies.append(rec)
             where = f" (rank {f.rank})" if f.rank is not None else ""
             self.sinks.say(f"ANOMALY {f.rule}{where} -> {f.action.value}: {f.message}")
+            self.sinks.each("on_anomaly", rec)
             if self.sinks.tb is not None:
                 self.sinks.tb.on_anomaly(rec)
                 self.sinks.milestone(f"anomaly {f.rule}: {f.message}", f.step)

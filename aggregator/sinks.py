@@ -8,13 +8,19 @@ written before the restart is not written again.
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mindpulse.config import RunConfig
+
 from .anomaly_log import AnomalyLog
+
+log = logging.getLogger(__name__)
 
 CONSOLE_LINES = 1000
 """Console lines kept until the driver polls them."""
@@ -30,11 +36,55 @@ class Sinks:
         table) wait in the queue until `run()`, so the lease and the directive the step
         decided leave first (see `AggregatorActor._moved`); unset: they run as it is reduced."""
         self._views: deque[Callable[[], None]] = deque()
+        self.outputs: list[Any] = []
+        """The trackers besides TensorBoard (`open_outputs`): each may have `on_reduced(red, also)`,
+        `on_telemetry(node, cards, ts, step)`, `on_anomaly(record)`, `on_checkpoint(step)`, `close()`."""
+        self.output_errors: Counter[str] = Counter()
         self.tb: Any = None
         if tensorboard:
             from .tb_sink import TensorBoardSink
 
             self.tb = TensorBoardSink(run_dir, collect_freq=collect_freq, straggler_threshold=straggler_threshold)
+
+    # ---- the trackers besides TensorBoard: the Prometheus endpoint, SwanLab, MLflow -------------
+    def open_outputs(self, config: RunConfig, *, run: str, attempt: int) -> None:
+        """Start the exporters and trackers the config turns on. One that cannot start (a port
+        taken since the launch checked it) is reported and left out: the job trains on."""
+        prom = config.exporters.prometheus
+        if prom.port:
+            try:
+                from .prometheus_exporter import PrometheusExporter
+
+                exporter = PrometheusExporter(prom, run=run, world_size=config.world.world_size,
+                                              ranks_per_node=config.world.ranks_per_node, restarts=attempt,
+                                              info=_run_info(config))
+            except Exception as exc:  # a tracker never stops the training it watches: said, left out
+                self.say(f"prometheus endpoint {prom.address}:{prom.port} did not start ({exc}); the run goes on "
+                         "without it")
+            else:
+                self.outputs.append(exporter)
+                self.say(f"metrics for Prometheus: {exporter.url}")
+
+    def each(self, method: str, *args: Any) -> None:
+        """Call `method` of every tracker that has it; a failure is counted, said once per
+        tracker and method, and never raised (a full disk or a gone server costs no step)."""
+        for out in self.outputs:
+            fn = getattr(out, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception as exc:  # a tracker never stops the training it watches: counted, said once
+                key = f"{type(out).__name__}.{method}"
+                self.output_errors[key] += 1
+                if self.output_errors[key] == 1:
+                    self.say(f"{type(out).__name__} failed in {method} ({type(exc).__name__}: {exc}); counted, "
+                             "training goes on")
+                log.debug("%s failed", key, exc_info=True)
+
+    def close_outputs(self) -> None:
+        self.each("close")
+        self.outputs.clear()
 
     def say(self, text: str) -> None:
         self.console.append(text)
@@ -59,6 +109,19 @@ class Sinks:
         out = list(self.console)
         self.console.clear()
         return out
+
+
+def _run_info(config: RunConfig) -> dict[str, str]:
+    """The run's metadata for `mindpulse_run_info`: versions read from the installed packages'
+    metadata (the aggregator never imports MindSpore)."""
+    def version(pkg: str) -> str:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    return {"mindspore_version": version("mindspore"), "mindformers_version": version("mindformers"),
+            "backend": config.backend.value, "world_size": str(config.world.world_size)}
 
 
 __all__ = ["CONSOLE_LINES", "Sinks"]

@@ -80,6 +80,9 @@ class Reduction:
     """Written only when this `ReducedStep` field is not None (the loss-scale tags)."""
     total: str | None = None
     """`summary.json` key that sums this value over the run's steps (RunTotals)."""
+    prom: tuple[str, str] | None = None
+    """The Prometheus series of the cluster's value: (family without the `mindpulse_` prefix, in
+    base units; its `stat` label, empty for none) (aggregator/prometheus_exporter.py)."""
     rate: bool = False
     """Only finite, non-negative values reach it (`include`): a node partial that says otherwise is refused."""
     keep: bool = False
@@ -95,6 +98,7 @@ class Derived:
     fn: Callable[[dict[str, Any]], Any]
     doc: str = ""
     tb: str | None = None
+    prom: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,9 @@ class StepMetric:
     """Other rule-metric names: alias → one of this metric's reduced names."""
     rank_tb: str | None = None
     """TensorBoard tag suffix of each shown rank's own value (`rank_<r>/<suffix>`)."""
+    rank_prom: tuple[str, str] | None = None
+    """The Prometheus series of each shown rank's own value: (family, `stat` label); it carries
+    the `rank` and `node` labels."""
     column: Column | None = None
     required: bool = False
 
@@ -161,30 +168,33 @@ _OPT = dict(optional=True)
 STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("rank", int, required=True),
     StepMetric("step", int, required=True, doc="Steps count from 1 (0: the report before the first step)."),
-    StepMetric("epoch", int, 0, reduce=(Reduction("epoch", Reduce.PEAK),)),
+    StepMetric("epoch", int, 0, reduce=(Reduction("epoch", Reduce.PEAK, prom=("epoch", "")),)),
     StepMetric("loss", float, **_OPT, reduce=(
         Reduction("loss_mean", Reduce.MEAN_ALL, "The mean loss over ranks (NaN when one rank's is not finite).",
-                  std="loss_std", tb="loss/mean"),
-        Reduction("loss_min", Reduce.MIN, tb="loss/min", keep=True),
-        Reduction("loss_max", Reduce.MAX, tb="loss/max", keep=True),
-        Reduction("loss", Reduce.HIST)), aliases={"loss": "loss_mean"}, rank_tb="loss"),
-    StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr"),)),
+                  std="loss_std", tb="loss/mean", prom=("loss", "mean")),
+        Reduction("loss_min", Reduce.MIN, tb="loss/min", keep=True, prom=("loss", "min")),
+        Reduction("loss_max", Reduce.MAX, tb="loss/max", keep=True, prom=("loss", "max")),
+        Reduction("loss", Reduce.HIST)), aliases={"loss": "loss_mean"}, rank_tb="loss", rank_prom=("loss", "rank")),
+    StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr", prom=("learning_rate", "")),)),
     StepMetric("grad_norm", float, **_OPT, doc="Global grad norm, after the data-parallel reduction.",
                reduce=(Reduction("grad_norm", Reduce.GLOBAL, "Global (post-reduction) grad norm; the largest "
-                                 "report if ranks disagree.", include=_scaled, tb="grad_norm/global"),),
+                                 "report if ranks disagree.", include=_scaled, tb="grad_norm/global",
+                                 prom=("grad_norm", "global")),),
                aliases={"grad_norm_global": "grad_norm"}),
     StepMetric("grad_norm_local", float, **_OPT, doc="This rank's grad norm before the reduction: tells which "
-               "rank produced a NaN.", reduce=(Reduction("grad_norm_local_max", Reduce.MAX, keep=True),),
-               rank_tb="grad_norm_local"),
+               "rank produced a NaN.", reduce=(Reduction("grad_norm_local_max", Reduce.MAX, keep=True,
+                                                         prom=("grad_norm", "local_max")),),
+               rank_tb="grad_norm_local", rank_prom=("grad_norm", "local")),
     StepMetric("nan_count", int, 0, reduce=(Reduction("nan_count", Reduce.SUM),)),
     StepMetric("inf_count", int, 0, reduce=(Reduction("inf_count", Reduce.SUM),)),
     StepMetric("step_time_s", float, **_OPT, unit="s", reduce=(
-        Reduction("step_time_min", Reduce.MIN, keep=True),
-        Reduction("step_time_max", Reduce.MAX, tb="step_time/max", keep=True),
-        Reduction("step_time", Reduce.HIST)), rank_tb="step_time"),
+        Reduction("step_time_min", Reduce.MIN, keep=True, prom=("step_duration_seconds", "min")),
+        Reduction("step_time_max", Reduce.MAX, tb="step_time/max", keep=True, prom=("step_duration_seconds", "max")),
+        Reduction("step_time", Reduce.HIST)), rank_tb="step_time", rank_prom=("step_duration_seconds", "rank")),
     StepMetric("data_wait_s", float, **_OPT, unit="s", doc="Time from the end of the previous step to the start "
                "of this one (fetching the batch, host work): before the collective, so it tells stragglers apart.",
-               reduce=(Reduction("data_wait_max", Reduce.PEAK, "The longest data wait of the step over ranks."),)),
+               reduce=(Reduction("data_wait_max", Reduce.PEAK, "The longest data wait of the step over ranks.",
+                                 prom=("data_wait_seconds", "max")),)),
     StepMetric("compute_s", float, **_OPT, unit="s", doc="PYNATIVE: time from the step's start until the local "
                "gradients were ready (before the all-reduce); None where the mode does not allow measuring it."),
     StepMetric("samples", int, 0, reduce=(Reduction("samples", Reduce.SUM, internal=True),)),
@@ -192,31 +202,36 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                reduce=(Reduction("tokens", Reduce.SUM, "Tokens trained in this step, summed over ranks."),)),
     StepMetric("tflops", float, **_OPT, unit="TFLOPS", doc="This rank's achieved model TFLOPS in this step.",
                reduce=(Reduction("tflops_mean", Reduce.MEAN, "Achieved TFLOPS per card, mean over ranks.",
-                                 include=lambda p: _rate(p.tflops), tb="compute/tflops/mean"),
-                       Reduction("tflops_min", Reduce.MIN, include=lambda p: _rate(p.tflops), keep=True, rate=True),
-                       Reduction("tflops_max", Reduce.MAX, include=lambda p: _rate(p.tflops), keep=True, rate=True)),
-               aliases={"tflops": "tflops_mean"}),
+                                 include=lambda p: _rate(p.tflops), tb="compute/tflops/mean", prom=("tflops", "mean")),
+                       Reduction("tflops_min", Reduce.MIN, include=lambda p: _rate(p.tflops), keep=True, rate=True,
+                                 prom=("tflops", "min")),
+                       Reduction("tflops_max", Reduce.MAX, include=lambda p: _rate(p.tflops), keep=True, rate=True,
+                                 prom=("tflops", "max"))),
+               aliases={"tflops": "tflops_mean"}, rank_prom=("tflops", "rank")),
     StepMetric("ts", float, 0.0, unit="s", reduce=(Reduction("ts", Reduce.PEAK),)),
     StepMetric("fingerprint", str, **_OPT, doc="Hash of the parameters, every `collect_freq` steps (and step 0)."),
     StepMetric("param_norm", float, **_OPT),
     StepMetric("decision", bool, False, doc="True when the rank waits for the directive of this step."),
     StepMetric("monitor_wait_s", float, 0.0, unit="s", doc="Seconds this rank blocked on the aggregator before "
                "this step.", reduce=(
-                   Reduction("monitor_wait_max", Reduce.PEAK, tb="monitor/wait_s"),
+                   Reduction("monitor_wait_max", Reduce.PEAK, tb="monitor/wait_s",
+                             prom=("monitor_wait_seconds", "max")),
                    Reduction("monitor_wait_sum", Reduce.SUM, include=lambda p: bool(p.monitor_wait_s),
-                             total="monitor_wait_s"))),
+                             total="monitor_wait_s", prom=("monitor_wait_seconds", "sum")))),
     StepMetric("monitor_errors", int, 0, doc="Errors inside this rank's monitor so far (logged and counted).",
                reduce=(Reduction("monitor_errors", Reduce.SUM),)),
     StepMetric("checkpoint_s", float, 0.0, unit="s", reduce=(Reduction("checkpoint_s_max", Reduce.PEAK),)),
     StepMetric("eval_s", float, 0.0, unit="s", reduce=(Reduction("eval_s_max", Reduce.PEAK),)),
     StepMetric("profile_s", float, 0.0, unit="s", reduce=(Reduction("profile_s_max", Reduce.PEAK),)),
     StepMetric("loss_scale", float, **_OPT, doc="The loss scale the step ran with, where a loss-scale cell runs.",
-               reduce=(Reduction("loss_scale_min", Reduce.MIN, tb="loss_scale/min", tb_when="loss_scale_min"),
-                       Reduction("loss_scale_max", Reduce.MAX, tb="loss_scale/max", tb_when="loss_scale_min")),
+               reduce=(Reduction("loss_scale_min", Reduce.MIN, tb="loss_scale/min", tb_when="loss_scale_min",
+                                 prom=("loss_scale", "min")),
+                       Reduction("loss_scale_max", Reduce.MAX, tb="loss_scale/max", tb_when="loss_scale_min",
+                                 prom=("loss_scale", "max"))),
                aliases={"loss_scale": "loss_scale_min"}),
     StepMetric("overflow", bool, **_OPT, doc="True when the loss-scale cell skipped the update for overflow.",
                reduce=(Reduction("overflow_ranks", Reduce.COUNT, include=lambda p: bool(p.overflow),
-                                 tb="overflow/ranks", tb_when="loss_scale_min"),),
+                                 tb="overflow/ranks", tb_when="loss_scale_min", prom=("overflow_ranks", "")),),
                aliases={"overflow": "overflow_ranks"}),
     StepMetric("overflow_steps", int, 0, reduce=(Reduction("overflow_steps", Reduce.PEAK, tb="overflow/steps",
                                                            tb_when="loss_scale_min"),)),
@@ -225,10 +240,12 @@ STEP_METRICS: tuple[StepMetric, ...] = (
         "reading the step's outputs, building and encoding the packet, the channel and the lease check; not "
         "the waits for the aggregator (monitor_wait_s), checkpoint writes, evaluation or the profiler."),
         reduce=(Reduction("monitor_self_max", Reduce.MAX, "The most any rank spent in mindpulse's code for this "
-                          "step, with the rank.", tb="monitor/self_s/max"),
+                          "step, with the rank.", tb="monitor/self_s/max",
+                          prom=("monitor_self_seconds", "max")),
                 Reduction("monitor_self_sum", Reduce.SUM, "Every rank's seconds in mindpulse's code, summed.",
-                          tb="monitor/self_s/sum", total="monitor_self_s")),
+                          tb="monitor/self_s/sum", total="monitor_self_s", prom=("monitor_self_seconds", "sum"))),
         aliases={"monitor_self_s": "monitor_self_max"}, rank_tb="monitor_self_s",
+        rank_prom=("monitor_self_seconds", "rank"),
         column=Column("self ms", lambda p: _ms(p.monitor_self_s),
                       lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank))),
     StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss."),
@@ -238,8 +255,9 @@ STEP_METRICS: tuple[StepMetric, ...] = (
 
 DERIVED: tuple[Derived, ...] = (
     Derived("samples_per_s", _per_slowest("samples"), "Cluster throughput: all ranks' samples over the slowest "
-            "rank's step time.", tb="throughput/samples_per_s"),
-    Derived("tokens_per_s", _per_slowest("tokens"), "Cluster token throughput.", tb="throughput/tokens_per_s"),
+            "rank's step time.", tb="throughput/samples_per_s", prom=("samples_per_second", "")),
+    Derived("tokens_per_s", _per_slowest("tokens"), "Cluster token throughput.", tb="throughput/tokens_per_s",
+            prom=("tokens_per_second", "")),
 )
 """Reduced values computed from others (MFU, from the card's peak, is `ReducedStep.set_peak`)."""
 
@@ -303,6 +321,38 @@ def columns() -> tuple[Column, ...]:
 def kept_extremes() -> tuple[str, ...]:
     """The MIN/MAX reductions whose ranks are worth a look (`Reduction.keep`)."""
     return tuple(r.name for _, r in reductions() if r.keep)
+
+
+def prom_series() -> tuple[tuple[str, str, str], ...]:
+    """(family, `stat` label, ReducedStep field) of every cluster series for Prometheus."""
+    out = [(r.prom[0], r.prom[1], r.name) for _, r in reductions() if r.prom]
+    out += [(d.prom[0], d.prom[1], d.name) for d in DERIVED if d.prom]
+    return tuple(out)
+
+
+def rank_prom_series() -> tuple[tuple[str, str, str], ...]:
+    """(family, `stat` label, packet field) of each shown rank's series for Prometheus."""
+    return tuple((m.rank_prom[0], m.rank_prom[1], m.name) for m in STEP_METRICS if m.rank_prom)
+
+
+PROM_HELP: dict[str, str] = {
+    "epoch": "The training epoch of the newest reduced step.",
+    "loss": "Training loss: mean, min and max over ranks (stat), and each shown rank's (stat=rank).",
+    "learning_rate": "The learning rate of the newest reduced step.",
+    "grad_norm": "Gradient norm: global after the all-reduce (stat=global), the largest local one "
+                 "(stat=local_max) and each shown rank's local one (stat=local).",
+    "step_duration_seconds": "Step time: shortest and longest over ranks, and each shown rank's.",
+    "data_wait_seconds": "The longest data wait of the step over ranks (before the collective).",
+    "tflops": "Achieved model TFLOPS per card: mean, min, max over ranks, and each shown rank's.",
+    "monitor_wait_seconds": "Seconds ranks blocked on the aggregator before the step: the most any rank, the sum.",
+    "monitor_self_seconds": "Seconds ranks spent in mindpulse's own code for the step: the most any rank, the sum, "
+                            "and each shown rank's.",
+    "loss_scale": "The loss scale over ranks (where a loss-scale cell runs).",
+    "overflow_ranks": "Ranks whose loss-scale cell skipped the newest step for overflow.",
+    "samples_per_second": "Cluster throughput: all ranks' samples over the slowest rank's step time.",
+    "tokens_per_second": "Cluster token throughput: all ranks' tokens over the slowest rank's step time.",
+}
+"""Each Prometheus family's help text (a family the registry names must be here: tested)."""
 
 
 def totals() -> tuple[tuple[str, str], ...]:

@@ -1,0 +1,286 @@
+"""The job's metrics for Prometheus: `http://ADDRESS:PORT/metrics`, served from the aggregator.
+
+Where operators already look: Grafana over Prometheus, beside the cards' own exporters
+(Huawei's NPU Exporter, NVIDIA's DCGM exporter). The series come from the metric registry
+(mindpulse/metrics.py: `Reduction.prom`, `StepMetric.rank_prom`) plus what only the
+aggregator knows (steps, anomalies, stragglers, checkpoints, restarts, goodput, the cards).
+
+Cost: the aggregator's thread only replaces a snapshot of plain values after each reduced
+step (after its lease and directive went out, as TensorBoard); a scrape, on the HTTP server's
+own thread, builds the text from the newest snapshot. Series follow Prometheus' rules: the
+`mindpulse_` prefix, base units, `_total` counters, ratios 0-1, `_info` for metadata; labels
+`run`, `rank`, `node` (never the step). Above `MAX_RANK_SERIES` ranks the per-rank series are
+kept only for the ranks that matter (the extremes, non-finite, stragglers, failed), so a
+32,768-rank job stays a few thousand series.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindpulse.config import PrometheusConfig
+from mindpulse.metrics import PROM_HELP, prom_series, rank_prom_series
+
+from .reducer import ReducedStep
+
+log = logging.getLogger(__name__)
+
+PREFIX = "mindpulse_"
+MAX_RANK_SERIES = 256
+"""Ranks up to which every rank has its own series; beyond, the ranks that matter."""
+STALE_RANKS_S = 600.0
+"""A rank's series that no reduced step refreshed for this long (it no longer matters) is dropped."""
+
+_SERIES = prom_series()
+_RANK_SERIES = rank_prom_series()
+_CARD_SERIES: tuple[tuple[str, str, float, str], ...] = (
+    ("card_utilization_ratio", "util_pct", 0.01, "Card (AI core / SM) utilisation, 0-1."),
+    ("card_memory_used_bytes", "memory_used_mb", 1024.0 * 1024.0, "Card memory in use."),
+    ("card_memory_total_bytes", "memory_total_mb", 1024.0 * 1024.0, "Card memory in all."),
+    ("card_power_watts", "power_w", 1.0, "Card power draw."),
+    ("card_temperature_celsius", "temp_c", 1.0, "Card temperature."),
+)
+"""(family, card record field, factor to base units, help)."""
+
+
+def _finite(x: Any) -> float | None:
+    """A number as a float (NaN and Inf kept: a NaN loss is what a dashboard must show); None
+    for what is not a number."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class _Snapshot:
+    """What a scrape reads: replaced whole on the aggregator's thread, never changed after."""
+
+    cluster: dict[tuple[str, str], float] = field(default_factory=dict)
+    ranks: dict[int, dict[tuple[str, str], float]] = field(default_factory=dict)
+    last_step_ts: dict[int, float] = field(default_factory=dict)
+    node_last_step_ts: dict[int, float] = field(default_factory=dict)
+    straggler: dict[int, float] = field(default_factory=dict)
+    mfu: dict[str, float] = field(default_factory=dict)
+    rank_mfu: dict[int, float] = field(default_factory=dict)
+    step: int = 0
+    steps_total: int = 0
+    nonfinite_total: int = 0
+    nonfinite_by_rank: dict[int, int] = field(default_factory=dict)
+    anomalies: dict[tuple[str, str], int] = field(default_factory=dict)
+    checkpoint_last_step: float | None = None
+    checkpoint_seconds: float | None = None
+    goodput: float | None = None
+    cards: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+
+class PrometheusExporter:
+    """A sink of the aggregator (aggregator/sinks.py) that serves the newest values."""
+
+    def __init__(self, cfg: PrometheusConfig, *, run: str, world_size: int, ranks_per_node: int,
+                 restarts: int = 0, info: Mapping[str, str] | None = None):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.run = run
+        self.world_size = world_size
+        self.ranks_per_node = max(1, ranks_per_node)
+        self.restarts = restarts
+        self.info = {k: str(v) for k, v in (info or {}).items()}
+        self._snap = _Snapshot()
+        self._lock = threading.Lock()  # the aggregator's writers among themselves; scrapes take `_snap` whole
+        self._seen: dict[int, float] = {}
+        self._anomalies: Counter[tuple[str, str]] = Counter()
+        self._nonfinite: Counter[int] = Counter()
+        self.scrapes = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server, self._thread = start_http_server(cfg.port, addr=cfg.address, registry=self.registry)
+        self.url = f"http://{cfg.address}:{cfg.port}/metrics"
+
+    # ---- what the aggregator tells it (its own thread) --------------------------------------
+    def on_reduced(self, red: ReducedStep, also: Iterable[tuple[str, Any]] = ()) -> None:
+        with self._lock:
+            old = self._snap
+            snap = _Snapshot(**{**old.__dict__})
+            snap.step = red.step
+            snap.steps_total = old.steps_total + 1
+            snap.cluster = {(fam, stat): v for fam, stat, name in _SERIES
+                            if (v := _finite(getattr(red, name, None))) is not None}
+            snap.mfu = {s: v for s, v in (("mean", red.mfu_mean), ("min", red.mfu_min), ("max", red.mfu_max))
+                        if v is not None}
+            now = time.time()
+            shown = self._shown_ranks(red)
+            ranks = {r: v for r, v in old.ranks.items() if now - self._seen.get(r, 0) < STALE_RANKS_S}
+            rank_mfu = dict(old.rank_mfu)
+            for r, p in red.per_rank.items():
+                if r not in shown:
+                    continue
+                ranks[r] = {(fam, stat): v for fam, stat, name in _RANK_SERIES
+                            if (v := _finite(getattr(p, name, None))) is not None}
+                if red.peak_tflops and p.tflops is not None:
+                    rank_mfu[r] = p.tflops / red.peak_tflops
+                self._seen[r] = now
+            if self.world_size > MAX_RANK_SERIES:  # only the ranks that still matter keep their series
+                ranks = {r: v for r, v in ranks.items() if r in shown or now - self._seen.get(r, 0) < 60.0}
+            snap.ranks = ranks
+            snap.rank_mfu = {r: v for r, v in rank_mfu.items() if r in ranks}
+            scores = dict(old.straggler)
+            scores.update(red.straggler_scores)
+            snap.straggler = scores if self.world_size <= MAX_RANK_SERIES else \
+                {r: s for r, s in scores.items() if r in ranks}
+            # every rank reached this step: the step's newest packet time stands for each of them
+            # (per rank only where a rank's series is kept; per node always)
+            ts = red.ts or now
+            snap.node_last_step_ts = {**old.node_last_step_ts,
+                                      **{n: ts for n in range(-(-self.world_size // self.ranks_per_node))}}
+            snap.last_step_ts = {r: ts for r in (range(self.world_size) if self.world_size <= MAX_RANK_SERIES
+                                                 else ranks)}
+            for r in red.nonfinite_ranks:
+                self._nonfinite[r] += 1
+            snap.nonfinite_total = old.nonfinite_total + len(red.nonfinite_ranks)
+            snap.nonfinite_by_rank = dict(self._nonfinite)
+            if red.checkpoint_s_max > 0:
+                snap.checkpoint_seconds = red.checkpoint_s_max
+            for key, value in also:
+                if key == "goodput/ettr":
+                    snap.goodput = _finite(value)
+            self._snap = snap
+
+    def _shown_ranks(self, red: ReducedStep) -> set[int]:
+        if self.world_size <= MAX_RANK_SERIES:
+            return set(red.per_rank)
+        return red.ranks_that_matter(1.0 - 1e-9) & set(red.per_rank)
+
+    def on_anomaly(self, rec: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._anomalies[(str(rec.get("rule") or ""), str(rec.get("action") or ""))] += 1
+            self._snap = _Snapshot(**{**self._snap.__dict__, "anomalies": dict(self._anomalies)})
+
+    def on_checkpoint(self, step: int, seconds: float | None = None) -> None:
+        with self._lock:
+            changes: dict[str, Any] = {"checkpoint_last_step": float(step)}
+            if seconds:
+                changes["checkpoint_seconds"] = float(seconds)
+            self._snap = _Snapshot(**{**self._snap.__dict__, **changes})
+
+    def on_telemetry(self, node: str, cards: list[dict[str, Any]], ts: float = 0.0, step: int = 0) -> None:
+        with self._lock:
+            latest = dict(self._snap.cards)
+            for card in cards:
+                latest[(str(node), str(card.get("card")))] = card
+            self._snap = _Snapshot(**{**self._snap.__dict__, "cards": latest})
+
+    def close(self) -> None:
+        try:
+            self._server.shutdown()
+            self._server.server_close()
+        except OSError as exc:  # the socket is already gone: nothing is left to close
+            log.debug("prometheus endpoint close: %s", exc)
+
+    # ---- a scrape (the HTTP server's thread) ------------------------------------------------
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+        snap = self._snap
+        self.scrapes += 1
+        run = self.run
+        info = InfoMetricFamily(PREFIX + "run", "The job: its run directory's name, versions, backend and world size.",
+                                labels=["run", *sorted(self.info)])
+        info.add_metric([run, *(self.info[k] for k in sorted(self.info))], {})
+        yield info
+        labels = ["run", "stat", "rank", "node"]
+        fams: dict[str, Any] = {}
+
+        def gauge(name: str, help_text: str) -> Any:
+            fam = fams.get(name)
+            if fam is None:
+                fam = fams[name] = GaugeMetricFamily(PREFIX + name, help_text, labels=labels)
+            return fam
+
+        for (fam, stat), v in snap.cluster.items():
+            gauge(fam, PROM_HELP[fam]).add_metric([run, stat, "", ""], v)
+        for r, values in snap.ranks.items():
+            node = str(r // self.ranks_per_node)
+            for (fam, stat), v in values.items():
+                gauge(fam, PROM_HELP[fam]).add_metric([run, stat, str(r), node], v)
+        mfu = gauge("mfu_ratio", "Model FLOPs utilisation (achieved / the card's peak TFLOPS), 0-1.")
+        for stat, v in snap.mfu.items():
+            mfu.add_metric([run, stat, "", ""], v)
+        for r, v in snap.rank_mfu.items():
+            mfu.add_metric([run, "rank", str(r), str(r // self.ranks_per_node)], v)
+        yield from fams.values()
+
+        rank_labels = ["run", "rank", "node"]
+        last = GaugeMetricFamily(PREFIX + "last_step_timestamp_seconds",
+                                 "When each rank last finished a step (a hang: time() - this > N).", labels=rank_labels)
+        for r, ts in snap.last_step_ts.items():
+            last.add_metric([run, str(r), str(r // self.ranks_per_node)], ts)
+        yield last
+        node_last = GaugeMetricFamily(PREFIX + "node_last_step_timestamp_seconds",
+                                      "When every rank of each node last finished a step.", labels=["run", "node"])
+        for n, ts in snap.node_last_step_ts.items():
+            node_last.add_metric([run, str(n)], ts)
+        yield node_last
+        strag = GaugeMetricFamily(PREFIX + "straggler_score",
+                                  "Fastest rank's busy time over this rank's (1: the fastest; low: a straggler).",
+                                  labels=rank_labels)
+        for r, s in snap.straggler.items():
+            strag.add_metric([run, str(r), str(r // self.ranks_per_node)], s)
+        yield strag
+        step = GaugeMetricFamily(PREFIX + "step", "The newest reduced step.", labels=["run"])
+        step.add_metric([run], snap.step)
+        yield step
+        steps = CounterMetricFamily(PREFIX + "steps", "Steps reduced (every rank reported them) in this attempt.",
+                                    labels=["run"])
+        steps.add_metric([run], snap.steps_total)
+        yield steps
+        nonfinite = CounterMetricFamily(PREFIX + "nonfinite",
+                                        "Rank-steps with a NaN/Inf loss or gradients no loss scale explains.",
+                                        labels=rank_labels)
+        nonfinite.add_metric([run, "", ""], snap.nonfinite_total)
+        for r, n in snap.nonfinite_by_rank.items():
+            nonfinite.add_metric([run, str(r), str(r // self.ranks_per_node)], n)
+        yield nonfinite
+        anomalies = CounterMetricFamily(PREFIX + "anomalies", "Anomaly rules that fired, by rule and action.",
+                                        labels=["run", "rule", "action"])
+        for (rule, action), n in sorted(snap.anomalies.items()):
+            anomalies.add_metric([run, rule, action], n)
+        yield anomalies
+        restarts = CounterMetricFamily(PREFIX + "restarts", "Times the job was restarted (attempts after the first).",
+                                       labels=["run"])
+        restarts.add_metric([run], self.restarts)
+        yield restarts
+        for name, value, help_text in (
+                ("checkpoint_last_step", snap.checkpoint_last_step, "The step of the newest checkpoint written."),
+                ("checkpoint_seconds", snap.checkpoint_seconds, "Seconds the newest checkpoint write took."),
+                ("goodput_ratio", snap.goodput, "Productive training time over the launch's wall time, 0-1.")):
+            fam = GaugeMetricFamily(PREFIX + name, help_text, labels=["run"])
+            if value is not None:
+                fam.add_metric([run], value)
+            yield fam
+        card_labels = ["run", "node", "host", "id"]
+        for name, key, factor, help_text in _CARD_SERIES:
+            fam = GaugeMetricFamily(PREFIX + name, help_text, labels=card_labels)
+            for (node, card_id), card in snap.cards.items():
+                v = _finite(card.get(key))
+                if v is not None:
+                    fam.add_metric([run, node, _host_of(node), card_id], v * factor)
+            yield fam
+
+
+def _host_of(node: str) -> str:
+    """The host of a node agent's name (`node<k>-<host>`): the label a card's series shares with
+    the NPU Exporter's (its `instance`'s host) for PromQL joins."""
+    head, sep, host = node.partition("-")
+    return host if sep and head.startswith("node") and head[4:].isdigit() else node
+
+
+__all__ = ["MAX_RANK_SERIES", "PREFIX", "PrometheusExporter"]

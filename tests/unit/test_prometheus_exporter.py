@@ -1,0 +1,129 @@
+"""The aggregator's Prometheus endpoint: a real HTTP server on a free loopback port, scraped
+as Prometheus scrapes it, its text parsed with prometheus_client's own parser and checked with
+`promtool check metrics` (Debian's prometheus package) where it is installed."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import socket
+import subprocess
+import urllib.request
+
+import pytest
+
+from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.config import ConfigError, from_dict
+from mindpulse.protocol import EventKind, EventPacket, StepPacket, TelemetryPacket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        return resp.read().decode()
+
+
+def samples(text: str) -> dict[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def one(got: dict[str, list], name: str, **labels) -> float:
+    hits = [s.value for s in got.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, (name, labels, got.get(name))
+    return hits[0]
+
+
+def test_the_endpoint_serves_the_registry_series_anomalies_and_cards(tmp_path):
+    port = free_port()
+    core = AggregatorCore(tmp_path / "run-1", world_size=2, per_print_step=100, settings={
+        "tensorboard": False, "exporters": {"prometheus": {"port": port}},
+        "anomalies": [{"rule": "nonfinite", "action": "warn"}]})
+    try:
+        assert f"metrics for Prometheus: http://127.0.0.1:{port}/metrics" in core.drain_console()
+        core.ingest([TelemetryPacket(node="node0-hostA", ts=1.0, source="psutil", cards=[
+            {"card": 3, "util_pct": 40.0, "memory_used_mb": 1024.0, "memory_total_mb": 2048.0, "power_w": 90.0,
+             "temp_c": 55.0}]).encode()])
+        for s in range(1, 6):
+            core.ingest([StepPacket(rank=r, step=s, loss=(math.nan if (s, r) == (4, 1) else 2.0 - 0.1 * s + r),
+                                    step_time_s=0.1 + 0.01 * r, samples=8, tokens=512, grad_norm=1.5,
+                                    grad_norm_local=1.0 + r, monitor_self_s=0.001 * (r + 1), ts=100.0 + s).encode()
+                         for r in range(2)])
+        core.ingest([EventPacket(rank=0, step=5, kind=EventKind.CHECKPOINT, message="x").encode()])
+        core.run_sinks()
+        text = scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        core.close()
+    got = samples(text)
+    assert one(got, "mindpulse_run_info", run="run-1", world_size="2", backend="ray") == 1
+    assert one(got, "mindpulse_step", run="run-1") == 5 and one(got, "mindpulse_steps_total") == 5
+    assert one(got, "mindpulse_loss", stat="mean") == pytest.approx((1.5 + 2.5) / 2)
+    assert one(got, "mindpulse_loss", stat="rank", rank="1", node="0") == pytest.approx(2.5)
+    assert one(got, "mindpulse_grad_norm", stat="global") == 1.5
+    assert one(got, "mindpulse_grad_norm", stat="local", rank="1") == 2.0
+    assert one(got, "mindpulse_step_duration_seconds", stat="max") == pytest.approx(0.11)
+    assert one(got, "mindpulse_monitor_self_seconds", stat="max") == pytest.approx(0.002)
+    assert one(got, "mindpulse_tokens_per_second") == pytest.approx(1024 / 0.11)
+    assert one(got, "mindpulse_last_step_timestamp_seconds", rank="0") == pytest.approx(105.0)
+    # the NaN of rank 1 at step 4: counted, and the rule that fired
+    assert one(got, "mindpulse_nonfinite_total", rank="", node="") == 1
+    assert one(got, "mindpulse_nonfinite_total", rank="1") == 1
+    assert one(got, "mindpulse_anomalies_total", rule="nonfinite", action="warn") == 1
+    # the card, labelled to join the NPU Exporter's series of the same card (its id, the host)
+    assert one(got, "mindpulse_card_utilization_ratio", host="hostA", id="3") == pytest.approx(0.4)
+    assert one(got, "mindpulse_card_memory_used_bytes", id="3") == 1024.0 * 1024 * 1024
+    assert one(got, "mindpulse_card_temperature_celsius", id="3") == 55.0
+    assert one(got, "mindpulse_checkpoint_last_step") == 5
+    assert not any("step" in s.labels for fam in got.values() for s in fam), "the step is never a label"
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus): the text was parsed, not linted")
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_the_endpoint_is_off_by_default_and_closes_with_the_aggregator(tmp_path):
+    port = free_port()
+    core = AggregatorCore(tmp_path, world_size=1, per_print_step=100,
+                          settings={"tensorboard": False, "exporters": {"prometheus": {"port": port}}})
+    core.close()
+    with pytest.raises(OSError):
+        scrape(f"http://127.0.0.1:{port}/metrics")
+    off = AggregatorCore(tmp_path / "off", world_size=1, per_print_step=100, settings={"tensorboard": False})
+    assert off.sinks.outputs == []
+    off.close()
+
+
+def test_a_taken_port_is_said_and_the_run_goes_on(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        core = AggregatorCore(tmp_path, world_size=1, per_print_step=100,
+                              settings={"tensorboard": False, "exporters": {"prometheus": {"port": port}}})
+        core.ingest([StepPacket(rank=0, step=1, loss=1.0).encode()])
+        console = "\n".join(core.drain_console())
+        core.close()
+    assert f"prometheus endpoint 127.0.0.1:{port} did not start" in console
+    assert core.last_reduced is not None and core.last_reduced.step == 1
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"exporters": {"prometheus": {"port": 70000}}}, "exporters.prometheus.port"),
+    ({"exporters": {"prometheus": {"port": 9400, "address": "localhost"}}}, "exporters.prometheus.address"),
+    ({"exporters": {"prometheus": {"port": 9400, "adress": "0.0.0.0"}}}, "exporters.prometheus.adress"),
+])
+def test_bad_exporter_config_names_the_key(raw, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        from_dict(raw)
