@@ -8,6 +8,7 @@ starting ranks that would fail one by one.
 from __future__ import annotations
 
 import shutil
+import socket
 from typing import Any
 
 from mindpulse.config import Device, RunConfig
@@ -28,8 +29,25 @@ def _has_ascend_tools() -> str | None:
     return "this machine has no `npu-smi` (and no libdcmi.so): the Ascend driver is not installed"
 
 
+def check_exporter_port(cfg: RunConfig) -> None:
+    """The Prometheus endpoint's port must be free on this machine (the aggregator runs here,
+    pinned to the driver's node): refused now, naming the key, rather than found taken later."""
+    prom = cfg.exporters.prometheus
+    if not prom.port:
+        return
+    family = socket.AF_INET6 if ":" in prom.address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the endpoint binds: TIME_WAIT is no owner
+        try:
+            s.bind((prom.address, prom.port))
+        except OSError as exc:
+            raise LaunchRefused(f"exporters.prometheus.port: {prom.address}:{prom.port} cannot be served here "
+                                f"({exc.strerror or exc}); choose a free port (or 0 to turn the endpoint off)") from None
+
+
 def check_local(cfg: RunConfig) -> None:
     """Checks of the driver's own machine, for an embedded local cluster."""
+    check_exporter_port(cfg)
     if cfg.ray.address:
         return
     if cfg.world.device is Device.ASCEND:

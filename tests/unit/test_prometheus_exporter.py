@@ -127,3 +127,15 @@ def test_a_taken_port_is_said_and_the_run_goes_on(tmp_path):
 def test_bad_exporter_config_names_the_key(raw, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         from_dict(raw)
+
+
+def test_a_port_in_use_refuses_the_launch_naming_the_key():
+    from mindpulse.launcher.preflight import LaunchRefused, check_local
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(LaunchRefused, match=rf"exporters\.prometheus\.port: 127\.0\.0\.1:{port} cannot be served"):
+            check_local(from_dict({"exporters": {"prometheus": {"port": port}}}))
+    check_local(from_dict({"exporters": {"prometheus": {"port": free_port()}}}))  # a free one passes
