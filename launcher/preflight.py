@@ -42,7 +42,7 @@ def check_exporter_port(cfg: RunConfig) -> None:
             s.bind((prom.address, prom.port))
         except OSError as exc:
             raise LaunchRefused(f"exporters.prometheus.port: {prom.address}:{prom.port} cannot be served here "
-                                f"({exc.strerror or exc}); choose a free port (or 0 to turn the endpoint off)") from None
+                                f"({exc.strerror or exc}); choose a free port (or 0: no endpoint)") from None
 
 
 def check_local(cfg: RunConfig) -> None:
