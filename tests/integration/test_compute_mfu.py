@@ -70,7 +70,7 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
     from mindpulse.aggregator.reducer import StragglerTracker, reduce_all
     from mindpulse.config import load_config
 
-    cfg = load_config(r.run_dir / "config.yaml")
+    cfg, _ = load_config(r.run_dir / "config.yaml")
     packets = [p for p in read_packets(r.run_dir / "metrics.msgpack") if isinstance(p, StepPacket)]
     tracker = StragglerTracker(cfg.monitor.straggler_window, cfg.world.ranks_per_node)
     offline = {}
