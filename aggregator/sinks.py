@@ -8,6 +8,7 @@ written before the restart is not written again.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import time
@@ -28,6 +29,7 @@ CONSOLE_LINES = 1000
 
 class Sinks:
     def __init__(self, run_dir: Path, *, tensorboard: bool, collect_freq: int, straggler_threshold: float):
+        self.run_dir = Path(run_dir)
         self.console: deque[str] = deque(maxlen=CONSOLE_LINES)
         self.anomalies = AnomalyLog(run_dir)  # a restarted attempt (or aggregator) continues it
         self.replaying = False
@@ -64,6 +66,22 @@ class Sinks:
             else:
                 self.outputs.append(exporter)
                 self.say(f"metrics for Prometheus: {exporter.url}")
+        trackers = ((config.sinks.mlflow, "MLflow", "mlflow_sink", "MlflowSink"),
+                    (config.sinks.swanlab, "SwanLab", "swanlab_sink", "SwanLabSink"))
+        for section, name, module, cls in trackers:
+            if not section.enabled:
+                continue
+            try:  # imported only when turned on: the trackers' packages are optional extras
+                sink_type = getattr(importlib.import_module(f".{module}", __package__), cls)
+                sink = sink_type(section, run_dir=self.run_dir, config=config, attempt=attempt)
+            except Exception as exc:  # a tracker never stops the training it watches: said, left out
+                self.say(f"{name} tracker did not start ({exc}); the run goes on without it")
+                log.warning("%s tracker did not start", name, exc_info=True)
+            else:
+                self.outputs.append(sink)
+                for note in sink.notes:
+                    self.say(note)
+                self.say(sink.where)
 
     def each(self, method: str, *args: Any) -> None:
         """Call `method` of every tracker that has it; a failure is counted, said once per

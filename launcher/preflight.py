@@ -7,8 +7,10 @@ starting ranks that would fail one by one.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import socket
+import sys
 from typing import Any
 
 from mindpulse.config import Device, RunConfig
@@ -45,9 +47,38 @@ def check_exporter_port(cfg: RunConfig) -> None:
                                 f"({exc.strerror or exc}); choose a free port (or 0: no endpoint)") from None
 
 
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported here, without importing it (a tracker's import takes seconds)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: imports of it are refused
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken: not importable
+        return False
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    """The packages of the trackers the config turns on must be installed here (the aggregator
+    runs here, pinned to the driver's node): refused now, naming the extra to install, rather
+    than a run without the tracker its user asked for."""
+    needs: list[tuple[str, str, str, str]] = []  # (what is on, module, what to install, how to turn it off)
+    if cfg.sinks.mlflow.enabled:
+        needs.append(("sinks.mlflow.enabled", "mlflow", "'mindpulse[mlflow]'", "sinks.mlflow.enabled=false"))
+    if cfg.sinks.swanlab.enabled:
+        needs.append(("sinks.swanlab.enabled", "swanlab", "'mindpulse[swanlab]'", "sinks.swanlab.enabled=false"))
+        if cfg.sinks.swanlab.mode.value == "local":  # SwanLab's local mode refuses to start without its dashboard
+            needs.append(("sinks.swanlab.mode local", "swanboard", "'swanlab[dashboard]'",
+                          "sinks.swanlab.mode=offline"))
+    for key, module, install, off in needs:
+        if not _installed(module):
+            raise LaunchRefused(f"{key} is on but the {module} package is not installed here: "
+                                f"pip install {install} (or --set {off})")
+
+
 def check_local(cfg: RunConfig) -> None:
     """Checks of the driver's own machine, for an embedded local cluster."""
     check_exporter_port(cfg)
+    check_trackers(cfg)
     if cfg.ray.address:
         return
     if cfg.world.device is Device.ASCEND:

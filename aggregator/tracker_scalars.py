@@ -1,0 +1,148 @@
+"""What the experiment trackers (SwanLab, MLflow) are given, the same for both: the scalars of
+a reduced step and of a card sample under the names TensorBoard writes them, the resolved
+config as flat parameters, an anomaly as text, and `RUN_DIR/trackers.json`, where each
+tracker's run id waits for a resumed attempt to continue the same tracker run.
+
+The scalar tables are TensorBoard's own (`tb_sink.py`), so a tag in TensorBoard, SwanLab and
+MLflow is one name; per rank, the ranks TensorBoard writes (the ranks that matter, every rank
+on a collect step) and no other, so a step costs the same whatever the world size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mindpulse.config import RunConfig
+from mindpulse.errors import MindpulseError
+from mindpulse.formatting import finite_float
+from mindpulse.partial import collect_ranks
+from mindpulse.rundir_io import write_json_atomic
+
+from .reducer import ReducedStep
+from .tb_sink import _CARD_SCALARS, _CLUSTER_SCALARS, _RANK_SCALARS, _tag_part
+
+TRACKERS_FILE = "trackers.json"
+_UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.\-/]+")
+
+
+class TrackerFailed(MindpulseError, RuntimeError):
+    """A tracker's write failed (raised on the aggregator's next call to it, so it is counted)."""
+
+
+class TrackerMissing(MindpulseError, ImportError):
+    """A tracker's package is not installed where the aggregator runs; says the extra to install."""
+
+    def __init__(self, section: str, package: str, install: str):
+        super().__init__(f"{section} is on but the {package} package is not installed here: pip install {install}")
+
+
+def step_scalars(red: ReducedStep, also: list[tuple[str, Any]] | None, *, collect_freq: int,
+                 straggler_threshold: float) -> list[tuple[str, float]]:
+    """The finite scalars TensorBoard writes for one reduced step (`TensorBoardSink._write_reduced`):
+    the cluster's, `extra/<name>`, the per-rank ones of the ranks it shows, and `also`. Empty for
+    the step-0 report (fingerprints only)."""
+    step = int(red.step)
+    if step == 0 and red.loss_mean is None:
+        return []
+    items: list[tuple[str, Any]] = [(tag, getattr(red, attr, None)) for tag, attr, when in _CLUSTER_SCALARS
+                                    if when is None or getattr(red, when, None) is not None]
+    items += [(f"extra/{_tag_part(name)}", value) for name, value in (red.extra or {}).items()]
+    matter = red.ranks_that_matter(straggler_threshold) | set(collect_ranks(step, red.world_size, collect_freq))
+    per_rank = red.per_rank or {}
+    peak = finite_float(getattr(red, "peak_tflops", None))
+    for rank in sorted(matter):
+        pkt = per_rank.get(rank)
+        if pkt is None:
+            continue
+        items += [(f"rank_{rank}/{suffix}", getattr(pkt, attr, None)) for suffix, attr in _RANK_SCALARS]
+        tf = finite_float(getattr(pkt, "tflops", None))
+        if tf is not None:
+            items.append((f"rank_{rank}/tflops", tf))
+            if peak:
+                items.append((f"rank_{rank}/mfu", tf / peak))
+    items += [(f"rank_{rank}/straggler_score", score)
+              for rank, score in (getattr(red, "straggler_scores", None) or {}).items() if rank in matter]
+    items += list(also or [])
+    return _finite(items)
+
+
+def card_scalars(node: str, cards: list[dict]) -> list[tuple[str, float]]:
+    """The finite scalars TensorBoard writes for one node's card sample (`card_<node>_<card>/util`, ...)."""
+    items: list[tuple[str, Any]] = []
+    for i, card in enumerate(cards or []):
+        if not isinstance(card, dict):
+            continue
+        cid = card.get("card")
+        prefix = f"card_{_tag_part(node)}_{_tag_part(i if cid is None else cid)}"
+        items += [(f"{prefix}/{suffix}", card.get(key)) for suffix, key in _CARD_SCALARS]
+    return _finite(items)
+
+
+def _finite(items: list[tuple[str, Any]]) -> list[tuple[str, float]]:
+    # as TensorBoard: a NaN or Inf is no point of a series (the anomaly and `loss/nonfinite` say it)
+    return [(tag, v) for tag, v in ((t, finite_float(x)) for t, x in items) if v is not None]
+
+
+def flat_params(config: RunConfig) -> dict[str, str]:
+    """The resolved config as `{dotted.key: text}` (lists of sections by index: `anomalies.0.rule`;
+    lists of values as JSON), keys safe for any tracker."""
+    out: dict[str, str] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, v in enumerate(value):
+                walk(v, f"{key}.{i}")
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            out[_UNSAFE_KEY_CHARS.sub("_", key)] = text
+
+    walk(config.to_dict(), "")
+    return out
+
+
+def anomaly_text(record: dict) -> str:
+    """One anomaly record as one JSON line (rule, step, rank, value, threshold, action, message, ...)."""
+    rec = record if isinstance(record, dict) else {"message": str(record)}
+    return json.dumps(rec, default=str, sort_keys=True)
+
+
+def anomaly_step(record: dict) -> int:
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
+
+
+class TrackerIds:
+    """`RUN_DIR/trackers.json`: `{tracker: {run_id, ...}}`, read by a resumed attempt (or a
+    restarted aggregator) to continue the same tracker run."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / TRACKERS_FILE
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise TrackerFailed(f"{self.path} cannot be read ({exc}); move it away to start new tracker runs") from None
+        return data if isinstance(data, dict) else {}
+
+    def get(self, tracker: str) -> dict[str, Any] | None:
+        entry = self.read().get(tracker)
+        return entry if isinstance(entry, dict) and entry.get("run_id") else None
+
+    def put(self, tracker: str, entry: dict[str, Any]) -> None:
+        data = self.read()
+        data[tracker] = entry
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, data)
+
+
+__all__ = ["TRACKERS_FILE", "TrackerFailed", "TrackerIds", "TrackerMissing", "anomaly_step", "anomaly_text",
+           "card_scalars", "flat_params", "step_scalars"]

@@ -1,0 +1,223 @@
+"""The experiment trackers (MLflow with a local file store, SwanLab offline): one tracker run per
+job whose series, read back with each tracker's own reader, are metrics.msgpack's reduced values
+under TensorBoard's names; a resumed attempt continues the same tracker run; a tracker failing
+at run time is counted and the training goes on; a missing package refuses the launch naming the
+extra; an unknown option is a ConfigError naming the key."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.aggregator.metrics_store import read_records
+from mindpulse.config import ConfigError, from_dict
+from mindpulse.launcher.preflight import LaunchRefused, check_local, check_trackers
+from mindpulse.metrics import tb_scalars
+from mindpulse.protocol import EventKind, EventPacket, StepPacket, TelemetryPacket
+
+mlflow = pytest.importorskip("mlflow", reason="pip install 'mindpulse[mlflow]'")
+swanlab = pytest.importorskip("swanlab", reason="pip install 'mindpulse[swanlab]'")
+
+
+def make_core(run_dir: Path, sinks: dict, *, attempt: int = 0, start_step: int = 0,
+              tensorboard: bool = False) -> AggregatorCore:
+    core = AggregatorCore(run_dir, world_size=2, per_print_step=100, settings={
+        "tensorboard": tensorboard, "sinks": sinks, "attempt": attempt, "start_step": start_step,
+        "anomalies": [{"rule": "nonfinite", "action": "warn"}]})
+    core.defer_sinks = True  # as the actor: the views of a step run after its lease and directive
+    return core
+
+
+def train(core: AggregatorCore, steps: range, nan_at: tuple[int, int] | None = None) -> None:
+    core.ingest([TelemetryPacket(node="node0-hostA", ts=1.0, source="psutil", cards=[
+        {"card": 3, "util_pct": 40.0, "memory_used_mb": 1024.0, "power_w": 90.0, "temp_c": 55.0}]).encode()])
+    for s in steps:
+        core.ingest([StepPacket(rank=r, step=s, loss=(math.nan if (s, r) == nan_at else 2.0 - 0.1 * s + r),
+                                step_time_s=0.1 + 0.01 * r, samples=8, tokens=512, grad_norm=1.5,
+                                grad_norm_local=1.0 + r, monitor_self_s=0.001, ts=100.0 + s).encode()
+                     for r in range(2)])
+    core.ingest([EventPacket(rank=0, step=steps[-1], kind=EventKind.CHECKPOINT, message="x").encode()])
+    core.run_sinks()
+
+
+def reduced(run_dir: Path) -> dict[int, dict]:
+    return {rec["step"]: rec for rec in read_records(run_dir / "metrics.msgpack") if rec.get("t") == "reduced"}
+
+
+def expected(records: dict[int, dict]) -> dict[str, dict[int, float]]:
+    """The registry's cluster series TensorBoard writes, from the reduced records: {tag: {step: value}}."""
+    out: dict[str, dict[int, float]] = {}
+    for tag, attr, when in tb_scalars():
+        for step, rec in records.items():
+            v = rec.get(attr)
+            if (when is None or rec.get(when) is not None) and isinstance(v, (int, float)) and math.isfinite(v):
+                out.setdefault(tag, {})[step] = float(v)
+    return out
+
+
+def mlflow_series(run_dir: Path) -> tuple[str, dict[str, dict[int, float]]]:
+    from mlflow.tracking import MlflowClient
+
+    ids = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=ids["tracking_uri"])
+    run = client.get_run(ids["run_id"])
+    series = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+              for key in run.data.metrics}
+    return ids["run_id"], series
+
+
+def swanlab_records(logdir: Path) -> list:
+    """Every record of every SwanLab run file under `logdir`, read with SwanLab's own reader."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    out = []
+    for path in sorted(logdir.glob("run-*/run-*.swanlab")):
+        reader = DataStoreReader()
+        reader.open(path)
+        try:
+            for raw in reader:
+                rec = Record()
+                rec.ParseFromString(raw)
+                out.append(rec)
+        finally:
+            reader.close()
+    return out
+
+
+def test_mlflow_run_holds_the_reduced_series_under_tensorboards_names(tmp_path):
+    run_dir = tmp_path / "runs" / "run-x"
+    core = make_core(run_dir, {"mlflow": {"enabled": True}}, tensorboard=True)
+    try:
+        console = "\n".join(core.drain_console())
+        assert f"in {(tmp_path / 'runs' / 'mlruns').as_uri()}" in console  # <output.root>/mlruns by default
+        train(core, range(1, 6), nan_at=(4, 1))
+    finally:
+        core.close()
+    assert not core.sinks.output_errors
+    run_id, series = mlflow_series(run_dir)
+    want = expected(reduced(run_dir))
+    assert want["loss/mean"] and 4 not in want["loss/mean"]  # the NaN step is no point, as in TensorBoard
+    for tag, points in want.items():
+        assert series[tag] == pytest.approx(points), tag
+    assert series["rank_1/loss"][1] == pytest.approx(2.0 - 0.1 + 1)
+    assert series["card_node0-hostA_3/util"] == {0: 40.0}
+    # the same names as TensorBoard's scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert set(series) == set(acc.Tags()["scalars"])
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tmp_path / "runs" / "mlruns").as_uri())
+    run = client.get_run(run_id)
+    assert run.info.run_name == "run-x" and run.info.status == "FINISHED"
+    assert run.data.params["world.nodes"] == "1" and run.data.params["sinks.mlflow.enabled"] == "true"
+    assert run.data.tags["mindpulse.last_checkpoint_step"] == "5"
+    assert "nonfinite" in run.data.tags["mindpulse.last_anomaly"]
+    [anomaly] = [a.path for a in client.list_artifacts(run_id, "anomalies")]
+    assert json.loads(Path(client.download_artifacts(run_id, anomaly, str(tmp_path))).read_text())["step"] == 4
+
+
+def test_a_resumed_attempt_continues_the_same_mlflow_run(tmp_path):
+    run_dir = tmp_path / "run-x"
+    first = make_core(run_dir, {"mlflow": {"enabled": True}})
+    train(first, range(1, 4))
+    first.close()
+    second = make_core(run_dir, {"mlflow": {"enabled": True}}, attempt=1, start_step=3)
+    assert any("(continued)" in line for line in second.drain_console())
+    train(second, range(4, 7))
+    second.close()
+    run_id, series = mlflow_series(run_dir)
+    assert run_id == json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert series["loss/mean"] == pytest.approx(expected(reduced(run_dir))["loss/mean"])
+    assert sorted(series["loss/mean"]) == [1, 2, 3, 4, 5, 6]
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri()).get_run(run_id)
+    assert run.data.tags["mindpulse.attempt"] == "1" and run.info.status == "FINISHED"
+    assert len(MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri()).search_runs(
+        [run.info.experiment_id])) == 1
+
+
+def test_an_mlflow_failure_at_run_time_is_counted_and_training_goes_on(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    core = make_core(tmp_path / "run-x", {"mlflow": {"enabled": True}})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", full)
+    try:
+        train(core, range(1, 6))
+    finally:
+        core.close()
+    assert sum(n for key, n in core.sinks.output_errors.items() if key.startswith("MlflowSink.")) >= 1
+    assert "No space left on device" in "\n".join(core.drain_console())
+    assert core.last_reduced is not None and core.last_reduced.step == 5
+    assert len(reduced(tmp_path / "run-x")) == 5
+
+
+def test_swanlab_offline_run_holds_the_reduced_series_and_a_resumed_attempt_continues_it(tmp_path):
+    run_dir = tmp_path / "run-x"
+    first = make_core(run_dir, {"swanlab": {"enabled": True}})
+    try:
+        assert any("offline" in line and str(run_dir / "swanlab") in line for line in first.drain_console())
+        train(first, range(1, 4), nan_at=(2, 0))
+    finally:
+        first.close()
+    second = make_core(run_dir, {"swanlab": {"enabled": True}}, attempt=1, start_step=3)
+    try:
+        train(second, range(4, 7))
+    finally:
+        second.close()
+    assert not first.sinks.output_errors and not second.sinks.output_errors
+    records = swanlab_records(run_dir / "swanlab")
+    run_id = json.loads((run_dir / "trackers.json").read_text())["swanlab"]["run_id"]
+    starts = [r.start for r in records if r.HasField("start")]
+    assert len(starts) == 2 and {s.id for s in starts} == {run_id} and {s.name for s in starts} == {"run-x"}
+    series: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.HasField("scalar"):
+            series.setdefault(r.scalar.key, {})[r.scalar.step] = r.scalar.value.number
+    want = expected(reduced(run_dir))
+    assert sorted(want["loss/mean"]) == [1, 3, 4, 5, 6]
+    for tag, points in want.items():
+        assert series[tag] == pytest.approx(points), tag
+    assert series["rank_1/grad_norm_local"][5] == 2.0 and series["checkpoint/step"] == {3: 3, 6: 6}
+    # a card sample is logged at the newest reduced step the aggregator knows (none yet: 0)
+    assert series["card_node0-hostA_3/temp_c"] == {0: 55.0}
+    texts = [r for r in records if r.HasField("media") and r.media.key == "anomalies/nonfinite"]
+    assert [t.media.step for t in texts] == [2]
+
+
+def test_a_missing_package_refuses_the_launch_naming_the_extra(tmp_path, monkeypatch):
+    cfg = from_dict({"sinks": {"mlflow": {"enabled": True}, "swanlab": {"enabled": True}}})
+    check_trackers(cfg)  # both installed here
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(LaunchRefused, match=r"sinks\.mlflow\.enabled .*pip install 'mindpulse\[mlflow\]'"):
+        check_local(cfg)
+    monkeypatch.setitem(sys.modules, "swanlab", None)
+    with pytest.raises(LaunchRefused, match=r"pip install 'mindpulse\[swanlab\]'"):
+        check_trackers(from_dict({"sinks": {"swanlab": {"enabled": True}}}))
+    check_trackers(from_dict({}))  # none turned on: nothing needed
+    # the aggregator says it too, and trains on without the tracker
+    core = make_core(tmp_path / "run-x", {"mlflow": {"enabled": True}})
+    console = "\n".join(core.drain_console())
+    train(core, range(1, 3))
+    core.close()
+    assert "MLflow tracker did not start" in console and "pip install 'mindpulse[mlflow]'" in console
+    assert core.sinks.outputs == [] and core.last_reduced.step == 2
+
+
+@pytest.mark.parametrize("section,key", [("mlflow", "uri"), ("swanlab", "dir")])
+def test_an_unknown_tracker_option_is_a_config_error_naming_it(section, key):
+    with pytest.raises(ConfigError, match=rf"sinks\.{section}\.{key}"):
+        from_dict({"sinks": {section: {"enabled": True, key: "x"}}})
