@@ -80,6 +80,7 @@ class AggregatorCore:
         self.clocks = HangClocks(world_size, self.reducer.ranks_per_node,
                                  float(cfg.monitor.startup_timeout_s or cfg.msrun.cluster_time_out),
                                  cfg.world.device.value)
+        self.sinks.each("watch_progress", self.clocks)  # the endpoint's last-step times per rank and node
         self.decisions = Decisions(self.run_dir, settings, self.sinks, replay=replay,
                                    next_step=lambda: self.reducer.reduced_through + 1)
         self.intake = Intake(self.reducer, self.metrics, self.clocks, world_size=world_size,

@@ -33,7 +33,13 @@ log = logging.getLogger(__name__)
 
 PREFIX = "mindpulse_"
 MAX_RANK_SERIES = 256
-"""Ranks up to which every rank has its own series; beyond, the ranks that matter."""
+"""Ranks up to which every rank (and every card) has its own series; beyond, the ranks and the
+cards that matter, and the cards' minimum, mean and maximum over the cluster."""
+CARDS_THAT_MATTER = 8
+"""Beyond MAX_RANK_SERIES: the cards kept per reading (the hottest, the most power, the most
+memory in use, the least utilised: an operator's first look; Huawei's NPU Exporter on each node
+has every card)."""
+
 STALE_RANKS_S = 600.0
 """A rank's series that no reduced step refreshed for this long (it no longer matters) is dropped."""
 
@@ -66,8 +72,6 @@ class _Snapshot:
 
     cluster: dict[tuple[str, str], float] = field(default_factory=dict)
     ranks: dict[int, dict[tuple[str, str], float]] = field(default_factory=dict)
-    last_step_ts: dict[int, float] = field(default_factory=dict)
-    node_last_step_ts: dict[int, float] = field(default_factory=dict)
     straggler: dict[int, float] = field(default_factory=dict)
     mfu: dict[str, float] = field(default_factory=dict)
     rank_mfu: dict[int, float] = field(default_factory=dict)
@@ -79,7 +83,6 @@ class _Snapshot:
     checkpoint_last_step: float | None = None
     checkpoint_seconds: float | None = None
     goodput: float | None = None
-    cards: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
 
 class PrometheusExporter:
@@ -100,12 +103,46 @@ class PrometheusExporter:
         self._anomalies: Counter[tuple[str, str]] = Counter()
         self._nonfinite: Counter[int] = Counter()
         self.scrapes = 0
+        self._clocks: Any = None
+        self._cards: dict[str, _NodeCards] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._server, self._thread = start_http_server(cfg.port, addr=cfg.address, registry=self.registry)
         self.url = f"http://{cfg.address}:{cfg.port}/metrics"
 
     # ---- what the aggregator tells it (its own thread) --------------------------------------
+    def watch_progress(self, clocks: Any) -> None:
+        """The aggregator's hang clocks (aggregator/hang_clocks.py): when each rank and each node
+        last finished a new step, read at each scrape (nothing per step)."""
+        self._clocks = clocks
+
+    def _progress(self, shown: Iterable[int]) -> tuple[dict[int, float], dict[int, float]]:
+        """(rank → when it last finished a new step, node → the same) from the hang clocks. Read
+        on the scrape's thread while the aggregator's may add a rank: a copy that meets a resize
+        is taken again (the clocks' dicts only grow, to the world's size)."""
+        clocks = self._clocks
+        if clocks is None:
+            return {}, {}
+        for _ in range(5):
+            try:
+                nodes, own = dict(clocks.node_progress_at), dict(clocks.progress_at)
+                break
+            except RuntimeError:  # "changed size during iteration": copied again
+                continue
+        else:
+            return {}, {}
+        rpn = self.ranks_per_node
+        for r, t in own.items():  # ranks that report without a relay (the flat path): their node's time too
+            if t > nodes.get(r // rpn, 0.0):
+                nodes[r // rpn] = t
+        ranks = range(self.world_size) if self.world_size <= MAX_RANK_SERIES else shown
+        out = {}
+        for r in ranks:
+            t = max(own.get(r, 0.0), nodes.get(r // rpn, 0.0))
+            if t:
+                out[r] = t
+        return out, nodes
+
     def on_reduced(self, red: ReducedStep, also: Iterable[tuple[str, Any]] = ()) -> None:
         with self._lock:
             old = self._snap
@@ -136,13 +173,6 @@ class PrometheusExporter:
             scores.update(red.straggler_scores)
             snap.straggler = scores if self.world_size <= MAX_RANK_SERIES else \
                 {r: s for r, s in scores.items() if r in ranks}
-            # every rank reached this step: the step's newest packet time stands for each of them
-            # (per rank only where a rank's series is kept; per node always)
-            ts = red.ts or now
-            snap.node_last_step_ts = {**old.node_last_step_ts,
-                                      **{n: ts for n in range(-(-self.world_size // self.ranks_per_node))}}
-            snap.last_step_ts = {r: ts for r in (range(self.world_size) if self.world_size <= MAX_RANK_SERIES
-                                                 else ranks)}
             for r in red.nonfinite_ranks:
                 self._nonfinite[r] += 1
             snap.nonfinite_total = old.nonfinite_total + len(red.nonfinite_ranks)
@@ -172,11 +202,11 @@ class PrometheusExporter:
             self._snap = _Snapshot(**{**self._snap.__dict__, **changes})
 
     def on_telemetry(self, node: str, cards: list[dict[str, Any]], ts: float = 0.0, step: int = 0) -> None:
+        """A node's card sample: its cards' values and their spread, kept per node (the work is
+        the node's cards, whatever the job's size)."""
+        summary = _NodeCards.of(cards)
         with self._lock:
-            latest = dict(self._snap.cards)
-            for card in cards:
-                latest[(str(node), str(card.get("card")))] = card
-            self._snap = _Snapshot(**{**self._snap.__dict__, "cards": latest})
+            self._cards[str(node)] = summary
 
     def close(self) -> None:
         try:
@@ -219,14 +249,15 @@ class PrometheusExporter:
         yield from fams.values()
 
         rank_labels = ["run", "rank", "node"]
+        last_step_ts, node_last_step_ts = self._progress(snap.ranks)
         last = GaugeMetricFamily(PREFIX + "last_step_timestamp_seconds",
                                  "When each rank last finished a step (a hang: time() - this > N).", labels=rank_labels)
-        for r, ts in snap.last_step_ts.items():
+        for r, ts in last_step_ts.items():
             last.add_metric([run, str(r), str(r // self.ranks_per_node)], ts)
         yield last
         node_last = GaugeMetricFamily(PREFIX + "node_last_step_timestamp_seconds",
                                       "When every rank of each node last finished a step.", labels=["run", "node"])
-        for n, ts in snap.node_last_step_ts.items():
+        for n, ts in node_last_step_ts.items():
             node_last.add_metric([run, str(n)], ts)
         yield node_last
         strag = GaugeMetricFamily(PREFIX + "straggler_score",
@@ -266,14 +297,78 @@ class PrometheusExporter:
             if value is not None:
                 fam.add_metric([run], value)
             yield fam
+        yield from self._card_families(snap)
+
+    def _card_families(self, snap: _Snapshot) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        run = self.run
+        with self._lock:
+            nodes = dict(self._cards)
+        big = self.world_size > MAX_RANK_SERIES
+        shown = _cards_that_matter(nodes) if big else {(n, cid) for n, nc in nodes.items() for cid in nc.cards}
         card_labels = ["run", "node", "host", "id"]
         for name, key, factor, help_text in _CARD_SERIES:
             fam = GaugeMetricFamily(PREFIX + name, help_text, labels=card_labels)
-            for (node, card_id), card in snap.cards.items():
-                v = _finite(card.get(key))
+            for node, card_id in sorted(shown):
+                v = _finite(nodes[node].cards[card_id].get(key))
                 if v is not None:
                     fam.add_metric([run, node, _host_of(node), card_id], v * factor)
             yield fam
+        if not big:
+            return
+        for name, key, factor, help_text in _CARD_SERIES:  # the cluster's spread, every card counted
+            fam = GaugeMetricFamily(PREFIX + "cards_" + name.removeprefix("card_"),
+                                    help_text + " Min, mean and max over every card of the job.",
+                                    labels=["run", "stat"])
+            spread = [nc.spread[key] for nc in nodes.values() if key in nc.spread]
+            if spread:
+                n = sum(s[2] for s in spread)
+                for stat, v in (("min", min(s[0] for s in spread)), ("mean", sum(s[1] for s in spread) / n),
+                                ("max", max(s[3] for s in spread))):
+                    fam.add_metric([run, stat], v * factor)
+            yield fam
+
+
+_MATTER_KEYS = (("temp_c", True), ("power_w", True), ("memory_used_mb", True), ("util_pct", False))
+"""What makes a card worth a look beyond MAX_RANK_SERIES: hot, power-hungry, full, idle."""
+
+
+@dataclass(frozen=True)
+class _NodeCards:
+    """One node's newest card sample: each card's record, and per value its spread over the
+    node's cards (min, sum, count, max, the card at the max, the card at the min)."""
+
+    cards: dict[str, Mapping[str, Any]]
+    spread: dict[str, tuple[float, float, int, float, str, str]]
+
+    @staticmethod
+    def of(cards: Iterable[Mapping[str, Any]]) -> _NodeCards:
+        by_id = {str(c.get("card")): c for c in cards}
+        spread = {}
+        for _, key, _, _ in _CARD_SERIES:
+            vals = [(v, cid) for cid, c in by_id.items() if (v := _finite(c.get(key))) is not None]
+            if vals:
+                lo, hi = min(vals), max(vals)
+                spread[key] = (lo[0], sum(v for v, _ in vals), len(vals), hi[0], hi[1], lo[1])
+        return _NodeCards(by_id, spread)
+
+
+def _cards_that_matter(nodes: Mapping[str, _NodeCards]) -> set[tuple[str, str]]:
+    """For each of hot, power-hungry, full and idle: the most extreme card of each of the
+    CARDS_THAT_MATTER most extreme nodes (the work follows the nodes, not the cards)."""
+    import heapq
+
+    out: set[tuple[str, str]] = set()
+    for key, biggest in _MATTER_KEYS:
+        if biggest:
+            vals = [(nc.spread[key][3], n, nc.spread[key][4]) for n, nc in nodes.items() if key in nc.spread]
+            picked = heapq.nlargest(CARDS_THAT_MATTER, vals)
+        else:
+            vals = [(nc.spread[key][0], n, nc.spread[key][5]) for n, nc in nodes.items() if key in nc.spread]
+            picked = heapq.nsmallest(CARDS_THAT_MATTER, vals)
+        out.update((n, cid) for _, n, cid in picked)
+    return out
 
 
 def _host_of(node: str) -> str:

@@ -2,7 +2,9 @@
 
 No MindSpore. The aggregator is started as `mindpulse launch` starts it (same actor
 options; the default config's settings: TensorBoard on, default rules) unless
-`--no-tensorboard`. Each simulated node holds real step packets of its ranks, reduced by
+`--no-tensorboard`, with its Prometheus endpoint on and scraped every `--scrape-s` seconds
+(15, a common scrape interval; 0: the endpoint off). Not simulated: card telemetry and
+heartbeats (the endpoint's card series are empty here; bench/exporter.py scrapes a full one). Each simulated node holds real step packets of its ranks, reduced by
 the real `NodePreReducer` into a node partial, as a node agent does; each group of
 `--group-size` nodes hands its batches to the real `GroupLeader` (node/group.py, what a
 leading node agent runs: the tree's second level), which merges a step's partials into one
@@ -251,6 +253,37 @@ def agent_process_cost(rpn: int = 8, rate: float = 20.0, seconds: float = 15.0) 
             "reduced": snap.get("steps_reduced", snap.get("packets", {}).get("accepted"))}
 
 
+class Scraper:
+    """Prometheus' part: GET the aggregator's /metrics every `every_s` seconds (the first at
+    once) while the run goes, as a scrape job would; the aggregator's CPU includes serving them."""
+
+    def __init__(self, url: str, every_s: float):
+        import threading
+
+        self.url, self.every_s, self.times = url, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import urllib.request
+
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            try:
+                with urllib.request.urlopen(self.url, timeout=10) as resp:
+                    resp.read()
+                self.times.append(time.perf_counter() - t)
+            except OSError:
+                pass  # the endpoint is not up yet (or gone): the next scrape tries again
+            self._stop.wait(self.every_s)
+
+    def close(self) -> list[float]:
+        self._stop.set()
+        self._thread.join(timeout=15)
+        return list(self.times)
+
+
 def run(args: argparse.Namespace) -> dict:
     from mindpulse.aggregator.core import start_aggregator
 
@@ -263,9 +296,11 @@ def run(args: argparse.Namespace) -> dict:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}})
     try:
+        port = C.free_port() if args.scrape_s > 0 else 0
         settings = C.aggregator_settings(f"output.tensorboard={str(not args.no_tensorboard).lower()}",
                                          f"world.nodes={nodes}", f"world.ranks_per_node={rpn}",
-                                         f"monitor.max_lag_steps={LAG}", f"monitor.per_print_step={10 ** 9}")
+                                         f"monitor.max_lag_steps={LAG}", f"monitor.per_print_step={10 ** 9}",
+                                         f"exporters.prometheus.port={port}")
         agg = start_aggregator(f"fanin-{os.getpid()}", "mindpulse-bench", tmp, ranks, 10 ** 9, None,
                                settings=settings)
         agg_pid = ray.get(agg.ping.remote())
@@ -278,6 +313,7 @@ def run(args: argparse.Namespace) -> dict:
         import psutil
 
         proc = psutil.Process(agg_pid)
+        scraper = Scraper(f"http://127.0.0.1:{port}/metrics", args.scrape_s) if port else None
         cpu0 = sum(proc.cpu_times()[:2])
         t0 = time.time()
         sent_at: dict[int, float] = {}
@@ -302,6 +338,7 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(0.01)
         wall = time.time() - t0
         cpu = sum(proc.cpu_times()[:2]) - cpu0
+        scrapes = scraper.close() if scraper is not None else []
         watch.close()
         done = [s for s in range(1, step + 1) if s in reduced_at]
         lat = sorted(max(0.0, reduced_at[s] - sent_at[s]) * 1000 for s in done)
@@ -315,6 +352,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "ranks": ranks, "nodes": nodes, "ranks_per_node": rpn, "group_size": gsize, "groups": len(groups),
         "tensorboard": not args.no_tensorboard, "asked_steps_per_s": args.rate, "seconds": round(wall, 2),
+        "scrape_every_s": args.scrape_s, "scrapes": len(scrapes),
+        "scrape_max_ms": round(max(scrapes) * 1000, 1) if scrapes else None,
         "steps": step, "achieved_steps_per_s": round(achieved, 3),
         "reduce_p50_ms": round(C.quantile(lat, 0.5), 1) if lat else None,
         # a p99 means something over P99_MIN_STEPS reduced steps or more; over fewer it is the
@@ -354,7 +393,10 @@ def judge(t: dict, runs: list[dict]) -> dict:
              "reduce_p99_ms": max(r["reduce_p99_ms"] or math.inf for r in runs),
              "reduce_n": min((r["reduce_n"] for r in runs if "reduce_n" in r), default=None),
              "aggregator_cpu_frac": max(r["aggregator_cpu_frac"] for r in runs),
-             "rank_wait_p99_ms": max(r["rank_wait_p99_ms"] or 0.0 for r in runs)}
+             "rank_wait_p99_ms": max(r["rank_wait_p99_ms"] or 0.0 for r in runs),
+             "scrape_every_s": runs[0].get("scrape_every_s"),
+             "scrape_max_ms": max((r["scrape_max_ms"] for r in runs if r.get("scrape_max_ms") is not None),
+                                  default=None)}
     checks = {"achieved": worst["achieved_steps_per_s"] >= t["achieved"],
               "p99": worst["reduce_p99_ms"] < t["p99_ms"]}
     if t["cpu"] is not None:
@@ -404,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--group-size", type=int, default=0, help="nodes per group leader (0: up to 64)")
     ap.add_argument("--no-tensorboard", action="store_true")
+    ap.add_argument("--scrape-s", type=float, default=15.0,
+                    help="the Prometheus endpoint on, scraped every this many seconds (0: endpoint off)")
     ap.add_argument("--json", nargs="?", const="-", default=None,
                     help="print one JSON object (or write it to the given path)")
     ap.add_argument("--targets", action="store_true", help="the target configurations, judged on the worst repeat")

@@ -279,7 +279,11 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                    f"{w['reduce_p99_ms']:.0f} ms ({p99_label(w.get('reduce_n'))}), aggregator {w['aggregator_cpu_frac'] * 100:.0f}% of a core, "
                    f"rank wait p99 {w['rank_wait_p99_ms']:.1f} ms")
             missed = [k for k, ok in j["checks"].items() if not ok]
-            rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on: " + ", ".join(limits), got,
+            scraped = (f", Prometheus endpoint scraped every {w['scrape_every_s']:g} s (worst scrape "
+                       f"{w['scrape_max_ms']:.0f} ms; no card telemetry or heartbeats in this simulation)"
+                       if w.get("scrape_max_ms") is not None else "")
+            rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on{scraped}: "
+                         + ", ".join(limits), got,
                          "met" if j["met"] else "missed", "all limits held" if not missed else
                          "missed: " + ", ".join(missed)])
         agent = max(r["cpu_ms_per_step"] for r in fi["agent"])
