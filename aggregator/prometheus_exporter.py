@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpulse.config import PrometheusConfig
+from mindpulse.config import MonitorConfig, PrometheusConfig
 from mindpulse.metrics import PROM_HELP, prom_series, rank_prom_series
 
 from .reducer import ReducedStep
@@ -89,13 +89,15 @@ class PrometheusExporter:
     """A sink of the aggregator (aggregator/sinks.py) that serves the newest values."""
 
     def __init__(self, cfg: PrometheusConfig, *, run: str, world_size: int, ranks_per_node: int,
-                 restarts: int = 0, info: Mapping[str, str] | None = None):
+                 restarts: int = 0, info: Mapping[str, str] | None = None,
+                 straggler_threshold: float = MonitorConfig.straggler_threshold):
         from prometheus_client import CollectorRegistry, start_http_server
 
         self.run = run
         self.world_size = world_size
         self.ranks_per_node = max(1, ranks_per_node)
         self.restarts = restarts
+        self.straggler_threshold = straggler_threshold
         self.info = {k: str(v) for k, v in (info or {}).items()}
         self._snap = _Snapshot()
         self._lock = threading.Lock()  # the aggregator's writers among themselves; scrapes take `_snap` whole
@@ -187,7 +189,7 @@ class PrometheusExporter:
     def _shown_ranks(self, red: ReducedStep) -> set[int]:
         if self.world_size <= MAX_RANK_SERIES:
             return set(red.per_rank)
-        return red.ranks_that_matter(1.0 - 1e-9) & set(red.per_rank)
+        return red.ranks_that_matter(self.straggler_threshold) & set(red.per_rank)
 
     def on_anomaly(self, rec: Mapping[str, Any]) -> None:
         with self._lock:

@@ -59,7 +59,8 @@ class Sinks:
 
                 exporter = PrometheusExporter(prom, run=run, world_size=config.world.world_size,
                                               ranks_per_node=config.world.ranks_per_node, restarts=attempt,
-                                              info=_run_info(config))
+                                              info=_run_info(config),
+                                              straggler_threshold=config.monitor.straggler_threshold)
             except Exception as exc:  # a tracker never stops the training it watches: said, left out
                 self.say(f"prometheus endpoint {prom.address}:{prom.port} did not start ({exc}); the run goes on "
                          "without it")

@@ -144,6 +144,25 @@ def sink_cost(name: str, steps: int) -> dict:
             "wall_ms_per_step": round(wall / steps * 1000, 3), "errors": errors}
 
 
+def render(out: dict) -> str:
+    """The Markdown section of docs/benchmarks.md (bench/run_all.py)."""
+    rows = [[f"{s['ranks']:,}", f"{s['cards']:,}", f"{s['series']:,}", f"{s['bytes'] / 1024:.0f} KiB",
+             f"{s['scrape_median_ms']:.1f}", f"{s['scrape_max_ms']:.1f}", str(s["scrapes"])] for s in out["scrape"]]
+    text = C.table(["ranks", "cards", "series", "answer", "scrape median ms", "scrape max ms", "scrapes"], rows)
+    sink_rows = []
+    base = next((s["cpu_ms_per_step"] for s in out["sinks"] if s["sink"] == "none" and "cpu_ms_per_step" in s), None)
+    for s in out["sinks"]:
+        if "skipped" in s:
+            sink_rows.append([s["sink"], "-", "-", s["skipped"]])
+            continue
+        extra = f"+{s['cpu_ms_per_step'] - base:.3f}" if base is not None and s["sink"] != "none" else ""
+        sink_rows.append([s["sink"], f"{s['cpu_ms_per_step']:.3f}", extra,
+                          ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"])
+    return (text + "\n\nThe aggregator's CPU per reduced step at 8 ranks (its thread, views drawn after each "
+            f"step's lease, {out['sinks'][0].get('steps', '?')} steps each):\n\n"
+            + C.table(["sink on", "CPU ms per step", "over none", "tracker errors"], sink_rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="reduced steps before the scrapes")

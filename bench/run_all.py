@@ -54,6 +54,8 @@ PIECES = [
     Piece("overhead", "overhead.py", [], 430, ["--repeats-small", "6", "--repeats-larger", "3"], 260, max_s=430),
     Piece("fanin", "fanin.py", ["--targets", "--repeats", "3", "--seconds", "15"], 200,
           ["--targets", "--repeats", "2", "--seconds", "10"], 120),
+    Piece("exporter", "exporter.py", ["--scrapes", "10", "--sink-steps", "300"], 60,
+          ["--scrapes", "5", "--sink-steps", "100"], 30),
     Piece("memory", "memory.py", ["--steps", "100000", "--tensorboard", "off"], 30),
     Piece("memory_tb", "memory.py", ["--steps", "8000", "--tensorboard", "on"], 45,
           ["--steps", "4000", "--tensorboard", "on"], 25),
@@ -293,6 +295,16 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                      f"{traffic:.3f} ms)",
                      "met" if agent <= 1.0 else "missed", f"{abs(1.0 - agent):.3f} ms "
                      + ("under" if agent <= 1.0 else "over")])
+    ex = res.get("exporter")
+    if ex:
+        big = max(ex["scrape"], key=lambda s: s["ranks"])
+        rows.append([f"a scrape of the Prometheus endpoint answers in < {ex['target_ms']:.0f} ms at {big['ranks']:,} "
+                     f"ranks (every node's card telemetry in, {big['cards']:,} cards; the aggregator's own code, "
+                     "scraped over loopback)",
+                     f"worst of {big['scrapes']}: {big['scrape_max_ms']:.1f} ms ({big['series']:,} series)",
+                     "met" if big["met"] else "missed",
+                     f"{abs(ex['target_ms'] - big['scrape_max_ms']):.1f} ms "
+                     + ("under the limit" if big["met"] else "over the limit")])
     mem = res.get("memory")
     if mem:
         g = mem["growth_second_half_mb"]
@@ -310,6 +322,7 @@ SECTIONS = [
     ("overhead", "overhead", "In-rank overhead of monitoring callbacks", "overhead.py"),
     ("grad_cell", "grad_cell", "The grad-statistics cell against a plain TrainOneStepCell", "grad_cell.py"),
     ("fanin", "fanin", "Aggregator fan-in with simulated ranks", "fanin.py"),
+    ("exporter", "exporter", "Dashboards and trackers: the Prometheus scrape, and each sink's CPU", "exporter.py"),
     ("memory", "memory", "Aggregator memory over 100,000 steps", "memory.py"),
     ("stop_latency", "stop_latency", "Stop latency: injected NaN to every rank stopped", "stop_latency.py"),
     ("startup", "startup", "Start-up: `mindpulse launch` against bare `msrun`", "startup.py"),
@@ -317,6 +330,14 @@ SECTIONS = [
 ]
 
 NOTES = {
+    "exporter": (
+        "A real `AggregatorCore` (the aggregator's code, in this process) with `exporters.prometheus.port` on, fed "
+        "what a job of that size sends: every node's card telemetry (8 cards a node) and a few steps of node partials, "
+        "then scraped over loopback with plain HTTP (Prometheus asks for gzip, which prometheus_client then spends "
+        "more CPU on). Beyond 256 ranks the endpoint names only the cards and ranks that matter (docs/dashboards.md). "
+        "The sink rows feed 8 ranks' packets through the flat path; MLflow logs to a file store from its own writer "
+        "thread (its CPU is not in the row: the row is what the aggregator's thread, which reduces and decides, "
+        "pays), SwanLab offline; the Prometheus row includes a scrape every 15 s (served on the endpoint's thread)."),
     "overhead": (
         "One process, GRAPH mode, `Model.train(..., dataset_sink_mode=False)`; one model, its weights, optimizer (a "
         "Tensor of learning rates, as the recipe's) and fixed random byte tokens shared by every configuration. "
