@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from straggler_check import assert_offline_straggler_scores_are_the_live_ones
 
 from mindpulse.aggregator.metrics_store import read_packets
 from mindpulse.protocol import StepPacket
@@ -63,21 +64,4 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
     assert strag and {x["rank"] for x in strag} == {1}, recs
     assert strag[0]["step"] <= SLOW_FROM + 4, strag
     assert "STRAGGLER" in r.stdout
-    # one straggler scorer: the views' offline scores (report, `top`: every rank's packets
-    # replayed through StragglerTracker, which runs the nodes' scorer per node) equal the live
-    # rule's (the node agents' medians, scored by the aggregator) at every step the live run scored
-    from mindpulse.aggregator.metrics_store import REDUCED, read_records
-    from mindpulse.aggregator.reducer import StragglerTracker, reduce_all
-    from mindpulse.config import load_config
-
-    cfg, _ = load_config(r.run_dir / "config.yaml")
-    packets = [p for p in read_packets(r.run_dir / "metrics.msgpack") if isinstance(p, StepPacket)]
-    tracker = StragglerTracker(cfg.monitor.straggler_window, cfg.world.ranks_per_node)
-    offline = {}
-    for red in reduce_all(packets, cfg.world.nodes * cfg.world.ranks_per_node):
-        offline[red.step] = tracker.update(red)
-    live = {rec["step"]: rec["straggler_scores"] for rec in read_records(r.run_dir / "metrics.msgpack")
-            if rec.get("t") == REDUCED and rec.get("straggler_scores")}
-    assert live and any(s < 0.7 for x in live.values() for s in x.values()), live
-    for step, scores in live.items():
-        assert {int(k): v for k, v in scores.items()} == {k: offline[step][k] for k in map(int, scores)}, step
+    assert_offline_straggler_scores_are_the_live_ones(r.run_dir)

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from straggler_check import assert_offline_straggler_scores_are_the_live_ones
 
 from mindpulse.aggregator.metrics_store import read_wire
 
@@ -186,6 +187,9 @@ def test_user_script_with_monitor(run_cli, loop, mode):
     assert all(o.get("lr") == pytest.approx(0.05) for o in pk if o["step"] > 0)
     log0 = (r.run_dir / "logs" / "rank_0.log").read_text()
     assert "rank 0/2 done" in log0
+    # the views' offline straggler scores are the live ones, in this mode too (GRAPH measures no
+    # compute time: the node's shortest step stands in for it)
+    assert_offline_straggler_scores_are_the_live_ones(r.run_dir, slow_rank=False)
 
 
 def test_failing_user_script_fails_the_run(run_cli, tmp_path):
