@@ -210,6 +210,8 @@ class Controller:
         if attempt is not None:
             self.history.dropped_packets += attempt.dropped_packets
             self.history.aggregator_lost |= attempt.aggregator_lost
+            if attempt.unshared:
+                self.history.unshared_hosts = attempt.unshared
             if attempt.group.rank_nodes is not None:
                 self.history.rank_nodes = attempt.group.rank_nodes
         record: dict[str, Any] = {"attempt": self.index, "status": result.status.value, "message": result.message,

@@ -30,6 +30,8 @@ class RunHistory:
     """Rank → Ray node id, of the last attempt whose ranks were started."""
     dropped_packets: int = 0
     aggregator_lost: bool = False
+    unshared_hosts: list[dict[str, Any]] = field(default_factory=list)
+    """summary.json `output_not_shared`: the hosts that did not see the run directory."""
 
     def add_losses(self, snap: dict[str, Any]) -> None:
         """An attempt's loss totals: the run's first loss is the first attempt's that has
@@ -122,6 +124,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "attempts": history.attempts,
         "rollbacks": history.rollbacks,
         "aggregator_lost": history.aggregator_lost,
+        "output_not_shared": history.unshared_hosts,
         "message": result.message,
         "first_loss": history.losses.get("first_loss", snap.get("first_loss")),
         "last_loss": snap.get("last_loss"),
