@@ -41,6 +41,9 @@ class NodeAgents:
         self.infos: list[dict[str, Any]] = []
         self.node_ips: list[str] = []
         """Bundle (node) → the address of the Ray node it was placed on."""
+        self.lost: set[int] = set()
+        """Nodes lost or cut off (launcher/node_health.py): their agents are not called again
+        (a call to a host that does not answer would wait out its timeout)."""
 
     def place(self, aggregator: Any, relay_token: str = "") -> None:
         """Reserve every node's cards and start its agent, and wait until every agent runs."""
@@ -107,7 +110,8 @@ class NodeAgents:
         batch goes through its leader, which must still be there to pass it on (and to have
         it acknowledged above before it acknowledges it)."""
         leaders = getattr(self, "leaders", set())
-        waves = [[a for n, a in enumerate(self.agents) if n not in leaders], [self.agents[n] for n in sorted(leaders)]]
+        waves = [[a for n, a in enumerate(self.agents) if n not in leaders and n not in self.lost],
+                 [self.agents[n] for n in sorted(leaders) if n not in self.lost]]
         return [w for w in waves if w]
 
     def bundle(self, node: int) -> Any:
@@ -159,6 +163,8 @@ class NodeAgents:
 
         rpn = self.cfg.world.ranks_per_node
         for n, agent in enumerate(self.agents):
+            if n in self.lost:
+                continue
             mine = {r: p for r, p in pids.items() if r // rpn == n}
             try:
                 ray.get(agent.dump_stacks.remote(mine, logs_dir, ready), timeout=90)
@@ -180,7 +186,9 @@ class NodeAgents:
 
     def kill_ranks(self) -> None:
         """msrun backend: each agent kills its msrun's process group (no wait: all at once)."""
-        for a in self.agents:
+        for n, a in enumerate(self.agents):
+            if n in self.lost:
+                continue
             try:
                 a.kill_ranks.remote()
             except Exception:  # best effort kill: an agent already gone has no ranks left

@@ -153,13 +153,12 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
     summary["compute"] = snap.get("compute")  # tokens/s, TFLOPS per card, MFU and its peak
     summary["failure"] = None
     if status is RunStatus.FAILED:
-        from .failures import FailureKind, describe_failure, format_failure
+        from .failures import describe_failure, failure_kind, format_failure
 
         last_steps = {x["rank"]: x["last_step"] for x in ranks}
-        kind = FailureKind.HANG if result.hang else (
-            FailureKind.LAUNCHER if not result.outcomes else FailureKind.CRASH)
         summary["failure"] = describe_failure(result.outcomes, result.order, history.logs_dir, last_steps,
-                                              kind, stuck=result.hang, message=result.message)
+                                              failure_kind(result), stuck=result.hang, message=result.message,
+                                              lost=result.lost)
         say(format_failure(summary["failure"]))
     write_json(run_dir / "summary.json", summary)
     data = _say_final_summary(cfg, run_dir, summary, say)
