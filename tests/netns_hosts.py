@@ -209,12 +209,13 @@ class Testbed:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
 
     def start_ray(self, ray_bin: str, token_path: Path, *, resources: dict[int, int] | None = None,
-                  port: int = 6379, timeout: float = 90) -> None:
+                  port: int = 6379, timeout: float = 90, count: int | None = None) -> None:
         """`ray start --head --node-ip-address=HEAD_IP --port=6379` on host 0, then
-        `ray start --address=HEAD_IP:6379 --node-ip-address=THIS_IP` on every other host
-        (`--num-cpus` from `resources`, host index → CPUs, where given)."""
+        `ray start --address=HEAD_IP:6379 --node-ip-address=THIS_IP` on every other host (the
+        first `count` hosts only, where given; `--num-cpus` from `resources`, host index →
+        CPUs)."""
         head = self.hosts[0]
-        for i, h in enumerate(self.hosts):
+        for i, h in enumerate(self.hosts[:count]):
             cmd = [ray_bin, "start", f"--node-ip-address={h.address}", "--disable-usage-stats"]
             cmd += ["--head", f"--port={port}", "--include-dashboard=false"] if i == 0 else \
                 [f"--address={head.address}:{port}"]
