@@ -31,6 +31,9 @@ PROBE_TIMEOUT_S = 0.5
 CHECK_EVERY_S = 1.0
 LINK_LOST_AFTER_S = 4.0
 """How long a node must stay unreachable before its link is declared lost."""
+PROBE_BATCH = 256
+"""Sockets open at once (well under a process's usual 1,024 files); a periodic check of a
+larger job probes this many nodes in turn, a check at a failure probes them all, batch by batch."""
 
 
 class Reach(str, enum.Enum):
@@ -56,7 +59,14 @@ class NodeEndpoint:
 
 
 def probe_all(targets: list[tuple[str, int]], timeout: float = PROBE_TIMEOUT_S) -> list[Reach]:
-    """Connect to every (address, port) at once; each one's answer within `timeout`."""
+    """Connect to every (address, port), `PROBE_BATCH` at once; each one's answer within `timeout`."""
+    out: list[Reach] = []
+    for first in range(0, len(targets), PROBE_BATCH):
+        out += _probe_batch(targets[first:first + PROBE_BATCH], timeout)
+    return out
+
+
+def _probe_batch(targets: list[tuple[str, int]], timeout: float) -> list[Reach]:
     out = [Reach.UNREACHABLE] * len(targets)
     sel = selectors.DefaultSelector()
     socks: list[socket.socket] = []
@@ -72,6 +82,12 @@ def probe_all(targets: list[tuple[str, int]], timeout: float = PROBE_TIMEOUT_S) 
                 out[i] = Reach.REFUSED
             elif err in (errno.EINPROGRESS, errno.EWOULDBLOCK):
                 sel.register(s, selectors.EVENT_WRITE, i)
+    except OSError:  # no socket to be had (out of files): no verdict this time, every node counts as up
+        for s in socks:
+            s.close()
+        sel.close()
+        return [Reach.UP] * len(targets)
+    try:
         deadline = time.monotonic() + timeout
         while sel.get_map():
             left = deadline - time.monotonic()
@@ -111,6 +127,7 @@ class NodeWatch:
         self.probe_timeout_s = probe_timeout_s
         self._unreachable_since: dict[int, float] = {}
         self._last = 0.0
+        self._cursor = 0
 
     def due(self, now: float) -> bool:
         return bool(self.nodes) and now - self._last >= CHECK_EVERY_S
@@ -122,9 +139,10 @@ class NodeWatch:
         unreachable node counts at once, without waiting out `link_lost_after_s`."""
         now = time.monotonic() if now is None else now
         self._last = now
-        reach = probe_all([(n.address, n.port) for n in self.nodes], self.probe_timeout_s)
+        nodes = self.nodes if at_failure or len(self.nodes) <= PROBE_BATCH else self._next_window()
+        reach = probe_all([(n.address, n.port) for n in nodes], self.probe_timeout_s)
         lost = []
-        for n, r in zip(self.nodes, reach):
+        for n, r in zip(nodes, reach):
             if r is Reach.UP and n.node_id not in (dead_ids or set()):
                 self._unreachable_since.pop(n.node, None)
                 continue
@@ -138,6 +156,14 @@ class NodeWatch:
                 lost.append(self._entry(n, LossKind.LINK, f"unreachable for {now - since:.0f}s (no answer from "
                                                           f"{n.address}: a lost link or a network partition)"))
         return lost
+
+    def _next_window(self) -> list[NodeEndpoint]:
+        """The next `PROBE_BATCH` nodes in turn, and every node already unanswered (its clock runs)."""
+        start = self._cursor % len(self.nodes)
+        self._cursor = start + PROBE_BATCH
+        window = (self.nodes + self.nodes)[start:start + PROBE_BATCH]
+        seen = {n.node for n in window}
+        return window + [n for n in self.nodes if n.node in self._unreachable_since and n.node not in seen]
 
     @staticmethod
     def _entry(n: NodeEndpoint, kind: LossKind, how: str) -> dict[str, Any]:

@@ -181,3 +181,22 @@ def test_a_lost_node_restarts_only_with_enough_hosts_left(monkeypatch, tmp_path,
     assert ctl._enough_hosts_left() is restarts
     if not restarts:
         assert "the job needs 2 hosts with 2 CPU each and 1 is left" in ctl.result.message
+
+
+def test_a_large_job_probes_its_nodes_in_turn_and_all_at_a_failure(monkeypatch):
+    monkeypatch.setattr(node_health, "PROBE_BATCH", 2)
+    probed: list[list[int]] = []
+    monkeypatch.setattr(node_health, "probe_all", lambda targets, timeout=0: (
+        probed.append([p for _, p in targets]) or [Reach.UP] * len(targets)))
+    nodes = [NodeEndpoint(i, f"h{i}", "198.18.0.9", f"n{i}", 100 + i, [i]) for i in range(5)]
+    w = NodeWatch(nodes)
+    for t in range(3):
+        w.check(now=float(t))
+    assert probed == [[100, 101], [102, 103], [104, 100]]
+    w.check(now=9.0, at_failure=True)
+    assert probed[-1] == [100, 101, 102, 103, 104]
+
+
+def test_probes_go_in_batches():
+    port = _closed_port()
+    assert probe_all([("127.0.0.1", port)] * 300, timeout=1) == [Reach.REFUSED] * 300
