@@ -200,3 +200,11 @@ def test_a_large_job_probes_its_nodes_in_turn_and_all_at_a_failure(monkeypatch):
 def test_probes_go_in_batches():
     port = _closed_port()
     assert probe_all([("127.0.0.1", port)] * 300, timeout=1) == [Reach.REFUSED] * 300
+
+
+def test_the_bundle_on_the_drivers_host_is_node_0():
+    from mindpulse.launcher.node_agents import driver_first
+
+    assert driver_first(["w1", "head", "w2"], "head") == [1, 0, 2]
+    assert driver_first(["head", "w1"], "head") == [0, 1]
+    assert driver_first(["w1", "w2"], "head") == [0, 1]  # the driver's host holds no rank
