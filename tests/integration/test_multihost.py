@@ -151,6 +151,11 @@ RAYS_OWN = re.compile(r"^(ray::|\S*raylet|\S*gcs_server|\S*python\S* .*/ray/|\S*
 every interface whatever `--node-ip-address` says (docs/multinode.md: firewall them)."""
 
 
+RAY_WORKER_PORTS = range(10002, 20000)
+"""Ray's `--min-worker-port`..`--max-worker-port`: the gRPC server of every Ray worker and
+driver (rank actors, node agents, the aggregator, the launcher itself), Ray's own."""
+
+
 def _check_listeners(listening: dict[str, list[tuple[str, str]]], bed: Testbed, run_dir: Path, tmp: Path) -> None:
     """mindpulse's own listeners are on the host's cluster address or loopback: each node's
     packet relay on loopback, the aggregator's uplink on the head's address. What binds every
@@ -162,8 +167,10 @@ def _check_listeners(listening: dict[str, list[tuple[str, str]]], bed: Testbed, 
         mine = [(a, c) for a, c in listening[h.name] if int(a.rsplit(":", 1)[1]) in ports]
         assert all(a.startswith("127.0.0.1:") for a, _ in mine), mine
         near = (h.address + ":", "127.", "[::1]", "[::ffff:127.", f"[::ffff:{h.address}]")
-        wide[h.name] = [(a, c[:80]) for a, c in listening[h.name] if not a.startswith(near)]
-        ours = [(a, c) for a, c in wide[h.name] if not RAYS_OWN.match(c) and "mindpulse.workers.scheduler" not in c]
+        wide_full = [(a, c) for a, c in listening[h.name] if not a.startswith(near)]
+        wide[h.name] = [(a, c[:120]) for a, c in wide_full]
+        ours = [(a, c) for a, c in wide_full if not RAYS_OWN.match(c) and "mindpulse.workers.scheduler" not in c
+                and int(a.rsplit(":", 1)[1]) not in RAY_WORKER_PORTS]
         assert not ours, f"{h.name}: mindpulse listens beyond {h.address} and loopback: {ours}"
     head = bed.hosts[0]
     assert any(a.startswith(head.address + ":") and "Aggregator" in c for a, c in listening[head.name]), \
