@@ -62,6 +62,8 @@ class Attempt:
                                                actor_prefix=f"{run_id}-a{index}")
         self.dropped_packets = 0
         self.aggregator_lost = False
+        self.unshared: list[dict[str, Any]] = []
+        """The hosts that do not see the run directory (launcher/shared_output.py)."""
 
     def total_steps(self) -> int | None:
         return self.cfg.train.steps or None
@@ -112,6 +114,7 @@ class Attempt:
         write_json(self.run_dir / "plan.json", [s.to_dict() for s in specs])
         self.group.spawn(specs, sched_host)
         self.nodes.wait_ready()
+        self._check_shared_output()
         settings = rank_settings(cfg, run_dir=str(self.run_dir), run_id=self.run_id, attempt=self.index,
                                  aggregator=actor_name(self.name), ray_address=self.session.address,
                                  relays=self.nodes.relays(), resume=self.resume, relay_token=relay_token,
@@ -125,6 +128,19 @@ class Attempt:
         refs = self.group.start(specs, sched_host, sched_port, settings_path)
         self.nodes.start_telemetry(self.group.rank_pids, self.console.say)
         return refs
+
+    def _check_shared_output(self) -> None:
+        """Which hosts do not see the run directory (launcher/shared_output.py); a refusal
+        (`checkpoint.require_shared`) ends what this attempt started first."""
+        from .preflight import LaunchRefused
+        from .shared_output import check_shared_output
+
+        try:
+            self.unshared = check_shared_output(self.cfg, self.run_dir, self.nodes.agents, self.nodes.infos,
+                                                self.console.say)
+        except LaunchRefused:
+            self.abort()
+            raise
 
     # ---- while it runs ----------------------------------------------------------------------
     def poll(self, final: bool = False) -> dict[str, Any] | None:

@@ -188,6 +188,25 @@ class Controller:
                          + (f", skipping {skipped} batch(es)" if skipped else "")
                          + f", learning rate x{rb['lr_factor']:g} until step {resume['lr_until_step']}")
 
+    def _enough_hosts_left(self) -> bool:
+        """After a lost node: whether the cluster still holds `world.nodes` hosts for a
+        restart (the lost ones left out, a spare one counted); if not the run ends now,
+        saying how many it needs, instead of waiting out the placement's timeout."""
+        from .node_agents import DEVICE_RESOURCE
+        from .node_health import hosts_left
+
+        w = self.cfg.world
+        resource = DEVICE_RESOURCE[w.device.value]
+        left = hosts_left(resource, w.ranks_per_node, {x["node_id"] for x in self.result.lost})
+        if left < 0 or left >= w.nodes:
+            return True
+        self.result.message += (f"; no restart: the job needs {w.nodes} hosts with {w.ranks_per_node} {resource} "
+                                f"each and {left} {'is' if left == 1 else 'are'} left (add a host, or lower "
+                                "world.nodes)")
+        self.console.say(f"mindpulse: cannot restart: the job needs {w.nodes} hosts with {w.ranks_per_node} "
+                         f"{resource} each; {left} left after the loss")
+        return False
+
     # ---- after each attempt -----------------------------------------------------------------
     def _conclude(self) -> ControllerState:
         """Record the attempt that just ended and ask the failure policy what comes next."""
@@ -200,6 +219,8 @@ class Controller:
         decision = self.policy.decide(self.result, self.index, self.interrupts.count > 0, self.history.resume)
         if decision.decision is Decision.STOP:
             return ControllerState.FINISHED
+        if self.result.lost and not self._enough_hosts_left():
+            return ControllerState.FINISHED
         for line in decision.notes:
             self.console.say(f"mindpulse: {line}")
         self.history.resume = carry_rollbacks(decision.resume, self.history.resume)
@@ -210,6 +231,8 @@ class Controller:
         if attempt is not None:
             self.history.dropped_packets += attempt.dropped_packets
             self.history.aggregator_lost |= attempt.aggregator_lost
+            if attempt.unshared:
+                self.history.unshared_hosts = attempt.unshared
             if attempt.group.rank_nodes is not None:
                 self.history.rank_nodes = attempt.group.rank_nodes
         record: dict[str, Any] = {"attempt": self.index, "status": result.status.value, "message": result.message,
@@ -222,12 +245,13 @@ class Controller:
         if (snapshot.get("stop") or {}).get("rollback"):
             record["rollback"] = snapshot["stop"]["rollback"]
         if result.status is RunStatus.FAILED:
-            from .failures import FailureKind, describe_failure
+            from .failures import FailureKind, describe_failure, failure_kind
 
             last = {x["rank"]: x["last_step"] for x in snapshot.get("ranks", [])}
+            kind = failure_kind(result)
             record["failure"] = describe_failure(result.outcomes, result.order, self.history.logs_dir, last,
-                                                 FailureKind.HANG if result.hang else FailureKind.CRASH,
-                                                 stuck=result.hang, message=result.message)
+                                                 FailureKind.CRASH if kind is FailureKind.LAUNCHER else kind,
+                                                 stuck=result.hang, message=result.message, lost=result.lost)
         self.history.attempts.append(record)
 
 

@@ -21,6 +21,61 @@ class FailureKind(str, enum.Enum):
     CRASH = "crash"
     HANG = "hang"
     LAUNCHER = "launcher"
+    NODE_LOST = "node_lost"
+    """A host's processes are gone (its node agent, raylet and ranks): launcher/node_health.py."""
+    LINK_LOST = "link_lost"
+    """A host stopped answering: a lost link or a network partition."""
+
+
+def failure_kind(result: Any) -> FailureKind:
+    """The kind of a failed `RunResult`: a lost node or link, a hang, a crash; LAUNCHER when
+    no rank has an outcome (the launcher itself failed)."""
+    if result.lost:
+        from .node_health import LossKind, loss_kind
+
+        return FailureKind.NODE_LOST if loss_kind(result.lost) is LossKind.NODE else FailureKind.LINK_LOST
+    if result.hang:
+        return FailureKind.HANG
+    return FailureKind.CRASH if result.outcomes else FailureKind.LAUNCHER
+
+
+COMMON_TAIL_BYTES = 256 * 1024
+"""How much of each healthy rank's log is read to find the lines every rank prints."""
+COMMON_PEERS = 4
+"""How many healthy ranks' logs are read for it (the first ones)."""
+_NUMBERS = re.compile(r"\d+")
+
+
+def _shape(line: str) -> str:
+    """A log line without its numbers (pids, times, ranks, addresses): how it is compared."""
+    return _NUMBERS.sub("#", line.strip())
+
+
+def _read_tail(path: Path, size: int) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - size))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+_OWN_LINE = re.compile(r"^\[rank \d+\] ")
+"""mindpulse's own lines in a rank's log (`[rank 3] pid … starting`): the rank's timeline, kept."""
+
+
+def without_common_lines(tail: str, peer_logs: list[Path]) -> str:
+    """`tail` less the lines every one of `peer_logs` (healthy ranks' logs) holds too, numbers
+    aside: what each rank prints at start (on CPU, MindSpore's `[ERROR] … CPU device is not
+    supported`), never the failure's cause. mindpulse's own `[rank r]` lines stay (where the
+    rank was). Unchanged without a peer log to compare with."""
+    shapes = [{_shape(ln) for ln in _read_tail(p, COMMON_TAIL_BYTES).splitlines()} for p in peer_logs]
+    shapes = [s for s in shapes if s]
+    if not shapes:
+        return tail
+    common = set.intersection(*shapes)
+    return "\n".join(ln for ln in tail.splitlines() if _OWN_LINE.match(ln) or _shape(ln) not in common)
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -97,23 +152,51 @@ def signal_of(error: str, exit_code: int | None = None, log_tail: str = "") -> s
 
 def describe_failure(outcomes: dict[int, RankOutcome], order: list[int], logs_dir: Path,
                      last_steps: dict[int, int], kind: FailureKind = FailureKind.CRASH,
-                     stuck: list[int] | None = None, message: str = "") -> dict[str, Any]:
-    """`order`: ranks in the order their failure was seen (the first is the root cause)."""
+                     stuck: list[int] | None = None, message: str = "",
+                     lost: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`order`: ranks in the order their failure was seen (the first is the root cause).
+    `lost`: the nodes lost or cut off (node_lost, link_lost): they are the cause, their ranks
+    the ones that went with them. The root's log tail leaves out the lines every healthy rank
+    prints too."""
     failed = [r for r in order if outcomes.get(r) and outcomes[r].error != VICTIM
               and (outcomes[r].exit_code not in (0,) or outcomes[r].error)]
     if kind is FailureKind.HANG:
         root = (stuck or [None])[0]
         ranks = sorted(stuck or [])
+    elif lost:
+        ranks = sorted(r for x in lost for r in x["ranks"])
+        root = ranks[0] if ranks else None
     else:
         root = failed[0] if failed else None
         ranks = sorted(r for r, o in outcomes.items() if o.exit_code != 0 or o.error)
     o = outcomes.get(root) if root is not None else None
     tail = log_tail(logs_dir / f"rank_{root}.log") if root is not None else ""
+    out = set(failed) | {root} | (set(ranks) if lost or kind is FailureKind.HANG else set())
+    healthy = [r for r, x in sorted(outcomes.items()) if r not in out
+               and (x.error == VICTIM or x.exit_code == 0)][:COMMON_PEERS]
     tb = (o.traceback if o and o.traceback else "") or traceback_from_log(tail)
+    tail = without_common_lines(tail, [logs_dir / f"rank_{r}.log" for r in healthy])
     groups: OrderedDict[str, list[int]] = OrderedDict()
     for r in failed:
         key = outcomes[r].error.splitlines()[0] if outcomes[r].error else f"exit code {outcomes[r].exit_code}"
         groups.setdefault(key, []).append(r)
+    if lost:
+        from .node_health import describe_loss
+
+        return {
+            "kind": kind.value,
+            "root_cause_rank": None,
+            "nodes": lost,
+            "ranks": ranks,
+            "step": max((last_steps.get(r) or 0 for r in ranks), default=None),
+            "exit_code": None,
+            "signal": None,
+            "error": describe_loss(lost),
+            "log_tail": tail,
+            "log_of_rank": root,
+            "traceback": "",
+            "errors": [{"error": describe_loss([x]), "ranks": x["ranks"]} for x in lost],
+        }
     return {
         "kind": kind.value,
         "root_cause_rank": root,
@@ -133,6 +216,8 @@ def format_failure(f: dict[str, Any]) -> str:
     """The failure block as the terminal shows it (what came from the ranks is made printable)."""
     from .progress import printable
 
+    if f.get("nodes"):
+        return printable("\n".join(_format_loss(f)))
     lines = [f"FAILED ({f['kind']}): root cause rank {f['root_cause_rank']} at step {f['step']}"
              + (f", exit code {f['exit_code']}" if f.get("exit_code") not in (None,) else "")
              + (f", signal {f['signal']}" if f.get("signal") else "")]
@@ -145,3 +230,15 @@ def format_failure(f: dict[str, Any]) -> str:
         lines.append(f"  last lines of logs/rank_{f['root_cause_rank']}.log:")
         lines += ["    " + ln for ln in f["log_tail"].splitlines()[-10:]]
     return printable("\n".join(lines))
+
+
+def _format_loss(f: dict[str, Any]) -> list[str]:
+    what = "node lost" if f["kind"] == FailureKind.NODE_LOST.value else "link lost (network partition)"
+    lines = [f"FAILED ({f['kind']}): {what} after step {f['step']}"]
+    for x in f["nodes"]:
+        lines.append(f"  node {x['node']} ({x['host']}, {x['address']}): ranks {x['ranks']} went with it; {x['how']}")
+    lines.append("  the other ranks were stopped")
+    if f.get("log_tail"):
+        lines.append(f"  last lines of logs/rank_{f['log_of_rank']}.log (lines every healthy rank prints left out):")
+        lines += ["    " + ln for ln in f["log_tail"].splitlines()[-10:]]
+    return lines

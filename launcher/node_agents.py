@@ -30,6 +30,15 @@ def placement_bundles(cfg: RunConfig) -> tuple[list[dict[str, float]], str]:
     return [{resource: float(w.ranks_per_node)} for _ in range(w.nodes)], "PACK" if w.nodes == 1 else "STRICT_SPREAD"
 
 
+def driver_first(bundle_nodes: list[str], driver_node: str) -> list[int]:
+    """The job's node order over the placed bundles (bundle → Ray node id): the bundle on the
+    driver's host, where there is one, becomes node 0, so rank 0 (which writes the
+    checkpoints) and the scheduler run where the launch was made; the rest keep their order."""
+    order = list(range(len(bundle_nodes)))
+    here = [b for b in order if bundle_nodes[b] == driver_node]
+    return here[:1] + [b for b in order if b not in here[:1]]
+
+
 class NodeAgents:
     def __init__(self, cfg: RunConfig, interrupted: Callable[[], bool] | None = None):
         self.cfg = cfg
@@ -41,6 +50,11 @@ class NodeAgents:
         self.infos: list[dict[str, Any]] = []
         self.node_ips: list[str] = []
         """Bundle (node) → the address of the Ray node it was placed on."""
+        self.order: list[int] = []
+        """Node → its bundle: the bundle on the driver's host is node 0 (`driver_first`)."""
+        self.lost: set[int] = set()
+        """Nodes lost or cut off (launcher/node_health.py): their agents are not called again
+        (a call to a host that does not answer would wait out its timeout)."""
 
     def place(self, aggregator: Any, relay_token: str = "") -> None:
         """Reserve every node's cards and start its agent, and wait until every agent runs."""
@@ -54,7 +68,6 @@ class NodeAgents:
         halfway is cleaned up."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from mindpulse.node.agent import WORKER_ENV, NodeAgent, driver_identity
 
@@ -71,14 +84,15 @@ class NodeAgents:
         # each bundle's node address, known once the group is placed: where the scheduler
         # listens is decided before the agents' processes have started
         by_id = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
-        self.node_ips = [by_id.get(nid, "") for _, nid in
-                         sorted(placement_group_table(pg).get("bundles_to_node_id", {}).items())]
+        placed = sorted(placement_group_table(pg).get("bundles_to_node_id", {}).items())
+        self.order = driver_first([nid for _, nid in placed], ray.get_runtime_context().get_node_id())
+        self.node_ips = [by_id.get(placed[b][1], "") for b in self.order] if len(placed) == w.nodes else []
         group = self.cfg.monitor.groups_of(w.nodes)  # a leader also passes the lease down to its members
         # its watchdog ends the node's processes of the run when the launcher is gone
         driver = driver_identity()
         for n in range(w.nodes):
             self.agents.append(ray.remote(NodeAgent).options(
-                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
+                num_cpus=0, scheduling_strategy=self.bundle(n),
                 runtime_env={"env_vars": dict(WORKER_ENV)}, max_restarts=0,
                 # threaded: run_msrun holds one thread for the whole job; kill_ranks, stop,
                 # dump_stacks and telemetry must still get through
@@ -107,14 +121,16 @@ class NodeAgents:
         batch goes through its leader, which must still be there to pass it on (and to have
         it acknowledged above before it acknowledges it)."""
         leaders = getattr(self, "leaders", set())
-        waves = [[a for n, a in enumerate(self.agents) if n not in leaders], [self.agents[n] for n in sorted(leaders)]]
+        waves = [[a for n, a in enumerate(self.agents) if n not in leaders and n not in self.lost],
+                 [self.agents[n] for n in sorted(leaders) if n not in self.lost]]
         return [w for w in waves if w]
 
     def bundle(self, node: int) -> Any:
         """The scheduling strategy that puts an actor in `node`'s bundle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node)
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.order[node]
+                                                if node < len(self.order) else node)
 
     # ---- what ranks are told -----------------------------------------------------------------
     def relays(self) -> dict[int, str]:
@@ -159,6 +175,8 @@ class NodeAgents:
 
         rpn = self.cfg.world.ranks_per_node
         for n, agent in enumerate(self.agents):
+            if n in self.lost:
+                continue
             mine = {r: p for r, p in pids.items() if r // rpn == n}
             try:
                 ray.get(agent.dump_stacks.remote(mine, logs_dir, ready), timeout=90)
@@ -180,7 +198,9 @@ class NodeAgents:
 
     def kill_ranks(self) -> None:
         """msrun backend: each agent kills its msrun's process group (no wait: all at once)."""
-        for a in self.agents:
+        for n, a in enumerate(self.agents):
+            if n in self.lost:
+                continue
             try:
                 a.kill_ranks.remote()
             except Exception:  # best effort kill: an agent already gone has no ranks left

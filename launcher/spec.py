@@ -90,6 +90,9 @@ class RunResult:
     """Ranks in the order their failure was seen: the first is the root cause."""
     hang: list[int] = field(default_factory=list)
     """Ranks that stopped making progress (a hang), if that ended the run."""
+    lost: list[dict[str, Any]] = field(default_factory=list)
+    """Nodes lost or cut off (launcher/node_health.py), if that ended the run: {node, host,
+    address, node_id, ranks, kind, how}."""
 
     @property
     def exit_code(self) -> ExitCode:

@@ -30,6 +30,8 @@ class RunHistory:
     """Rank → Ray node id, of the last attempt whose ranks were started."""
     dropped_packets: int = 0
     aggregator_lost: bool = False
+    unshared_hosts: list[dict[str, Any]] = field(default_factory=list)
+    """summary.json `output_not_shared`: the hosts that did not see the run directory."""
 
     def add_losses(self, snap: dict[str, Any]) -> None:
         """An attempt's loss totals: the run's first loss is the first attempt's that has
@@ -122,6 +124,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "attempts": history.attempts,
         "rollbacks": history.rollbacks,
         "aggregator_lost": history.aggregator_lost,
+        "output_not_shared": history.unshared_hosts,
         "message": result.message,
         "first_loss": history.losses.get("first_loss", snap.get("first_loss")),
         "last_loss": snap.get("last_loss"),
@@ -150,13 +153,12 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
     summary["compute"] = snap.get("compute")  # tokens/s, TFLOPS per card, MFU and its peak
     summary["failure"] = None
     if status is RunStatus.FAILED:
-        from .failures import FailureKind, describe_failure, format_failure
+        from .failures import describe_failure, failure_kind, format_failure
 
         last_steps = {x["rank"]: x["last_step"] for x in ranks}
-        kind = FailureKind.HANG if result.hang else (
-            FailureKind.LAUNCHER if not result.outcomes else FailureKind.CRASH)
         summary["failure"] = describe_failure(result.outcomes, result.order, history.logs_dir, last_steps,
-                                              kind, stuck=result.hang, message=result.message)
+                                              failure_kind(result), stuck=result.hang, message=result.message,
+                                              lost=result.lost)
         say(format_failure(summary["failure"]))
     write_json(run_dir / "summary.json", summary)
     data = _say_final_summary(cfg, run_dir, summary, say)

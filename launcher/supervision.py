@@ -17,6 +17,7 @@ from mindpulse.config import RunConfig
 from .attempt import Attempt
 from .failures import VICTIM
 from .interrupts import Interrupts, start_up_interrupted
+from .node_health import NodeWatch, dead_node_ids, describe_loss, endpoints
 from .progress import Console
 from .spec import RankOutcome, RunResult, RunStatus
 from .worker_group import RefOwner
@@ -50,6 +51,9 @@ class AttemptWatch:
         self._save_wait: tuple[int, float] | None = None
         """(step, deadline) while a failure waits for rank 0's checkpoint write."""
         self._save_wait_said = False
+        self.lost: list[dict[str, Any]] = []
+        """The nodes lost or cut off that ended the attempt (launcher/node_health.py)."""
+        self._node_watch: NodeWatch | None = None
 
     def tick(self) -> RunStatus:
         import ray
@@ -58,6 +62,10 @@ class AttemptWatch:
         for ref in done:
             self._collect(ref, self.refs[ref])
         failed = [o for o in self.outcomes.values() if o.exit_code != 0]
+        if self.pending and (failed or self._nodes().due(time.monotonic())):
+            lost = self._nodes().check(dead_ids=dead_node_ids() if failed else None, at_failure=bool(failed))
+            if lost:
+                return self._end_lost(lost)
         if failed and self.pending:
             first = failed[0]
             self.message = f"rank {first.rank} failed: {first.error or 'exit code ' + str(first.exit_code)}"
@@ -98,6 +106,9 @@ class AttemptWatch:
                     self.message = f"hang: ranks {stuck} made no progress for {limit:.0f}s{how}"
                 return self._end(RunStatus.FAILED, lambda r: "stuck" if r in stuck else VICTIM)
         if not self.pending:
+            lost = self._nodes().check(dead_ids=dead_node_ids(), at_failure=True) if failed else []
+            if lost:
+                return self._end_lost(lost)
             if failed:
                 first = failed[0]
                 self.message = f"rank {first.rank} failed: {first.error or 'exit code ' + str(first.exit_code)}"
@@ -163,7 +174,36 @@ class AttemptWatch:
 
     def result(self) -> RunResult:
         return RunResult(status=self.status, outcomes=self.outcomes, message=self.message,
-                         order=list(self.failure_order), hang=self.hang)
+                         order=list(self.failure_order), hang=self.hang, lost=list(self.lost))
+
+    def _nodes(self) -> NodeWatch:
+        """The attempt's nodes as the health probe sees them (built at the first tick: the
+        agents have answered by then)."""
+        if self._node_watch is None:
+            import ray
+
+            try:
+                table = ray.nodes()
+            except Exception:  # no raylet ports: nothing is probed, failures read as before
+                table = []
+            self._node_watch = NodeWatch(endpoints(self.attempt.nodes.infos, table,
+                                                   self.cfg.world.ranks_per_node))
+        return self._node_watch
+
+    def _end_lost(self, lost: list[dict[str, Any]]) -> RunStatus:
+        """A node lost or cut off: its ranks went with it (their own errors, "actor died", are
+        not the cause), the other ranks are stopped, and no call waits on its agent again."""
+        self.lost = lost
+        self.message = describe_loss(lost)
+        self.console.say(f"mindpulse: {self.message}; stopping the other ranks")
+        self.attempt.nodes.lost.update(x["node"] for x in lost)
+        went = {r: x for x in lost for r in x["ranks"]}
+        for r, x in went.items():
+            self.outcomes[r] = RankOutcome(rank=r, exit_code=None, pid=self.attempt.group.rank_pids.get(r),
+                                           host=x["host"], error=f"went with node {x['node']} ({x['host']}, "
+                                                                 f"{x['address']}): {x['kind']}")
+        self.failure_order = sorted(went) + [r for r in self.failure_order if r not in went]
+        return self._end(RunStatus.FAILED, lambda r: VICTIM)
 
     def _end(self, status: RunStatus, error_of: Callable[[int], str]) -> RunStatus:
         """Kill every rank still running; those without an outcome get `error_of(rank)` (and, when

@@ -433,6 +433,22 @@ class NodeAgent:
 
         return saving_now(ckpt_dir)
 
+    def write_marker(self, path: str, token: str) -> dict[str, Any]:
+        """Write `token` to `path` on this host (launcher/shared_output.py: does the driver see it?)."""
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(token)
+        except OSError as exc:  # the answer carries the failure: the driver names this host
+            return {"error": f"{type(exc).__name__}: {exc}", "host": socket.gethostname()}
+        return {"host": socket.gethostname()}
+
+    def remove_marker(self, path: str) -> None:
+        try:
+            Path(path).unlink()
+            Path(path).parent.rmdir()  # the last node's removal takes the folder along
+        except OSError:  # another node's marker is still there, or this one is gone already
+            pass
+
     def kill_ranks(self) -> None:
         """Stop this node's ranks now (another rank failed): msrun's whole process group."""
         if self.msrun is not None and self.msrun.poll() is None:

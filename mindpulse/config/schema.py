@@ -389,6 +389,10 @@ class CheckpointConfig:
     """When a rank fails while rank 0 is writing a checkpoint, seconds the launcher lets the
     write finish before it stops the other ranks (0: stop at once). With msrun, msrun itself
     kills the failed rank's node within a second: the grace holds for rank 0 on another node."""
+    require_shared: bool = False
+    """Refuse the launch (exit 2) when a host of the job does not see `output.root` as the
+    driver does (a folder that is not on a filesystem every host shares): rank 0 would write
+    checkpoints the driver cannot read. false: a warning naming those hosts."""
 
     @property
     def best_at_evaluations(self) -> bool:

@@ -69,6 +69,7 @@ class FakeAttempt:
         self.index, self.resume = index, resume
         self.group = FakeGroup()
         self.dropped_packets, self.aggregator_lost = 1, False
+        self.unshared: list = []
         self.outcome = self.script[index]
         self.finished = self.aborted = False
         FakeAttempt.made.append(self)
