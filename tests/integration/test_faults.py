@@ -165,7 +165,9 @@ def test_a_checkpoint_write_longer_than_the_hang_limit_is_not_a_hang(tmp_path):
     assert code == 0, out[-3000:]
     s = run.summary()
     assert s["status"] == "succeeded" and s["steps_completed"] == 14 and s["failure"] is None, s["message"]
-    assert s["goodput"]["badput_s"]["checkpoint"] >= 8.0, s["goodput"]
+    # the clock scales a step's parts down to the wall time between its packets when they add up to
+    # more (they are measured on each rank's own clock): a few ms off the 8 s write
+    assert s["goodput"]["badput_s"]["checkpoint"] >= 8.0 * 0.99, s["goodput"]
     assert "injecting fault slow_save@0:10" in (run.run_dir / "logs" / "rank_0.log").read_text()
     run.assert_nothing_left()
 

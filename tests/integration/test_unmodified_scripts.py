@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "plain_train.py"
 
 
-def launch(run_cli, tmp_path: Path, *script_args: str, steps: int = 12, extra: tuple[str, ...] = ()):
-    args = ", ".join(f"'{a}'" for a in ("--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(steps), *script_args))
+def launch(run_cli, tmp_path: Path, *script_args: str, steps: int = 12, extra: tuple[str, ...] = (),
+           ckpt_dir: str = "ckpt"):
+    args = ", ".join(f"'{a}'" for a in ("--ckpt-dir", str(tmp_path / ckpt_dir), "--steps", str(steps), *script_args))
     return run_cli("launch", "--set", f"job.script={SCRIPT}", "--set", f"job.args=[{args}]",
                    "--set", "train.steps=0", "--set", "monitor.per_print_step=4", "--set", "output.report=false",
                    *extra, timeout=400)
@@ -129,7 +130,7 @@ def test_a_rank_without_a_monitor_is_named_at_once(run_cli, tmp_path, auto, loop
     """auto-attach off (Model.train), or a hand loop mindpulse cannot watch: the console
     names the ranks at their first step, the run is not declared hung, summary.json says why
     no step was reduced and what to add."""
-    r = launch(run_cli, tmp_path, "--mode", "pynative", "--loop", loop,
+    r = launch(run_cli, tmp_path, "--mode", "pynative", "--loop", loop, ckpt_dir="ckpt_{rank}",
                extra=("--set", f"job.auto_monitor={auto}", "--set", "monitor.hang_timeout_s=5"))
     assert r.returncode == 0, r.output
     s = r.summary

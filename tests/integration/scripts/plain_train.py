@@ -63,7 +63,9 @@ if args.loop == "hand":
         loss = cell(ms.Tensor(x[i * 8 : (i + 1) * 8]), ms.Tensor(y[i * 8 : (i + 1) * 8]))
 else:
     ds = ms.dataset.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(8)
-    ckpt = ModelCheckpoint(prefix="plain", directory=os.path.abspath(args.ckpt_dir),
+    # `{rank}` in --ckpt-dir: a folder per rank (without it every rank writes one folder, as
+    # some users' scripts do: mindpulse warns, and two ranks may trip over each other's files)
+    ckpt = ModelCheckpoint(prefix="plain", directory=os.path.abspath(args.ckpt_dir.format(rank=rank)),
                            config=CheckpointConfig(save_checkpoint_steps=args.steps, keep_checkpoint_max=1))
     model.train(1, ds, callbacks=[LossMonitor(), TimeMonitor(), ckpt], dataset_sink_mode=True)
 print(f"rank {rank}/{size} done", flush=True)
