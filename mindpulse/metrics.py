@@ -24,6 +24,7 @@ This module imports nothing of mindpulse but the formatter: the packet codec bui
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,9 +149,9 @@ def _scaled(p: Any) -> bool:
     return not (p.overflow and (p.loss_scale or 0) > 1)
 
 
-def _rate(x: Any) -> bool:
-    """A rate worth reducing: a finite number, not negative."""
-    return x is not None and x == x and x not in (float("inf"), float("-inf")) and x >= 0
+def is_rate(x: Any) -> bool:
+    """A rate worth reducing (achieved TFLOPS): a finite number, not negative."""
+    return x is not None and math.isfinite(x) and x >= 0
 
 
 def _per_slowest(key: str) -> Callable[[dict[str, Any]], float | None]:
@@ -202,10 +203,11 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                reduce=(Reduction("tokens", Reduce.SUM, "Tokens trained in this step, summed over ranks."),)),
     StepMetric("tflops", float, **_OPT, unit="TFLOPS", doc="This rank's achieved model TFLOPS in this step.",
                reduce=(Reduction("tflops_mean", Reduce.MEAN, "Achieved TFLOPS per card, mean over ranks.",
-                                 include=lambda p: _rate(p.tflops), tb="compute/tflops/mean", prom=("tflops", "mean")),
-                       Reduction("tflops_min", Reduce.MIN, include=lambda p: _rate(p.tflops), keep=True, rate=True,
+                                 include=lambda p: is_rate(p.tflops), tb="compute/tflops/mean",
+                                 prom=("tflops", "mean")),
+                       Reduction("tflops_min", Reduce.MIN, include=lambda p: is_rate(p.tflops), keep=True, rate=True,
                                  prom=("tflops", "min")),
-                       Reduction("tflops_max", Reduce.MAX, include=lambda p: _rate(p.tflops), keep=True, rate=True,
+                       Reduction("tflops_max", Reduce.MAX, include=lambda p: is_rate(p.tflops), keep=True, rate=True,
                                  prom=("tflops", "max"))),
                aliases={"tflops": "tflops_mean"}, rank_prom=("tflops", "rank")),
     StepMetric("ts", float, 0.0, unit="s", reduce=(Reduction("ts", Reduce.PEAK),)),

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpulse.metrics import STEP_METRICS, Reduce, Reduction, kept_extremes, reductions
+from mindpulse.metrics import STEP_METRICS, Reduce, Reduction, is_rate, kept_extremes, reductions
 from mindpulse.protocol import StepPacket
 
 _ONE_BITS = 1074
@@ -133,9 +133,8 @@ def hist_counts(values: Iterable[float | None]) -> list[int]:
     return counts
 
 
-def rate(x: float | None) -> bool:
-    """A figure of achieved TFLOPS worth reducing: a finite number, not negative."""
-    return x is not None and math.isfinite(x) and x >= 0
+rate = is_rate
+"""A figure of achieved TFLOPS worth reducing (the registry's test, mindpulse/metrics.py)."""
 
 
 # ---- one accumulator per kind of reduction ------------------------------------------------------
