@@ -389,6 +389,12 @@ def has_weights(p: StepPacket | dict[str, Any]) -> bool:
     return bool(p.weights if isinstance(p, StepPacket) else p.get("weights"))
 
 
+def asks_decision(p: StepPacket | dict[str, Any]) -> bool:
+    """Rank 0's packet at a checkpoint candidate: the aggregator judges a best checkpoint only
+    when it is among the step's packets, so it always travels whole."""
+    return bool(p.decision if isinstance(p, StepPacket) else p.get("decision"))
+
+
 def extreme_ranks(part: NodePartial) -> set[int]:
     """The ranks at the ends that are worth a look (`Reduction.keep`)."""
     v = part.values
@@ -396,24 +402,25 @@ def extreme_ranks(part: NodePartial) -> set[int]:
 
 
 def _worth_keeping(part: NodePartial, packets: Mapping[int, StepPacket]) -> set[int]:
-    """The node's extremes, its non-finite ranks, and a packet with weight statistics."""
+    """The node's extremes, its non-finite ranks, a packet with weight statistics, and one
+    that asks for a decision."""
     keep = extreme_ranks(part)
     keep.update(part.nonfinite)
-    keep.update(r for r, p in packets.items() if p.weights)
+    keep.update(r for r, p in packets.items() if p.weights or p.decision)
     return keep
 
 
 def kept_packets(part: NodePartial) -> dict[int, Any]:
     """The packets a partial still needs whole: its extremes (the merged extremes are
-    among the parts' kept packets), its non-finite ranks, the collect window (`keep`) and
-    the weight statistics; every packet of a flat reduction (`keep_all`)."""
+    among the parts' kept packets), its non-finite ranks, the collect window (`keep`), the
+    weight statistics and a decision's asker; every packet of a flat reduction (`keep_all`)."""
     packets = part.packets
     if part.keep_all:
         return packets
     wanted = extreme_ranks(part)
     wanted.update(part.nonfinite)
     wanted.update(part.keep)
-    wanted.update(r for r, p in packets.items() if has_weights(p))
+    wanted.update(r for r, p in packets.items() if has_weights(p) or asks_decision(p))
     return {r: packets[r] for r in sorted(wanted) if r in packets}
 
 

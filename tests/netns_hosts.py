@@ -225,9 +225,22 @@ class Testbed:
             if res.returncode:
                 raise RuntimeError(f"ray start on {h.name} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
 
-    def stop_ray(self, ray_bin: str, token_path: Path) -> None:
-        for i in reversed(range(len(self.hosts))):
-            try:
-                self.run(i, [ray_bin, "stop", "--force"], env=self.ray_env(token_path), timeout=60)
-            except Exception:  # teardown kills whatever is left
-                pass
+    def stop_ray(self, grace_s: float = 10.0) -> None:
+        """Stop Ray on every host: SIGTERM to every process of each host (worker hosts first),
+        then up to `grace_s` for them to end (teardown kills what is left). Not `ray stop`:
+        it ends every Ray process of the machine (the hosts share one process namespace),
+        a Ray cluster of the user's or of another test included."""
+        for h in reversed(self.hosts):
+            keep = {h.keeper.pid} if h.keeper is not None else set()
+            for pid in self.pids(h):
+                if pid not in keep and pid != os.getpid():
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not any(p for h in self.hosts for p in self.pids(h)
+                       if h.keeper is None or p != h.keeper.pid):
+                return
+            time.sleep(0.2)

@@ -89,6 +89,19 @@ class Launch:
             time.sleep(0.2)
         raise AssertionError(f"no {pattern!r} within {timeout}s:\n{self.output()[-4000:]}")
 
+    def checkpoint_trail(self) -> str:
+        """What rank 0 and the aggregator said about checkpoints (a failed best-checkpoint check)."""
+        lines: list[str] = []
+        rank0 = self.run_dir / "logs" / "rank_0.log" if self.run_dir else None
+        if rank0 is not None and rank0.exists():
+            lines += [x for x in rank0.read_text(errors="replace").splitlines()
+                      if re.search(r"checkpoint|save|directive|verdict|lease|relay", x, re.I)][-40:]
+        lines += [x for x in self.output().splitlines() if re.search(r"checkpoint|WARNING|ERROR|dropped", x)][-40:]
+        manifest = self.run_dir / "checkpoints" / "manifest.json" if self.run_dir else None
+        if manifest is not None and manifest.exists():
+            lines.append("manifest: " + manifest.read_text()[:2000])
+        return "\n".join(lines)
+
     def finish(self, timeout: float = 300) -> tuple[int, dict]:
         try:
             code = self.proc.wait(timeout=timeout)
@@ -124,7 +137,7 @@ def _join(bed: Testbed, host: int, token: Path) -> None:
 
 def _down(bed: Testbed, token: Path) -> None:
     try:
-        bed.stop_ray(RAY, token)
+        bed.stop_ray()
     finally:
         bed.teardown()
     assert bed.leftovers() == [], bed.leftovers()
@@ -211,7 +224,8 @@ def test_ray_backend_across_two_hosts_nan_on_the_second_stops_every_rank(two_hos
     tel = {o["node"] for o in read_wire(run.run_dir / "metrics.msgpack") if o.get("t") == "telemetry"}
     assert len(tel) == 2, tel
     best = s["best_checkpoint"]  # written by rank 0, on the head
-    assert best and best["step"] in (5, 10) and Path(best["path"]).exists(), best
+    assert best and best["step"] in (5, 10) and Path(best["path"]).exists(), \
+        f"best checkpoint {best}; packets {s.get('packets')}; monitor {s.get('monitor')}\n{run.checkpoint_trail()}"
     assert s["output_not_shared"] == []
     _check_listeners(listening, bed, run.run_dir, tmp)
     # `mindpulse plan` on the head prints what ran

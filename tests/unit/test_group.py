@@ -134,3 +134,36 @@ def test_a_members_frame_is_done_only_once_its_step_went_up_and_a_frame_sent_aga
     finally:
         leader.close()
     core.close()
+
+
+def test_rank_0s_decision_reaches_the_aggregator_when_its_packet_is_no_extreme(tmp_path):
+    """A best checkpoint off a collect step: rank 0's packet asks for the verdict, and a node
+    partial keeps it whole although rank 0 is at no end of any metric (it was dropped, so the
+    aggregator never judged that step and no best checkpoint was saved)."""
+    from mindpulse.protocol import CheckpointKind
+
+    world = 2 * 4
+    core = AggregatorCore(tmp_path, world_size=world, settings={
+        "tensorboard": False, "world": {"nodes": 2, "ranks_per_node": 4},
+        "checkpoint": {"best_every_steps": 5}})
+    leader = GroupLeader(0, [0, 1], lambda entries, on_acked: (core.ingest_nodes(entries), on_acked()))
+    pre = [NodePreReducer(n, range(4 * n, 4 * n + 4), world_size=world) for n in (0, 1)]
+
+    def middling(r: int, s: int) -> StepPacket:
+        # rank 0 sits in the middle of every metric: ranks 1 and 2 (node 0) and 5 and 6 (node 1) hold the ends
+        at = {0: 2.0, 1: 1.0, 2: 3.0, 3: 2.5, 4: 2.2, 5: 0.5, 6: 4.0, 7: 2.4}[r]
+        return StepPacket(rank=r, step=s, loss=at, grad_norm=1.0, grad_norm_local=at, step_time_s=0.1 * at,
+                          data_wait_s=0.001 * at, samples=4, ts=float(s), decision=r == 0 and s == 5)
+
+    try:
+        for s in range(1, 7):
+            for n in (0, 1):
+                for r in pre[n].ranks:
+                    pre[n].add(middling(r, s).encode())
+                leader.add(n, pre[n].take())
+            assert core.last_reduced is not None and core.last_reduced.step == s
+        d = core.directive_for(5)
+        assert d is not None and CheckpointKind.BEST in d.save_kinds, f"no best checkpoint asked at step 5: {d}"
+    finally:
+        leader.close()
+        core.close()
