@@ -79,6 +79,7 @@ class Attempt:
         from mindpulse.aggregator.card_peaks import peak_dtype
         from mindpulse.aggregator.core import actor_name, start_aggregator
 
+        from . import mindformers_plan
         from .preflight import check_cluster
         from .resume import best_seed
 
@@ -88,7 +89,8 @@ class Attempt:
             cfg, attempt=self.index, start_step=self.start_step(),
             rollbacks=(self.resume or {}).get("rollbacks"),  # per rule, this launch
             goodput=self.goodput,
-            peak_dtype=peak_dtype(cfg.job.script),  # MFU's peak from the table of known cards
+            # MFU's peak from the table of known cards, in the dtype the job computes in
+            peak_dtype=peak_dtype(cfg.job.script, mindformers_plan.compute_dtype(cfg, str(self.run_dir))),
             config_yaml=(self.run_dir / "config.yaml").read_text(),
             # the manifest's best: a restarted run keeps it until a step beats it
             best=best_seed(self.run_dir / "checkpoints"))

@@ -40,6 +40,24 @@ def check(cfg: RunConfig, run_dir: str) -> MFJobConfig | None:
         raise LaunchRefused(f"job.mindformers: {exc}") from None
 
 
+COMPUTE_DTYPE_KEY = "model.model_config.compute_dtype"
+"""The MindFormers YAML's key for the dtype its model's matmuls run in (MFU's peak: card_peaks.py)."""
+
+
+def compute_dtype(cfg: RunConfig, run_dir: str) -> str | None:
+    """The dtype a MindFormers job's model computes in, as its YAML (with the overrides) sets it:
+    None when the job is not a MindFormers job, "" when the YAML does not set it (or can no
+    longer be read: the launch checked it, the ranks will say what is wrong)."""
+    if cfg.job.mindformers is None:
+        return None
+    try:
+        job = check(cfg, run_dir)
+    except LaunchRefused:
+        return ""
+    value = job.get(COMPUTE_DTYPE_KEY, "") if job is not None else ""
+    return str(value) if isinstance(value, str) else ""
+
+
 def plan_view(cfg: RunConfig, run_dir: str) -> dict[str, Any] | None:
     """What `mindpulse plan` shows: the YAML's path and the values every rank hands MindFormers
     (before MindFormers fills in its own defaults)."""

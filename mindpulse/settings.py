@@ -75,7 +75,7 @@ class AggregatorSettings:
     productive_before_s: float = 0.0
     """Productive seconds of the earlier attempts."""
     peak_dtype: str = ""
-    """The dtype MFU's peak is taken for (empty: the card table's default)."""
+    """The dtype MFU's peak is taken for (empty: float32, the built-in recipe's: card_peaks.peak_dtype)."""
     config_yaml: str = ""
     """config.yaml as written (TensorBoard's `config` text, the metrics rule changes may name)."""
     best: BestSeed | None = None

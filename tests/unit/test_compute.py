@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from mindpulse.aggregator.card_peaks import card_peak, resolve_peak
+from mindpulse.aggregator.card_peaks import (
+    CARD_PEAKS,
+    DTYPES,
+    NO_PUBLIC_PEAK,
+    NoPublicPeak,
+    card_peak,
+    identify,
+    peak_dtype,
+    resolve_peak,
+)
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.policies import ComputeDropRule
 from mindpulse.aggregator.reducer import StepReducer, finalize, reduce_step
@@ -101,28 +111,113 @@ def test_a_partial_of_an_older_node_without_compute_fields_still_reduces():
 
 # ---- the peak --------------------------------------------------------------------------------------
 def test_the_card_table_knows_the_cards_by_their_telemetry_names():
-    assert card_peak("910B3") == ("Ascend 910B3", 313.0)
-    assert card_peak("Ascend910B4") == ("Ascend 910B4", 280.0)
-    assert card_peak("910B3", "float32") is None, "no float32 figure: no guess"
-    assert card_peak("NVIDIA H100 80GB HBM3", "bfloat16") == ("NVIDIA H100", 989.0)
-    assert card_peak("NVIDIA H100 PCIe", "float16") == ("NVIDIA H100 PCIe", 756.0)
-    assert card_peak("NVIDIA H200", "float32") == ("NVIDIA H200", 67.0)
+    assert card_peak("NVIDIA H100 80GB HBM3", "bfloat16") == ("NVIDIA H100 SXM", 989.5)
+    assert card_peak("NVIDIA H100 PCIe", "float16") == ("NVIDIA H100 PCIe", 756.5)
+    assert card_peak("NVIDIA H100 NVL", "float32") == ("NVIDIA H100 NVL", 60.0)
+    assert card_peak("NVIDIA H200", "float32") == ("NVIDIA H200 SXM", 67.0)
+    assert card_peak("NVIDIA H200 NVL", "tf32") == ("NVIDIA H200 NVL", 417.5)
     assert card_peak("NVIDIA A100-SXM4-80GB") == ("NVIDIA A100", 312.0)
-    assert card_peak("910") == ("Ascend 910A", 256.0) and card_peak("310P3") == ("Ascend 310P", 70.0)
-    assert card_peak("910_9391") == ("Ascend 910_93 (A3)", 376.0)
-    assert card_peak("cpu") is None and card_peak(None) is None
+    assert card_peak("NVIDIA A100 80GB PCIe", "float32") == ("NVIDIA A100", 19.5)
+    assert card_peak("910") == ("Ascend 910", 256.0) and card_peak("Ascend910A") == ("Ascend 910", 256.0)
+    assert card_peak("310") == ("Ascend 310", 8.0)
+    assert card_peak("cpu") is None and card_peak(None) is None and card_peak("") is None
+
+
+def test_a_name_that_merely_contains_a_cards_is_not_that_card():
+    for name in ("NVIDIA GH200 480GB", "NVIDIA RTX A1000", "NVIDIA A100X", "NVIDIA H100L 94GB", "NVIDIA H800"):
+        assert identify(name) is None, name
+
+
+def test_no_figure_is_guessed_for_a_dtype_the_source_does_not_print():
+    assert card_peak("910", "float32") is None and card_peak("910", "bfloat16") is None
+    assert card_peak("310", "bfloat16") is None
+
+
+def test_cards_without_a_vendor_figure_are_recognised_but_have_no_peak():
+    for name in ("910B1", "910B2", "910B2C", "Ascend910B3", "910B4", "910B4-1", "910_9391", "Ascend910_9392",
+                 "910ProB", "910PremiumA", "310P3", "310B1"):
+        entry = identify(name)
+        assert isinstance(entry, NoPublicPeak) and entry.why, name
+        assert all(card_peak(name, d) is None for d in DTYPES), name
+
+
+def test_every_table_entry_cites_its_source_and_keeps_only_known_dtypes():
+    labels = [e.label for e in (*CARD_PEAKS, *NO_PUBLIC_PEAK)]
+    assert len(labels) == len(set(labels))
+    for entry in CARD_PEAKS:
+        assert entry.peaks and set(entry.peaks) <= set(DTYPES), entry.label
+        assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in entry.peaks.values()), entry.label
+        src = entry.source
+        assert src.title and src.prints and src.url.startswith(("https://", "http://")), entry.label
+        assert identify(entry.label) is entry, entry.label
+        for dtype, peak in entry.peaks.items():  # each figure (or, for NVIDIA's sparse rows, twice it) is printed
+            shown = {f"{peak:g}", f"{2 * peak:,g}"}
+            assert any(x in src.prints for x in shown), (entry.label, dtype, peak)
+
+
+def test_the_docs_table_lists_the_same_figures_as_the_code():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "compute.md").read_text()
+    section = doc[doc.index("### The table of known cards"):doc.index("## Where it shows")]
+    for entry in CARD_PEAKS:
+        row = next((line for line in section.splitlines() if line.startswith(f"| {entry.label}")), None)
+        assert row is not None, entry.label
+        cells = [c.strip() for c in row.split(" | ")[1:5]]
+        expected = [f"{entry.peaks[d]:g}" if d in entry.peaks else "-" for d in ("float32", "tf32", "float16",
+                                                                                 "bfloat16")]
+        assert cells == expected, (entry.label, cells, expected)
+    for entry in NO_PUBLIC_PEAK:
+        assert entry.label.split(" (")[0].split("/")[0] in section, entry.label
 
 
 def test_the_peak_comes_from_the_config_then_the_preflight_then_the_table(tmp_path):
     assert resolve_peak(100.0, tmp_path, ["910B3"]) == (100.0, "config (world.peak_tflops)")
     peak, why = resolve_peak(0.0, tmp_path, ["cpu"])
     assert peak is None and "cpu is not in the table" in why and "world.peak_tflops" in why
-    assert resolve_peak(0.0, tmp_path, ["910B3"], "float16") == (313.0, "table (Ascend 910B3, float16)")
+    assert resolve_peak(0.0, tmp_path, ["NVIDIA H100 80GB HBM3"], "bfloat16") == (
+        989.5, "table (NVIDIA H100 SXM, bfloat16)")
     (tmp_path / "preflight.json").write_text(json.dumps({"median": {"matmul_gflops": 12.5}}))
     peak, why = resolve_peak(0.0, tmp_path, ["cpu"])
     assert peak == pytest.approx(0.0125) and why.startswith("preflight")
-    peak, why = resolve_peak(0.0, None, ["910B3", "910B4"], "float16")
-    assert peak == 280.0 and "lowest" in why
+    peak, why = resolve_peak(0.0, None, ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"], "float16")
+    assert peak == 756.5 and "lowest" in why
+
+
+def test_without_a_peak_the_reason_names_the_card_and_what_is_missing(tmp_path):
+    peak, why = resolve_peak(0.0, tmp_path, ["910B3"], "float16")
+    assert peak is None and "card 910B3 (Ascend 910B) has no vendor-published peak" in why
+    assert "world.peak_tflops" in why and "preflight.enabled=true" in why
+    peak, why = resolve_peak(0.0, tmp_path, ["910"], "float32")
+    assert peak is None and "card 910 (Ascend 910) has no float32 figure in its source (it has float16)" in why
+    peak, why = resolve_peak(0.0, tmp_path, [], "float16")
+    assert peak is None and "no card name reported yet" in why
+
+
+def test_an_unknown_card_gives_no_mfu_and_says_why_once(tmp_path):
+    from mindpulse.aggregator.compute import ComputeWatch
+
+    said: list[str] = []
+    watch = ComputeWatch(tmp_path, 0.0, "bfloat16", say=said.append)
+    watch.on_cards([{"node": 0, "card": 0, "name": "910B3", "ranks": [0, 1]}])
+    assert watch.peak is None and "910B3" in watch.source
+    for s in (1, 2):
+        red = reduce_step(s, {0: _pk(0, s, 1.0), 1: _pk(1, s, 1.0)}, 2)
+        watch.on_step(red)
+        assert red.peak_tflops is None and red.mfu_mean is None and red.tflops_mean == pytest.approx(1.0)
+    assert said == [f"MFU: - ({watch.source})"]
+    summary = watch.summary()
+    assert summary["mfu"] is None and summary["peak_tflops"] is None and "910B3" in summary["peak_source"]
+    watch.on_cards([{"node": 0, "card": 0, "name": "NVIDIA H200", "ranks": [0, 1]}])
+    assert watch.peak == 989.5
+    assert said[-1] == "MFU: peak 989.5 TFLOPS per card from the table (NVIDIA H200 SXM, bfloat16)"
+
+
+def test_the_peak_dtype_is_the_one_the_job_computes_in():
+    assert peak_dtype() == "float32", "the built-in recipe computes in float32"
+    assert peak_dtype("train.py") == "float16", "a script: half precision assumed"
+    assert peak_dtype("", "bfloat16") == "bfloat16" and peak_dtype("", "float32") == "float32"
+    assert peak_dtype("", " BFloat16 ") == "bfloat16"
+    assert peak_dtype("", "") == "float16", "MindFormers' default compute dtype"
+    assert peak_dtype("", "int8") == "float16"
 
 
 # ---- the compute_drop rule ---------------------------------------------------------------------------

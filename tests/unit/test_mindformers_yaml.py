@@ -177,3 +177,22 @@ def test_reading_a_config_does_not_import_mindspore():
             "sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"loading the config imported {proc.stdout.strip()}:\n{proc.stderr[-2000:]}"
+
+
+def test_the_compute_dtype_of_mfus_peak_is_read_from_the_yaml(tmp_path):
+    """MFU's peak is taken in the dtype the model computes in (aggregator/card_peaks.py)."""
+    from mindpulse.aggregator.card_peaks import peak_dtype
+    from mindpulse.config import from_dict
+    from mindpulse.launcher.mindformers_plan import compute_dtype
+
+    def job(config: Path, overrides: dict | None = None):
+        return from_dict({"job": {"mindformers": {"config": str(config), "overrides": overrides or {}}}})
+
+    run_dir = str(tmp_path / "run")
+    assert compute_dtype(job(SHIPPED), run_dir) == "float32"
+    bf16 = job(SHIPPED, {"model.model_config.compute_dtype": "bfloat16"})
+    assert compute_dtype(bf16, run_dir) == "bfloat16" and peak_dtype("", compute_dtype(bf16, run_dir)) == "bfloat16"
+    unset = job(_yaml(tmp_path, MINIMAL))
+    assert compute_dtype(unset, run_dir) == "" and peak_dtype("", "") == "float16"
+    assert compute_dtype(job(tmp_path / "gone.yaml"), run_dir) == "", "unreadable now: no dtype, no crash"
+    assert compute_dtype(from_dict({}), run_dir) is None
