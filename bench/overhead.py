@@ -474,6 +474,7 @@ def _set_cores(tid: int, cores: frozenset[int]) -> int:
         return 0
 
 
+VERDICT = "verdict (rank 0, every 10th step: its CPU, not the wait)"
 PARTS = {
     # part: the functions (module, class or None, name) whose time it is, on the rank's training thread
     "reading the step's outputs (loss, statistics, learning rate)": [
@@ -485,7 +486,7 @@ PARTS = {
         ("mindpulse.workers.weight_stats", "WeightStats", "keep_previous")],
     "packet encode": [("mindpulse.protocol", "StepPacket", "encode")],
     "channel send": [("mindpulse.workers.channel", "RelayChannel", "send_step")],
-    "verdict (rank 0, every 10th step: its CPU, not the wait)": [("mindpulse.workers.channel", "RelayChannel", "decide")],
+    VERDICT: [("mindpulse.workers.channel", "RelayChannel", "decide")],
     "lease check": [("mindpulse.workers.session", "RankSession", "_check_lease")],
     "step hooks (faults, profiler)": [("mindpulse.workers.session", "RankSession", "before_step"),
                                       ("mindpulse.workers.session", "RankSession", "after_step")],
@@ -506,6 +507,7 @@ class PartClocks:
         import importlib
 
         self.spent: dict[tuple, float] = {}
+        self.wall: dict[tuple, float] = {}
         self.calls: dict[tuple, int] = {}
         self._undo: list[tuple[Any, str, Any]] = []
         self._importlib = importlib
@@ -522,11 +524,12 @@ class PartClocks:
             self.spent[key], self.calls[key] = 0.0, 0
 
             def wrapped(*a, _orig=orig, _key=key, **kw):
-                t = time.thread_time()
+                t, w = time.thread_time(), time.perf_counter()
                 try:
                     return _orig(*a, **kw)
                 finally:
                     self.spent[_key] += time.thread_time() - t
+                    self.wall[_key] = self.wall.get(_key, 0.0) + time.perf_counter() - w
                     self.calls[_key] += 1
 
             setattr(owner, name, wrapped)
@@ -554,6 +557,11 @@ class PartClocks:
         total = cum(PART_TOTAL)
         out["rest of the callback"] = max(0.0, total - sum(out.values()))
         out["callback total"] = total
+        # what the rank waited for (wall clock less its own CPU: blocked, not working)
+        for name, key in (("wait: the verdict (wall, less its CPU)", PARTS[VERDICT][0]),
+                          ("wait: the lease (wall, less its CPU)", PARTS["lease check"][0])):
+            out[name] = max(0.0, self.wall.get(key, 0.0) - self.spent.get(key, 0.0))
+        out["callback wall total"] = sum(self.wall.get(k, 0.0) for k in PART_TOTAL)
         return {k: v / steps for k, v in out.items()}
 
 
@@ -817,11 +825,13 @@ def render(out: dict) -> str:
         n = (out.get("profile_steps") or {}).get(mname)
         lines.append(f"\nThe rank's CPU per step by part ({mname} model, pinned; one more run of the default path over "
                      f"{n} steps with each part's functions wrapped to add up the training thread's CPU clock; the "
-                     "last row is the whole rank process, every thread, training included):\n")
+                     "waits are wall-clock time blocked on the relay; the last row is the whole rank process's CPU, "
+                     "every thread, training included):\n")
         total = parts.get("callback total") or 0.0
-        rows = [[k, f"{v * 1000:.3f}", f"{v / total * 100:.0f}%" if total and k != "the rank process, every thread"
-                 else "-"] for k, v in parts.items()]
-        lines.append(C.table(["part", "CPU ms per step", "of the callback"], rows))
+        not_cpu = ("the rank process, every thread", "callback wall total")
+        rows = [[k, f"{v * 1000:.3f}", f"{v / total * 100:.0f}%" if total and k not in not_cpu and
+                 not k.startswith("wait:") else "-"] for k, v in parts.items()]
+        lines.append(C.table(["part", "ms per step", "of the callback's CPU"], rows))
     return "\n".join(lines)
 
 
