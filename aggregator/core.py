@@ -447,6 +447,8 @@ class AggregatorActor:
                 self._reduced.notify_all()
         if self._uplink is not None:
             self._uplink.push_lease()
+            if done:
+                self._uplink.answer_ready()  # verdicts leave with the lease, before the views below
         if done:
             asyncio.get_running_loop().call_soon(self.core.run_sinks)
 

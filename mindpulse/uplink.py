@@ -198,6 +198,9 @@ class UplinkServer:
         self._pushed: bytes | None = None
         self._out: dict[asyncio.StreamWriter, list[bytes]] = {}
         """Frames written in this turn of the loop, per connection (see `_write`)."""
+        self._waiting: dict[tuple[int, int], tuple[asyncio.StreamWriter, int, int]] = {}
+        """Decide frames whose step was not yet decided when they came: (connection id, seq)
+        → (connection, seq, step); answered by `answer_ready` the moment their step is."""
         self.stats: Counter[str] = Counter()
 
     async def start(self, host: str) -> Address:
@@ -319,12 +322,35 @@ class UplinkServer:
 
     async def _answer(self, writer: asyncio.StreamWriter, seq: int, step: Any, timeout: Any) -> None:
         step, timeout = frame_int(step, -1), frame_timeout(timeout)
+        key = (id(writer), seq)
+        self._waiting[key] = (writer, seq, step)
         try:
             raw = await self.directive(step, timeout)
         except Exception as exc:  # the rank gets no directive naming the error, never a hung wait
             raw = Directive.no_directive(step, f"aggregator error: {exc}").encode()
-        if not writer.is_closing():
+        finally:
+            waiting = self._waiting.pop(key, None)
+        if waiting is not None and not writer.is_closing():  # else answer_ready answered it
             self._write(writer, encode_frame({"seq": seq, "directive": raw}))
+
+    def answer_ready(self) -> None:
+        """Answer every waiting decide whose step is now decided, in this turn of the loop:
+        the owner calls it right after it reduced steps and before it draws their views, so
+        a rank waiting on a verdict never waits for a table or a TensorBoard event (the
+        waiting task itself would resume only after what the loop queued before it)."""
+        if not self._waiting or self.directive_now is None:
+            return
+        for key, (writer, seq, step) in list(self._waiting.items()):
+            try:
+                raw = self.directive_now(step)
+            except Exception:  # not decided after all: the waiting task answers when it is
+                continue
+            if raw is None:
+                continue
+            del self._waiting[key]
+            self.stats["answered_ready"] += 1
+            if not writer.is_closing():
+                self._write(writer, encode_frame({"seq": seq, "directive": raw}))
 
 
 # ---- the client: in a node agent's relay loop -------------------------------------------------

@@ -388,3 +388,86 @@ def test_a_decide_frame_that_decides_its_step_is_answered_in_the_write_of_its_ac
         await client
 
     asyncio.run(go())
+
+
+def test_a_decide_that_came_before_its_step_is_answered_with_the_lease_before_the_views():
+    """With groups or several nodes, rank 0's decide reaches the aggregator before the step's
+    last partial. When that partial completes the step, the verdict leaves in the same turn
+    of the loop as the lease (`answer_ready`), before the step's views are drawn, and once
+    only: the waiting task, woken later, writes nothing more."""
+    from mindpulse.frames import decode_frame_body
+
+    class Writer:
+        def __init__(self):
+            self.writes: list[bytes] = []
+
+        def write(self, data):
+            self.writes.append(data)
+            if b"directive" in data:
+                order.append("verdict")
+
+        def is_closing(self):
+            return False
+
+        async def drain(self):
+            await asyncio.sleep(0)
+
+        def close(self):
+            pass
+
+    def frames(data: bytes) -> list[dict]:
+        out, at = [], 0
+        while at < len(data):
+            n = int.from_bytes(data[at:at + 4], "big")
+            out.append(decode_frame_body(data[at + 4:at + 4 + n]))
+            at += 4 + n
+        return out
+
+    order: list[str] = []
+
+    async def go():
+        decided: dict[int, bytes] = {}
+        reduced = asyncio.Condition()
+
+        async def directive(step, timeout):  # as the aggregator actor waits: on its condition
+            async with reduced:
+                await asyncio.wait_for(reduced.wait_for(lambda: step in decided), timeout)
+            return decided[step]
+
+        async def ingest(entries):
+            if entries[0][1].get("last"):  # the step's last partial: decided; then as AggregatorActor._moved
+                decided[7] = Directive(step=7, save="best").encode()
+                async with reduced:
+                    reduced.notify_all()
+                server.push_lease()
+                server.answer_ready()
+                asyncio.get_running_loop().call_soon(order.append, "views")
+
+        server = UplinkServer(ingest, directive, lambda: b"lease-7" if 7 in decided else b"lease-6",
+                              directive_now=decided.get)
+        early, late = (asyncio.StreamReader(), Writer()), (asyncio.StreamReader(), Writer())
+        for reader, _ in (early, late):
+            reader.feed_data(encode_frame({"op": "hello", "token": server.token, "node": 0}))
+        tasks = [asyncio.ensure_future(server._client(r, w)) for r, w in (early, late)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        early[0].feed_data(encode_frame({"op": "decide", "seq": 1, "entries": [[0, {"steps": []}]], "step": 7,
+                                         "timeout": 5.0}))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not any("directive" in f for x in early[1].writes for f in frames(x)), "answered before step 7"
+        order.clear()
+        late[0].feed_data(encode_frame({"op": "send", "seq": 1, "entries": [[1, {"steps": [], "last": True}]]}))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        answers = [f for x in early[1].writes for f in frames(x) if "directive" in f]
+        assert len(answers) == 1 and answers[0]["seq"] == 1, answers
+        assert Directive.decode(answers[0]["directive"]).save == "best"
+        assert order[:2] == ["verdict", "views"], \
+            f"the verdict must leave before the views are drawn: {order}"
+        assert server.stats["answered_ready"] == 1
+        for reader, _ in (early, late):
+            reader.feed_eof()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(go())
