@@ -409,7 +409,7 @@ def simulated(r: dict) -> str:
                       "their batches to the leader in-process: no member stream, acknowledgement or lease push for "
                       "them; the other " + (f"{r['hop_groups']} groups' members stream as node agents do"
                                             if r.get("hop_groups") else "groups have none") + ")")
-    return f"sent: {sent}; left out: " + ", ".join(out)
+    return f"simulated: {sent}; left out: " + ", ".join(out)
 
 
 def render(out: dict) -> str:
@@ -443,7 +443,7 @@ def render(out: dict) -> str:
     for j in out["targets"]:
         r = j["runs"][0]
         if "heartbeat_s" in r:
-            lines += [f"What the nodes send at {r['ranks']:,} ranks: {simulated(r)}.", ""]
+            lines += [f"At {r['ranks']:,} ranks, {simulated(r)}.", ""]
     for key, what in (("agent_a3", "Atlas A3-shaped node"), ("agent_8", "8 ranks, for context")):
         agent = out.get(key) or []
         if not agent:

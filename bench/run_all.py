@@ -283,19 +283,23 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                    f"{w['reduce_p99_ms']:.0f} ms ({p99_label(w.get('reduce_n'))}), aggregator {w['aggregator_cpu_frac'] * 100:.0f}% of a core, "
                    f"rank wait p99 {w['rank_wait_p99_ms']:.1f} ms")
             if "end_to_end_p99_ms" in r0:  # what the ranks see, the members' hop and the simulation's own work included
-                e2e = max(r["end_to_end_p99_ms"] or math.inf for r in j["runs"])
+                runs = j["runs"]
+                e2e = max(r["end_to_end_p99_ms"] or math.inf for r in runs)
                 got += (f"; end to end (every node's batch handed over to every node holding the lease) "
-                        f"{e2e:.0f} ms ({p99_label(min(r['end_to_end_n'] for r in j['runs']))}); rank 0's directive "
-                        f"wait at candidates up to {max(r['decision_wait_max_ms'] or 0 for r in j['runs']):.0f} ms"
-                        + (f" (up to {after:.0f} ms of it after the step's lease reached node 0)"
-                           if (after := max((max(r.get('directive_after_lease_ms') or [0]) for r in j['runs']),
-                                            default=0)) else "") + "; "
-                        f"the sender processes up to {max(max(r['sender_cpu_frac']) for r in j['runs']) * 100:.0f}% "
+                        f"{e2e:.0f} ms ({p99_label(min(r['end_to_end_n'] for r in runs))}); ")
+                if any(r.get("decisions") for r in runs):
+                    after = max(max(r.get("directive_after_lease_ms") or [0]) for r in runs)
+                    got += (f"rank 0's directive wait at {C.plural(sum(r['decisions'] for r in runs), 'candidate')} up to "
+                            f"{max(r['decision_wait_max_ms'] or 0 for r in runs):.0f} ms"
+                            + (f" ({after:.0f} ms of it after the step's lease reached node 0); " if after else "; "))
+                else:
+                    got += "no checkpoint candidate reached; "
+                got += (f"the sender processes up to {max(max(r['sender_cpu_frac']) for r in runs) * 100:.0f}% "
                         "of a core each")
             missed = [k for k, ok in j["checks"].items() if not ok]
             scraped = (f", Prometheus endpoint scraped every {w['scrape_every_s']:g} s (worst scrape "
                        f"{w['scrape_max_ms']:.0f} ms)" if w.get("scrape_max_ms") is not None else "")
-            what = (f"; the nodes send {simulated(r0)}" if "heartbeat_s" in r0
+            what = (f"; {simulated(r0)}" if "heartbeat_s" in r0
                     else "; no card telemetry or heartbeats in this simulation")
             rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on{scraped}: "
                          + ", ".join(limits) + what, got,
