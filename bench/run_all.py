@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import re
 import shlex
@@ -52,8 +53,8 @@ PIECES = [
     Piece("grad_cell", "grad_cell.py", ["--steps", "10", "--repeats", "5"], 80,
           ["--steps", "6", "--repeats", "3"], 50, max_s=110),
     Piece("overhead", "overhead.py", [], 430, ["--repeats-small", "5", "--repeats-larger", "2"], 260, max_s=430),
-    Piece("fanin", "fanin.py", ["--targets", "--repeats", "3", "--seconds", "15"], 200,
-          ["--targets", "--repeats", "2", "--seconds", "10"], 120),
+    Piece("fanin", "fanin.py", ["--targets", "--repeats", "3", "--seconds", "15", "--agent-seconds", "20"], 290,
+          ["--targets", "--repeats", "2", "--seconds", "10", "--agent-repeats", "2", "--agent-seconds", "15"], 170),
     Piece("exporter", "exporter.py", ["--scrapes", "10", "--sink-steps", "300"], 60,
           ["--scrapes", "5", "--sink-steps", "100"], 30),
     Piece("memory", "memory.py", ["--steps", "100000", "--tensorboard", "off"], 30),
@@ -282,6 +283,8 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                          "per-part table under 'In-rank overhead'"])
     fi = res.get("fanin")
     if fi:
+        from fanin import p99_label, simulated
+
         for j in fi["targets"]:
             t, w = j["target"], j["worst"]
             limits = [f"achieved >= {t['achieved']}", f"reduce p99 < {t['p99_ms']:.0f} ms"]
@@ -289,26 +292,43 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                 limits.append(f"aggregator <= {t['cpu'] * 100:.0f}% of a core")
             if t["wait_ms"] is not None:
                 limits.append(f"rank wait p99 {t['wait_ms']:.0f} ms")
-            from fanin import p99_label
-
+            r0 = j["runs"][0]
             got = (f"worst of {len(j['runs'])}: {w['achieved_steps_per_s']:.3f} steps/s, reduce "
                    f"{w['reduce_p99_ms']:.0f} ms ({p99_label(w.get('reduce_n'))}), aggregator {w['aggregator_cpu_frac'] * 100:.0f}% of a core, "
                    f"rank wait p99 {w['rank_wait_p99_ms']:.1f} ms")
+            if "end_to_end_p99_ms" in r0:  # what the ranks see, the members' hop and the simulation's own work included
+                runs = j["runs"]
+                e2e = max(r["end_to_end_p99_ms"] or math.inf for r in runs)
+                got += (f"; end to end (every node's batch handed over to every node holding the lease) "
+                        f"{e2e:.0f} ms ({p99_label(min(r['end_to_end_n'] for r in runs))}); ")
+                if any(r.get("decisions") for r in runs):
+                    after = max(max(r.get("directive_after_lease_ms") or [0]) for r in runs)
+                    got += (f"rank 0's directive wait at {C.plural(sum(r['decisions'] for r in runs), 'candidate')} up to "
+                            f"{max(r['decision_wait_max_ms'] or 0 for r in runs):.0f} ms"
+                            + (f" ({after:.0f} ms of it after the step's lease reached node 0); " if after else "; "))
+                else:
+                    got += "no checkpoint candidate reached; "
+                got += (f"the sender processes up to {max(max(r['sender_cpu_frac']) for r in runs) * 100:.0f}% "
+                        "of a core each")
             missed = [k for k, ok in j["checks"].items() if not ok]
             scraped = (f", Prometheus endpoint scraped every {w['scrape_every_s']:g} s (worst scrape "
-                       f"{w['scrape_max_ms']:.0f} ms; no card telemetry or heartbeats in this simulation)"
-                       if w.get("scrape_max_ms") is not None else "")
+                       f"{w['scrape_max_ms']:.0f} ms)" if w.get("scrape_max_ms") is not None else "")
+            what = (f"; {simulated(r0)}" if "heartbeat_s" in r0
+                    else "; no card telemetry or heartbeats in this simulation")
             rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on{scraped}: "
-                         + ", ".join(limits), got,
+                         + ", ".join(limits) + what, got,
                          "met" if j["met"] else "missed", "all limits held" if not missed else
                          "missed: " + ", ".join(missed)])
-        agent = max(r["cpu_ms_per_step"] for r in fi["agent"])
-        traffic = max(r["cpu_ms_per_step"] - r["idle_cpu_ms_per_step"] for r in fi["agent"])
-        rows.append(["node agent <= 1 ms of CPU per step for 8 ranks (the whole process, as launched)",
-                     f"worst of {len(fi['agent'])}: {agent:.3f} ms (above the same process idle: at most "
-                     f"{traffic:.3f} ms)",
-                     "met" if agent <= 1.0 else "missed", f"{abs(1.0 - agent):.3f} ms "
-                     + ("under" if agent <= 1.0 else "over")])
+        if fi.get("agent_a3"):
+            rows.append(agent_row(fi))
+        elif fi.get("agent"):  # results stored before the A3-shaped target
+            agent = max(r["cpu_ms_per_step"] for r in fi["agent"])
+            traffic = max(r["cpu_ms_per_step"] - r["idle_cpu_ms_per_step"] for r in fi["agent"])
+            rows.append(["node agent <= 1 ms of CPU per step for 8 ranks (the whole process, as launched)",
+                         f"worst of {len(fi['agent'])}: {agent:.3f} ms (above the same process idle: at most "
+                         f"{traffic:.3f} ms)",
+                         "met" if agent <= 1.0 else "missed", f"{abs(1.0 - agent):.3f} ms "
+                         + ("under" if agent <= 1.0 else "over")])
     ex = res.get("exporter")
     if ex:
         big = max(ex["scrape"], key=lambda s: s["ranks"])
@@ -330,6 +350,29 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                  "met" if total_s < 1200 else "missed", f"{abs(1200 - total_s) / 60:.1f} min "
                  + ("to spare" if total_s < 1200 else "over")])
     return C.table(["target", "measured", "result", "by how much"], rows), [r[2] for r in rows]
+
+
+def agent_row(fi: dict) -> list[str]:
+    """The node agent's target row: an Atlas A3-shaped node, with the 8-rank figure as context."""
+    t = fi["agent_target"]
+    runs = fi["agent_a3"]
+    a = runs[0]
+    worst = max(r["cpu_frac"] for r in runs)
+    ok = worst <= t["cpu_frac"]
+    eight = fi.get("agent_8") or []
+    context = (f"; 8 ranks at {eight[0]['rate']:g} steps/s (the earlier target, 1 ms a step): "
+               f"{max(r['cpu_ms_per_step'] for r in eight):.3f} ms a step, {max(r['cpu_frac'] for r in eight) * 100:.2f}% "
+               "of a core" if eight else "")
+    return [f"node agent <= {t['cpu_frac'] * 100:.0f}% of one core for {t['ranks']} ranks on one node (an Atlas A3 "
+            f"node has 16 chips) at {t['rate']:g} steps/s, whole process, with telemetry on ({a['cards']} cards every "
+            f"{a['telemetry_interval_s']:g} s through the npu-smi sampler on recorded output; heartbeats every "
+            f"{a['heartbeat_s']:g} s; rank 0 decides at checkpoint candidates; the ranks' frames of a step within "
+            f"{a['spread_ms']:g} ms)",
+            f"worst of {len(runs)}: {worst * 100:.2f}% of a core ({max(r['cpu_ms_per_step'] for r in runs):.3f} ms "
+            f"a step; ranks between steps: {max(r['idle_cpu_frac'] for r in runs) * 100:.2f}%; the fake npu-smi's "
+            f"own processes {max(r['npu_smi_children_cpu_frac'] for r in runs) * 100:.2f}%, not counted){context}",
+            "met" if ok else "missed",
+            f"{abs(t['cpu_frac'] - worst) * 100:.2f} points " + ("under" if ok else "over")]
 
 
 SECTIONS = [
@@ -399,17 +442,34 @@ NOTES = {
         "other callback on the plain cell."),
     "fanin": (
         "`bench/fanin.py --ranks N --ranks-per-node 8 --rate R --seconds S --json`. The real `AggregatorActor` "
-        "(the options `start_aggregator` uses; TensorBoard on, default rules, `monitor.max_lag_steps` 1). Each "
-        "simulated node's step packets (real `StepPacket`s, a fingerprint every 10 steps) go through the real "
-        "`NodePreReducer` into a node partial, as a node agent does; group leaders (the real `GroupLeader`; two Ray "
-        "actors hold them) merge the partials of 64 nodes and send one frame per group and step with the group's "
-        "raw step packets over the group's real node uplink (a TCP stream to the aggregator's uplink server). "
-        "Steps are paced at the asked rate; a simulated rank starts step k only once step k-2 is reduced (its "
-        "lease, as the aggregator pushes it down a node uplink). *Reduce latency*: per step, the last group frame "
-        "handed to its uplink to the pushed lease saying the step is reduced; *aggregator CPU*: its process over the run; "
-        "*rank wait*: time a step was held for its lease. Senders and aggregator share this machine's 2 cores "
-        "(on a cluster the leaders' merging runs on the nodes). A target is met only when its worst repeat meets "
-        "it; the repeats alternate the two targets."),
+        "(the options `start_aggregator` uses, the settings a launch passes with the default config: TensorBoard on, "
+        "default rules, `monitor.max_lag_steps` 1, the console table every `monitor.per_print_step` steps), its "
+        "Prometheus endpoint scraped every 15 s, and a driver thread doing what the launcher's supervisor does (poll "
+        "every 0.5 s: the console, tables included, and the progress; the hang check every 2 s). Every node sends "
+        "what its agent sends (bench/_node_sim.py): its ranks' real `StepPacket`s of every step (values by rank and "
+        "step, fingerprints every collect step, rank 0's weight statistics) through the real `NodePreReducer` with "
+        "the launcher's `NodeSettings` (this node-side work is done before the timed run, as each node does its own "
+        "on a cluster), every rank's `Heartbeat` packet every `monitor.heartbeat_s` (5 s), its card telemetry (8 "
+        "cards, the records `NodeSampler` makes) every `monitor.telemetry_interval_s` (5 s), phases spread evenly; "
+        "at each checkpoint candidate node 0 sends its batch with a decide and rank 0 waits for the directive before "
+        "the next step. Groups of 64 nodes: each leader is the real node agent's code (`NodeAgent.lead`: the "
+        "`GroupLeader`, the `UplinkServer` for its members, its `Uplink` to the aggregator's uplink server, the "
+        "lease pushed on to its members); in 2 groups (one per sender process) the members stream to their leader "
+        "over uplinks of their own, acknowledged once acknowledged above, in the others they hand their batches to "
+        "the leader in-process (all groups' member streams took the two sender processes to ~38% of a core each at "
+        "4,096 ranks). Two Ray actors hold the nodes. A step runs one period from its start and sends at its end; it "
+        "starts once every node holds the lease of the step before last (and after a candidate, once rank 0 has its "
+        "directive), so a slow aggregator shows as a lower achieved rate and as rank wait. *Reduce latency* (the "
+        "target's): a step's last group partial leaving its leader to every leader holding the lease that says it is "
+        "reduced; *end to end*: every node's batch handed over to every leader and streaming member holding that "
+        "lease; *aggregator CPU*: its process over the timed steps. Senders and aggregator share this machine's 2 "
+        "cores (the senders' CPU is in the table). A target is met only when its worst repeat meets it; the repeats "
+        "alternate the two targets. Then the node agent's whole process (bench/_agent_node.py): the launcher's "
+        "`NodeAgents` start the real `NodeAgent` for one node with `world.device: ascend`; its ranks are "
+        "`RelayChannel`s in this process sending full step packets, rank 0's decide at candidates, and each rank's "
+        "`Heartbeat`; with no Ascend driver here its telemetry is the npu-smi sampler running a script that prints "
+        "recorded `npu-smi` output (the Atlas 800T A2 capture of tests/fixtures/npu-smi for 8 cards; an A3 table, two "
+        "chips an NPU with physical ids, for 16); the rank processes it reads are stand-ins."),
     "memory": (
         "`AggregatorCore` (what the actor wraps) driven in one process with real packets in node batches of 8, a "
         "decision packet per rank and step, a fingerprint every 10 steps, the console drained every 1,000 steps "
