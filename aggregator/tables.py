@@ -154,13 +154,53 @@ def totals_table(summary: dict[str, Any]) -> str:
     return tabulate(rows, tablefmt="simple")
 
 
+MAX_CARD_ROWS = 64
+"""Above this many cards (8 nodes of 8) the card table lists only the cards worth a look
+(`cards_worth_a_row`) and one line over all of them: at 32,768 cards a row per card was
+~1.2 s of the aggregator's CPU and 3 MB of text per table."""
+CARD_ROWS_PER_KIND = 8
+"""Cards listed for each of hottest, most power-hungry, fullest, idlest (and unhealthy)."""
+_WORTH_A_ROW = (("temp_c", True), ("power_w", True), ("memory_used_mb", True), ("util_pct", False))
+
+
+def cards_worth_a_row(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The hottest, most power-hungry, fullest and idlest cards (CARD_ROWS_PER_KIND each),
+    and those whose health is not OK: what an operator scans a big cluster's table for."""
+    import heapq
+
+    picked: set[int] = set()
+    for key, biggest in _WORTH_A_ROW:
+        vals = [(v, i) for i, c in enumerate(cards) if isinstance(v := c.get(key), (int, float)) and v == v]
+        pick = heapq.nlargest if biggest else heapq.nsmallest
+        picked.update(i for _, i in pick(CARD_ROWS_PER_KIND, vals))
+    unhealthy = [i for i, c in enumerate(cards) if str(c.get("health") or "OK").upper() not in ("OK", "-", "")]
+    picked.update(unhealthy[:CARD_ROWS_PER_KIND])
+    return [cards[i] for i in sorted(picked)]
+
+
+def _cards_line(cards: list[dict[str, Any]], shown: int) -> str:
+    """One line over every card: the spread of each value."""
+    parts = []
+    for key, label, fmt, unit in (("util_pct", "util", ".0f", "%"), ("temp_c", "temp", ".0f", " C"),
+                                  ("power_w", "power", ".0f", " W"), ("memory_used_mb", "memory", ".0f", " MB")):
+        vals = [v for c in cards if isinstance(v := c.get(key), (int, float)) and v == v]
+        if vals:
+            parts.append(f"{label} {min(vals):{fmt}}/{sum(vals) / len(vals):{fmt}}/{max(vals):{fmt}}{unit}")
+    spread = ("; min/mean/max over all " + f"{len(cards):,} cards: " + ", ".join(parts)) if parts else ""
+    return (f"{len(cards) - shown:,} more cards not listed (above {MAX_CARD_ROWS} cards the table lists the "
+            f"hottest, most power-hungry, fullest, idlest and unhealthy ones){spread}")
+
+
 def card_table(cards: Iterable[dict[str, Any]], tflops_of: Callable[[dict[str, Any]], float | None] | None = None
                ) -> str:
     """Latest sample per card: node, card, ranks, util, memory, power, temp, health; with
     `tflops_of` (the aggregator's newest achieved TFLOPS of the card's ranks) a `TFLOPS`
-    column beside the utilisation."""
+    column beside the utilisation. Above MAX_CARD_ROWS cards only those worth a row, and a
+    line over all of them."""
+    every = list(cards)
+    shown = every if len(every) <= MAX_CARD_ROWS else cards_worth_a_row(every)
     rows = []
-    for c in sorted(cards, key=lambda c: (str(c.get("node")), c.get("card") if isinstance(c.get("card"), int) else -9)):
+    for c in sorted(shown, key=lambda c: (str(c.get("node")), c.get("card") if isinstance(c.get("card"), int) else -9)):
         used, total = c.get("memory_used_mb"), c.get("memory_total_mb")
         mem = "-" if used is None else (f"{used:.0f}/{total:.0f} MB" if total else f"{used:.0f} MB")
         card = c.get("card")
@@ -177,4 +217,5 @@ def card_table(cards: Iterable[dict[str, Any]], tflops_of: Callable[[dict[str, A
         ])
     headers = ["node", "card", "ranks", "util", *(["TFLOPS"] if tflops_of is not None else []), "memory", "power W",
                "temp C", "health"]
-    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    return table if len(shown) == len(every) else table + "\n" + _cards_line(every, len(shown))
