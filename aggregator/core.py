@@ -65,7 +65,7 @@ class AggregatorCore:
         self.start_step = settings.start_step
         """The step this attempt starts after (a resumed run): the step window counts from it."""
         self.sinks = Sinks(self.run_dir, tensorboard=settings.tensorboard, collect_freq=self.collect_freq,
-                           straggler_threshold=self.straggler_threshold)
+                           straggler_threshold=self.straggler_threshold, world_size=self.world_size)
         self.sinks.open_outputs(cfg, run=self.run_dir.name, attempt=settings.attempt)
         if self.sinks.tb is not None:
             if settings.config_yaml:

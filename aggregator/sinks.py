@@ -28,7 +28,8 @@ CONSOLE_LINES = 1000
 
 
 class Sinks:
-    def __init__(self, run_dir: Path, *, tensorboard: bool, collect_freq: int, straggler_threshold: float):
+    def __init__(self, run_dir: Path, *, tensorboard: bool, collect_freq: int, straggler_threshold: float,
+                 world_size: int = 0):
         self.run_dir = Path(run_dir)
         self.console: deque[str] = deque(maxlen=CONSOLE_LINES)
         self.anomalies = AnomalyLog(run_dir)  # a restarted attempt (or aggregator) continues it
@@ -46,7 +47,8 @@ class Sinks:
         if tensorboard:
             from .tb_sink import TensorBoardSink
 
-            self.tb = TensorBoardSink(run_dir, collect_freq=collect_freq, straggler_threshold=straggler_threshold)
+            self.tb = TensorBoardSink(run_dir, collect_freq=collect_freq, straggler_threshold=straggler_threshold,
+                                      cards=world_size)
 
     # ---- the trackers besides TensorBoard: the Prometheus endpoint, SwanLab, MLflow -------------
     def open_outputs(self, config: RunConfig, *, run: str, attempt: int) -> None:

@@ -59,6 +59,12 @@ _CARD_SCALARS: tuple[tuple[str, str], ...] = (
     ("power_w", "power_w"),
     ("temp_c", "temp_c"),
 )
+MAX_CARD_TAGS = 256
+"""Above this many cards in the job a node's sample is written as its cards' extremes (the
+hottest, most power-hungry, fullest card's value, the idlest card's utilisation) under
+`cards_<node>/`, not a tag set per card: at 32,768 cards the per-card scalars were an
+eighth of the aggregator's time, and TensorBoard cannot show 131,072 tags anyway. The
+Prometheus endpoint keeps the cards that matter (docs/dashboards.md)."""
 _UNSAFE_TAG_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
 _MAX_TEXT_CHARS = 256 * 1024
 _WRITER_SEQ = itertools.count()
@@ -160,10 +166,12 @@ class TensorBoardSink:
     """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
 
     def __init__(self, run_dir: Path, flush_secs: float = 10.0, collect_freq: int = 1,
-                 straggler_threshold: float = MonitorConfig.straggler_threshold):
+                 straggler_threshold: float = MonitorConfig.straggler_threshold, cards: int = 0):
         """`collect_freq`: every rank's scalars every N steps; the steps between carry the
         ranks that matter (extremes, non-finite ranks, stragglers), so the work per step
-        does not grow with the ranks."""
+        does not grow with the ranks. `cards`: the job's cards (its world size): above
+        MAX_CARD_TAGS a node's sample is written as its extremes."""
+        self.per_card = cards <= MAX_CARD_TAGS
         self.run_dir = Path(run_dir)
         self.collect_freq = max(1, collect_freq)
         self.straggler_threshold = straggler_threshold
@@ -326,7 +334,9 @@ class TensorBoardSink:
             with self._lock:
                 wt = ts if _number(ts) and ts > 0 else None
                 scalars: list[tuple[str, Any]] = []
-                for i, card in enumerate(cards or []):
+                if not self.per_card:
+                    scalars = _node_extremes(node, [c for c in cards or [] if isinstance(c, dict)])
+                for i, card in enumerate(cards or [] if self.per_card else []):
                     if not isinstance(card, dict):
                         continue
                     cid = card.get("card")
@@ -401,5 +411,17 @@ class TensorBoardSink:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+
+def _node_extremes(node: str, cards: list[dict]) -> list[tuple[str, Any]]:
+    """A big job's node sample: the idlest card's utilisation, the largest memory, power and
+    temperature of its cards."""
+    out: list[tuple[str, Any]] = []
+    for suffix, key in _CARD_SCALARS:
+        vals = [v for c in cards if (v := _number(c.get(key))) is not None]
+        if vals:
+            low = key == "util_pct"
+            out.append((f"cards_{_tag_part(node)}/{suffix}_{'min' if low else 'max'}", min(vals) if low else max(vals)))
+    return out
 
 __all__ = ["TensorBoardSink"]
