@@ -11,7 +11,7 @@ one clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Collection
 from typing import Any
 
 from mindpulse.config import auto_hang_timeout
@@ -47,6 +47,10 @@ class HangClocks:
         """The same clocks per node, from node partials (every rank of the node reached the step)."""
         self.in_step: dict[int, int] = {}
         """The step each rank's loop was inside at its last heartbeat (absent: between steps)."""
+        self.newest_clock = 0.0
+        """The newest of every rank's and node's clock (`progress_at`, `node_progress_at`):
+        while every rank is live, one comparison tells that some rank is within its clock
+        (the check then costs nothing per rank: at 32,768 ranks a full pass was ~0.3 s)."""
 
     # ---- what moves them
     def on_step_packet(self, rank: int, step: int, newer: bool) -> None:
@@ -67,7 +71,7 @@ class HangClocks:
         else:
             self.in_step.pop(rank, None)
         if rank in self.progress_at and state.busy:
-            self.progress_at[rank] = t  # saving or evaluating: its clock waits until it is done
+            self.progress_at[rank] = self.newest_clock = t  # saving or evaluating: its clock waits until it is done
 
     def on_end(self, rank: int, ts: float) -> None:
         self.ended_at.setdefault(rank, ts or now())
@@ -79,14 +83,14 @@ class HangClocks:
             first = self.node_first.setdefault(n, step)
             if step > self.node_top.get(n, first):
                 self.node_top[n] = step
-                self.node_progress_at[n] = t
+                self.node_progress_at[n] = self.newest_clock = t
                 self.last_progress = t
 
     def _note_step(self, rank: int, step: int, t: float) -> None:
         first = self.first_step.setdefault(rank, step)
         if step > self.top_step.get(rank, first):
             self.top_step[rank] = step
-            self.progress_at[rank] = t  # its first finished step ends its start-up
+            self.progress_at[rank] = self.newest_clock = t  # its first finished step ends its start-up
 
     # ---- the verdict
     def limit(self, timeout_s: float | None, step_times: list[float]) -> float:
@@ -96,7 +100,7 @@ class HangClocks:
             return timeout_s
         return auto_hang_timeout(step_times, self.device)
 
-    def check(self, timeout_s: float, heartbeat_stale_s: float, *, no_monitor: Container[int],
+    def check(self, timeout_s: float, heartbeat_stale_s: float, *, no_monitor: Collection[int],
               last_step_of_rank: Callable[[int], int], pid_of: Callable[[int], Any],
               started_ranks: list[int]) -> dict[str, Any] | None:
         """None, or the ranks to blame when no live rank is within its clock.
@@ -109,6 +113,8 @@ class HangClocks:
         not inside the next step that others are inside (the others wait for them in its
         collective), else every rank at that step."""
         t = now()
+        if not self.ended_at and not no_monitor and t - self.newest_clock < timeout_s:
+            return None  # every rank is live and one of them is within its clock
         # a rank that trains without a Monitor reports no steps: not a hang (advice.py names it)
         live = [r for r in range(self.world_size) if r not in self.ended_at and r not in no_monitor]
         if not live:
