@@ -169,6 +169,11 @@ class Testbed:
         p = subprocess.Popen([*self._enter(h), *cmd], env={**os.environ, **(env or {})}, stdout=stdout,
                              stderr=subprocess.STDOUT, text=True, cwd=cwd, start_new_session=True)
         h.procs.append(p)
+        # back only once it is on the host: killed with the host even when the machine is so
+        # busy that entering its namespaces takes longer than the kill's passes
+        deadline = time.monotonic() + 10
+        while p.poll() is None and p.pid not in self.pids(h) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return p
 
     def pids(self, which: int | str | Host) -> list[int]:
