@@ -318,7 +318,9 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
             rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on{scraped}: "
                          + ", ".join(limits) + what, got,
                          "met" if j["met"] else "missed", "all limits held" if not missed else
-                         "missed: " + ", ".join(missed)])
+                         "missed: " + ", ".join(missed) + ("; where the aggregator's time goes: docs/architecture.md, "
+                                                          "'Where the aggregator's time goes at 32,768 ranks'"
+                                                          if t["ranks"] >= 32768 else "")])
         if fi.get("agent_a3"):
             rows.append(agent_row(fi))
         elif fi.get("agent"):  # results stored before the A3-shaped target
