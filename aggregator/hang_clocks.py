@@ -79,7 +79,10 @@ class HangClocks:
     def on_node_step(self, nodes: list[int], step: int) -> None:
         """A node partial (or a group's, over several nodes) of `step`."""
         t = now()
+        rpn = self.ranks_per_node
         for n in nodes:
+            if not (rpn and 0 <= n * rpn < self.world_size):
+                continue  # no rank of this world reads that clock (a stray or forged node id)
             first = self.node_first.setdefault(n, step)
             if step > self.node_top.get(n, first):
                 self.node_top[n] = step

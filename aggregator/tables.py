@@ -11,7 +11,7 @@ from typing import Any
 from tabulate import tabulate
 
 from mindpulse.config import MonitorConfig
-from mindpulse.formatting import millis, number
+from mindpulse.formatting import finite_float, millis, number
 from mindpulse.metrics import columns
 
 from .reducer import ReducedStep
@@ -161,6 +161,8 @@ MAX_CARD_ROWS = 64
 CARD_ROWS_PER_KIND = 8
 """Cards listed for each of hottest, most power-hungry, fullest, idlest (and unhealthy)."""
 _WORTH_A_ROW = (("temp_c", True), ("power_w", True), ("memory_used_mb", True), ("util_pct", False))
+_SEVERITY = {"CRITICAL": 4, "ALARM": 3, "WARNING": 2}
+"""npu-smi's health words, worst first; anything else not OK (UNKNOWN) ranks below them."""
 
 
 def cards_worth_a_row(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -170,11 +172,12 @@ def cards_worth_a_row(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     picked: set[int] = set()
     for key, biggest in _WORTH_A_ROW:
-        vals = [(v, i) for i, c in enumerate(cards) if isinstance(v := c.get(key), (int, float)) and v == v]
+        vals = [(v, i) for i, c in enumerate(cards) if (v := finite_float(c.get(key))) is not None]
         pick = heapq.nlargest if biggest else heapq.nsmallest
         picked.update(i for _, i in pick(CARD_ROWS_PER_KIND, vals))
-    unhealthy = [i for i, c in enumerate(cards) if str(c.get("health") or "OK").upper() not in ("OK", "-", "")]
-    picked.update(unhealthy[:CARD_ROWS_PER_KIND])
+    unhealthy = [(_SEVERITY.get(h, 1), i) for i, c in enumerate(cards)
+                 if (h := str(c.get("health") or "OK").upper()) not in ("OK", "-", "")]
+    picked.update(i for _, i in heapq.nlargest(CARD_ROWS_PER_KIND, unhealthy, key=lambda x: (x[0], -x[1])))
     return [cards[i] for i in sorted(picked)]
 
 
@@ -183,7 +186,7 @@ def _cards_line(cards: list[dict[str, Any]], shown: int) -> str:
     parts = []
     for key, label, fmt, unit in (("util_pct", "util", ".0f", "%"), ("temp_c", "temp", ".0f", " C"),
                                   ("power_w", "power", ".0f", " W"), ("memory_used_mb", "memory", ".0f", " MB")):
-        vals = [v for c in cards if isinstance(v := c.get(key), (int, float)) and v == v]
+        vals = [v for c in cards if (v := finite_float(c.get(key))) is not None]
         if vals:
             parts.append(f"{label} {min(vals):{fmt}}/{sum(vals) / len(vals):{fmt}}/{max(vals):{fmt}}{unit}")
     spread = ("; min/mean/max over all " + f"{len(cards):,} cards: " + ", ".join(parts)) if parts else ""

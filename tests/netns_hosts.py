@@ -81,6 +81,8 @@ class Testbed:
         self.hosts = [Host(name=names[i], address=f"{SUBNET}.{i + 1}", netns=f"{self.tag}n{i}",
                            veth=f"{self.tag}h{i}", private=list((private or {}).get(i, [])))
                       for i in range(count)]
+        self._left_running: list[str] = []
+        """Processes still in a host's namespace when teardown deleted it (`leftovers`)."""
 
     # ---- life ---------------------------------------------------------------------------------
     def __enter__(self) -> Testbed:
@@ -127,18 +129,30 @@ class Testbed:
             except Exception:  # the namespaces go below all the same; leftovers() tells what stayed
                 pass
         for h in self.hosts:
+            for p in h.procs:
+                if p.poll() is None:  # never entered the host (a spawn that timed out): its own session
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
             for p in h.procs + ([h.keeper] if h.keeper else []):
                 try:
                     p.wait(timeout=5)
                 except Exception:  # a process that does not go is reported by the leftovers check
                     pass
+            deadline = time.monotonic() + 3  # a process killed a moment ago may still be exiting
+            while (left := self.pids(h)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self._left_running += [f"pid {pid} on {h.name}" for pid in left]
             _ip("netns", "del", h.netns, check=False)
             _ip("link", "del", h.veth, check=False)
         _ip("link", "del", self.bridge, check=False)
 
     def leftovers(self) -> list[str]:
-        """What teardown should have removed and did not (namespaces, links)."""
-        left = [n for n in _ip("netns", "list", check=False).stdout.split() if n.startswith(self.tag)]
+        """What teardown should have removed and did not (processes still in a host's namespace
+        when it was deleted, namespaces, links)."""
+        left = list(self._left_running)
+        left += [n for n in _ip("netns", "list", check=False).stdout.split() if n.startswith(self.tag)]
         links = _ip("-o", "link", "show", check=False).stdout
         left += [f"link {w}" for w in links.replace("@", ":").split(":") if w.strip().startswith(self.tag)]
         return left

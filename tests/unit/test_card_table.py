@@ -37,3 +37,15 @@ def test_a_big_cluster_lists_the_cards_worth_a_look_and_one_line_over_all():
         assert (cards[i]["node"], cards[i]["card"]) in listed, f"card {i} is worth a row: {cards[i]}"
     assert lines[-1].startswith(f"{len(cards) - len(rows):,} more cards not listed"), lines[-1]
     assert "temp 55/" in lines[-1] and "/97 C" in lines[-1] and "util 0/" in lines[-1], lines[-1]
+
+
+def test_the_worst_health_is_listed_before_unknown_and_infinities_stay_out_of_the_line():
+    cards = _cards(100)  # 800 cards
+    for c in cards[:100]:
+        c["health"] = "UNKNOWN"
+    cards[90]["health"] = "Critical"
+    cards[500]["temp_c"] = float("inf")
+    text = card_table(cards)
+    listed = {(r.split()[0], int(r.split()[1])) for r in text.splitlines()[2:-1]}
+    assert (cards[90]["node"], cards[90]["card"]) in listed, "a Critical card is always worth a row"
+    assert "inf" not in text.splitlines()[-1] and "nan" not in text.splitlines()[-1], text.splitlines()[-1]

@@ -38,3 +38,19 @@ def test_the_shortcut_answers_as_the_full_check(monkeypatch, seed):
     got = clocks.check(timeout, 60.0, **args)
     clocks.newest_clock = 0.0  # the shortcut off: the full pass over the ranks
     assert got == clocks.check(timeout, 60.0, **args)
+
+
+def test_a_partial_of_a_node_outside_the_world_moves_no_clock(monkeypatch):
+    """A stray node id (no rank of this world reads its clock) must not stand in for progress."""
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(hang_clocks, "now", lambda: clock["t"])
+    clocks = HangClocks(8, 4, startup_timeout_s=30.0, device="cpu")
+    for n in (0, 1):
+        clocks.on_node_step([n], 1)
+        clocks.on_node_step([n], 2)
+    clock["t"] += 100.0
+    clocks.on_node_step([7], 1)
+    clocks.on_node_step([7], 2)  # node 7 would hold ranks 28..31 of an 8-rank world
+    got = clocks.check(10.0, 60.0, no_monitor=set(), last_step_of_rank=lambda r: 2, pid_of=lambda r: None,
+                       started_ranks=[])
+    assert got is not None and got["stuck"] == list(range(8)), got
