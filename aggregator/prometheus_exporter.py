@@ -28,6 +28,7 @@ from mindpulse.config import MonitorConfig, PrometheusConfig
 from mindpulse.metrics import PROM_HELP, prom_series, rank_prom_series
 
 from .reducer import ReducedStep
+from .tables import CARD_EXTREMES
 
 log = logging.getLogger(__name__)
 
@@ -332,10 +333,6 @@ class PrometheusExporter:
             yield fam
 
 
-_MATTER_KEYS = (("temp_c", True), ("power_w", True), ("memory_used_mb", True), ("util_pct", False))
-"""What makes a card worth a look beyond MAX_RANK_SERIES: hot, power-hungry, full, idle."""
-
-
 @dataclass(frozen=True)
 class _NodeCards:
     """One node's newest card sample: each card's record, and per value its spread over the
@@ -362,7 +359,7 @@ def _cards_that_matter(nodes: Mapping[str, _NodeCards]) -> set[tuple[str, str]]:
     import heapq
 
     out: set[tuple[str, str]] = set()
-    for key, biggest in _MATTER_KEYS:
+    for key, biggest in CARD_EXTREMES:  # beyond MAX_RANK_SERIES
         if biggest:
             vals = [(nc.spread[key][3], n, nc.spread[key][4]) for n, nc in nodes.items() if key in nc.spread]
             picked = heapq.nlargest(CARDS_THAT_MATTER, vals)

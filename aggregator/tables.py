@@ -160,37 +160,48 @@ MAX_CARD_ROWS = 64
 ~1.2 s of the aggregator's CPU and 3 MB of text per table."""
 CARD_ROWS_PER_KIND = 8
 """Cards listed for each of hottest, most power-hungry, fullest, idlest (and unhealthy)."""
-_WORTH_A_ROW = (("temp_c", True), ("power_w", True), ("memory_used_mb", True), ("util_pct", False))
+CARD_EXTREMES = (("temp_c", True), ("power_w", True), ("memory_used_mb", True), ("util_pct", False))
+"""(card field, whether its largest value is the one worth a look): hot, power-hungry, full,
+and for utilisation the idlest. The console table, the Prometheus endpoint and TensorBoard
+pick a big job's cards by it."""
 _SEVERITY = {"CRITICAL": 4, "ALARM": 3, "WARNING": 2}
 """npu-smi's health words, worst first; anything else not OK (UNKNOWN) ranks below them."""
+CardValues = dict[str, list[tuple[float, int]]]
+"""Per field of CARD_EXTREMES: (finite value, index of its card)."""
 
 
-def cards_worth_a_row(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def card_values(cards: list[dict[str, Any]]) -> CardValues:
+    """Each field's finite values over `cards`, read once for the rows and the summary line."""
+    return {key: [(v, i) for i, c in enumerate(cards) if (v := finite_float(c.get(key))) is not None]
+            for key, _ in CARD_EXTREMES}
+
+
+def cards_worth_a_row(cards: list[dict[str, Any]], values: CardValues | None = None) -> list[dict[str, Any]]:
     """The hottest, most power-hungry, fullest and idlest cards (CARD_ROWS_PER_KIND each),
     and those whose health is not OK: what an operator scans a big cluster's table for."""
     import heapq
 
+    values = card_values(cards) if values is None else values
     picked: set[int] = set()
-    for key, biggest in _WORTH_A_ROW:
-        vals = [(v, i) for i, c in enumerate(cards) if (v := finite_float(c.get(key))) is not None]
+    for key, biggest in CARD_EXTREMES:
         pick = heapq.nlargest if biggest else heapq.nsmallest
-        picked.update(i for _, i in pick(CARD_ROWS_PER_KIND, vals))
+        picked.update(i for _, i in pick(CARD_ROWS_PER_KIND, values[key]))
     unhealthy = [(_SEVERITY.get(h, 1), i) for i, c in enumerate(cards)
                  if (h := str(c.get("health") or "OK").upper()) not in ("OK", "-", "")]
     picked.update(i for _, i in heapq.nlargest(CARD_ROWS_PER_KIND, unhealthy, key=lambda x: (x[0], -x[1])))
     return [cards[i] for i in sorted(picked)]
 
 
-def _cards_line(cards: list[dict[str, Any]], shown: int) -> str:
+def _cards_line(total: int, shown: int, values: CardValues) -> str:
     """One line over every card: the spread of each value."""
     parts = []
-    for key, label, fmt, unit in (("util_pct", "util", ".0f", "%"), ("temp_c", "temp", ".0f", " C"),
-                                  ("power_w", "power", ".0f", " W"), ("memory_used_mb", "memory", ".0f", " MB")):
-        vals = [v for c in cards if (v := finite_float(c.get(key))) is not None]
+    for key, label, unit in (("util_pct", "util", "%"), ("temp_c", "temp", " C"), ("power_w", "power", " W"),
+                             ("memory_used_mb", "memory", " MB")):
+        vals = [v for v, _ in values[key]]
         if vals:
-            parts.append(f"{label} {min(vals):{fmt}}/{sum(vals) / len(vals):{fmt}}/{max(vals):{fmt}}{unit}")
-    spread = ("; min/mean/max over all " + f"{len(cards):,} cards: " + ", ".join(parts)) if parts else ""
-    return (f"{len(cards) - shown:,} more cards not listed (above {MAX_CARD_ROWS} cards the table lists the "
+            parts.append(f"{label} {min(vals):.0f}/{sum(vals) / len(vals):.0f}/{max(vals):.0f}{unit}")
+    spread = ("; min/mean/max over all " + f"{total:,} cards: " + ", ".join(parts)) if parts else ""
+    return (f"{total - shown:,} more cards not listed (above {MAX_CARD_ROWS} cards the table lists the "
             f"hottest, most power-hungry, fullest, idlest and unhealthy ones){spread}")
 
 
@@ -201,7 +212,8 @@ def card_table(cards: Iterable[dict[str, Any]], tflops_of: Callable[[dict[str, A
     column beside the utilisation. Above MAX_CARD_ROWS cards only those worth a row, and a
     line over all of them."""
     every = list(cards)
-    shown = every if len(every) <= MAX_CARD_ROWS else cards_worth_a_row(every)
+    values = card_values(every) if len(every) > MAX_CARD_ROWS else None
+    shown = every if values is None else cards_worth_a_row(every, values)
     rows = []
     for c in sorted(shown, key=lambda c: (str(c.get("node")), c.get("card") if isinstance(c.get("card"), int) else -9)):
         used, total = c.get("memory_used_mb"), c.get("memory_total_mb")
@@ -221,4 +233,4 @@ def card_table(cards: Iterable[dict[str, Any]], tflops_of: Callable[[dict[str, A
     headers = ["node", "card", "ranks", "util", *(["TFLOPS"] if tflops_of is not None else []), "memory", "power W",
                "temp C", "health"]
     table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
-    return table if len(shown) == len(every) else table + "\n" + _cards_line(every, len(shown))
+    return table if values is None else table + "\n" + _cards_line(len(every), len(shown), values)

@@ -40,6 +40,7 @@ from mindpulse.metrics import rank_tb_scalars, tb_scalars
 from mindpulse.partial import collect_ranks
 
 from .reducer import ReducedStep
+from .tables import CARD_EXTREMES
 
 log = logging.getLogger(__name__)
 
@@ -416,12 +417,13 @@ class TensorBoardSink:
 def _node_extremes(node: str, cards: list[dict]) -> list[tuple[str, Any]]:
     """A big job's node sample: the idlest card's utilisation, the largest memory, power and
     temperature of its cards."""
+    biggest = dict(CARD_EXTREMES)
     out: list[tuple[str, Any]] = []
     for suffix, key in _CARD_SCALARS:
         vals = [v for c in cards if (v := _number(c.get(key))) is not None]
         if vals:
-            low = key == "util_pct"
-            out.append((f"cards_{_tag_part(node)}/{suffix}_{'min' if low else 'max'}", min(vals) if low else max(vals)))
+            end, pick = ("max", max) if biggest[key] else ("min", min)
+            out.append((f"cards_{_tag_part(node)}/{suffix}_{end}", pick(vals)))
     return out
 
 __all__ = ["TensorBoardSink"]
