@@ -323,35 +323,41 @@ def test_what_one_turn_of_the_loop_sends_a_connection_leaves_in_one_write():
     asyncio.run(go())
 
 
+class _StreamWriter:
+    """What `UplinkServer` writes to a connection, kept (an asyncio.StreamWriter's surface)."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    def write(self, data):
+        self.writes.append(data)
+
+    def is_closing(self):
+        return False
+
+    async def drain(self):
+        await asyncio.sleep(0)
+
+    def close(self):
+        pass
+
+
+def frames(data: bytes) -> list[dict]:
+    """The frames one write held, decoded."""
+    from mindpulse.frames import decode_frame_body
+
+    out, at = [], 0
+    while at < len(data):
+        n = int.from_bytes(data[at:at + 4], "big")
+        out.append(decode_frame_body(data[at + 4:at + 4 + n]))
+        at += 4 + n
+    return out
+
+
 def test_a_decide_frame_that_decides_its_step_is_answered_in_the_write_of_its_ack():
     """Rank 0's decision at a checkpoint candidate: when ingesting the frame decided the step,
     the directive leaves with the frame's ack and the lease, in one write, without a task
     waiting for it (each write wakes the node agent, and rank 0 waits for this one)."""
-    from mindpulse.frames import decode_frame_body
-
-    class Writer:
-        def __init__(self):
-            self.writes: list[bytes] = []
-
-        def write(self, data):
-            self.writes.append(data)
-
-        def is_closing(self):
-            return False
-
-        async def drain(self):
-            await asyncio.sleep(0)
-
-        def close(self):
-            pass
-
-    def frames(data: bytes) -> list[dict]:
-        out, at = [], 0
-        while at < len(data):
-            n = int.from_bytes(data[at:at + 4], "big")
-            out.append(decode_frame_body(data[at + 4:at + 4 + n]))
-            at += 4 + n
-        return out
 
     async def go():
         decided: dict[int, bytes] = {}
@@ -369,7 +375,7 @@ def test_a_decide_frame_that_decides_its_step_is_answered_in_the_write_of_its_ac
 
         server = UplinkServer(ingest, slow_directive, lambda: lease["now"], directive_now=decided.get)
         server._writers = set()
-        reader, w = asyncio.StreamReader(), Writer()
+        reader, w = asyncio.StreamReader(), _StreamWriter()
         reader.feed_data(encode_frame({"op": "hello", "token": server.token, "node": 0}))
         client = asyncio.ensure_future(server._client(reader, w))
         for _ in range(5):
@@ -395,35 +401,13 @@ def test_a_decide_that_came_before_its_step_is_answered_with_the_lease_before_th
     last partial. When that partial completes the step, the verdict leaves in the same turn
     of the loop as the lease (`answer_ready`), before the step's views are drawn, and once
     only: the waiting task, woken later, writes nothing more."""
-    from mindpulse.frames import decode_frame_body
+    order: list[str] = []
 
-    class Writer:
-        def __init__(self):
-            self.writes: list[bytes] = []
-
+    class Writer(_StreamWriter):
         def write(self, data):
-            self.writes.append(data)
+            super().write(data)
             if b"directive" in data:
                 order.append("verdict")
-
-        def is_closing(self):
-            return False
-
-        async def drain(self):
-            await asyncio.sleep(0)
-
-        def close(self):
-            pass
-
-    def frames(data: bytes) -> list[dict]:
-        out, at = [], 0
-        while at < len(data):
-            n = int.from_bytes(data[at:at + 4], "big")
-            out.append(decode_frame_body(data[at + 4:at + 4 + n]))
-            at += 4 + n
-        return out
-
-    order: list[str] = []
 
     async def go():
         decided: dict[int, bytes] = {}
