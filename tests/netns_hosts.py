@@ -199,17 +199,11 @@ class Testbed:
     def kill_host(self, which: int | str | Host, *, keeper: bool = False) -> list[int]:
         """SIGKILL every process of a host at once (its keeper too with `keeper`); returns the pids."""
         h = self.host(which)
-        keep = {h.keeper.pid} if h.keeper is not None and not keeper else set()
         killed = []
         for _ in range(3):  # processes forked while the first pass ran are caught by the next
-            pids = [p for p in self.pids(h) if p not in keep and p != os.getpid()]
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                except ProcessLookupError:
-                    pass
-            if not pids:
+            signalled = self._signal(h, signal.SIGKILL, keeper=keeper)
+            killed += signalled
+            if not signalled:
                 break
             time.sleep(0.1)
         if keeper and h.keeper is not None:
@@ -218,6 +212,22 @@ class Testbed:
             except ProcessLookupError:
                 pass
         return killed
+
+    def _processes(self, h: Host, *, keeper: bool = False) -> list[int]:
+        """A host's processes but this one, and but its keeper unless `keeper`."""
+        keep = {h.keeper.pid} if h.keeper is not None and not keeper else set()
+        return [p for p in self.pids(h) if p not in keep and p != os.getpid()]
+
+    def _signal(self, h: Host, sig: int, *, keeper: bool = False) -> list[int]:
+        """Send `sig` to a host's processes (`_processes`); the pids it reached."""
+        sent = []
+        for pid in self._processes(h, keeper=keeper):
+            try:
+                os.kill(pid, sig)
+                sent.append(pid)
+            except ProcessLookupError:
+                pass
+        return sent
 
     def link(self, which: int | str, up: bool) -> None:
         """Take a host's link down (its cable pulled) or up again."""
@@ -250,16 +260,9 @@ class Testbed:
         it ends every Ray process of the machine (the hosts share one process namespace),
         a Ray cluster of the user's or of another test included."""
         for h in reversed(self.hosts):
-            keep = {h.keeper.pid} if h.keeper is not None else set()
-            for pid in self.pids(h):
-                if pid not in keep and pid != os.getpid():
-                    try:
-                        os.kill(pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
+            self._signal(h, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            if not any(p for h in self.hosts for p in self.pids(h)
-                       if h.keeper is None or p != h.keeper.pid):
+            if not any(self._processes(h) for h in self.hosts):
                 return
             time.sleep(0.2)
