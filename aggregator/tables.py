@@ -11,8 +11,8 @@ from typing import Any
 from tabulate import tabulate
 
 from mindpulse.config import MonitorConfig
-from mindpulse.formatting import finite_float, millis, number
-from mindpulse.metrics import columns
+from mindpulse.formatting import finite_float, number
+from mindpulse.metrics import columns, totals
 
 from .reducer import ReducedStep
 
@@ -21,7 +21,8 @@ MAX_TABLE_RANKS = 16
 
 
 _COLUMNS = columns()
-"""The metric registry's columns (mindpulse/metrics.py, `StepMetric.column`), after the fixed ones."""
+"""The metric registry's columns (mindpulse/metrics.py, `StepMetric.column`), between the rank
+and step and the fingerprint and note."""
 
 
 def cluster_table(red: ReducedStep, total_steps: int | None = None,
@@ -37,35 +38,19 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None,
         matter = red.ranks_that_matter(straggler_threshold)
         shown = {r: p for r, p in red.per_rank.items() if r in matter}
     for r, p in shown.items():
-        sps = p.samples / p.step_time_s if p.step_time_s else None
-        tps = p.tokens / p.step_time_s if p.step_time_s and p.tokens else None
         mark = []
         if r in red.nonfinite_ranks:
             mark.append("NONFINITE")
         score = red.straggler_scores.get(r)
         if score is not None and score < straggler_threshold:
             mark.append(f"STRAGGLER {score:.2f}")
-        rows.append(
-            [
-                r,
-                red.step,
-                number(p.loss),
-                number(p.grad_norm_local, ".3f"),
-                millis(p.step_time_s),
-                number(sps, ".1f"),
-                number(tps, ".0f"),
-                _mfu(p.tflops, red.peak_tflops),
-                *(c.rank_cell(p) for c in _COLUMNS),
-                (p.fingerprint or "")[:12],
-                " ".join(mark),
-            ]
-        )
+        rows.append([r, red.step, *(c.rank_cell(p, red) for c in _COLUMNS), (p.fingerprint or "")[:12], " ".join(mark)])
     hidden = red.world_size - len(shown)
     if hidden > 0:
         what = "other ranks, within the ranges of the row below"
         if ranks is not None and shown:
             what = f"other ranks (shown: {min(shown)}..{max(shown)})"
-        rows.append([f"+{hidden}", red.step, *[""] * (7 + len(_COLUMNS)), what])
+        rows.append([f"+{hidden}", red.step, *[""] * (len(_COLUMNS) + 1), what])
     note = f"lr {number(red.lr, '.2e')}"
     if red.loss_scale_min is not None:  # a loss-scale cell runs: its scale and the steps it skipped
         scale = number(red.loss_scale_min, ".4g")
@@ -76,48 +61,16 @@ def cluster_table(red: ReducedStep, total_steps: int | None = None,
             note += " (this step skipped)"
     if red.extra:
         note += "  " + "  ".join(f"{k} {number(v)}" for k, v in red.extra.items())
-    rows.append(
-        [
-            "all",
-            red.step,
-            f"{number(red.loss_mean)} ({number(red.loss_min)}..{number(red.loss_max)})",
-            number(red.grad_norm, ".3f"),
-            millis(red.step_time_max),
-            number(red.samples_per_s, ".1f"),
-            number(red.tokens_per_s, ".0f"),
-            _cluster_mfu(red),
-            *(c.cluster_cell(red) for c in _COLUMNS),
-            "",
-            note,
-        ]
-    )
+    rows.append(["all", red.step, *(c.cluster_cell(red) for c in _COLUMNS), "", note])
     of = f"/{total_steps}" if total_steps else ""
     head = f"step {red.step}{of}  epoch {red.epoch}  ranks {red.world_size}"
     table = tabulate(
         rows,
-        headers=["rank", "step", "loss", "grad norm", "step ms", "samples/s", "tokens/s", "MFU",
-                 *(c.header for c in _COLUMNS), "fingerprint", "note"],
+        headers=["rank", "step", *(c.header for c in _COLUMNS), "fingerprint", "note"],
         tablefmt="simple",
         disable_numparse=True,
     )
     return head + "\n" + table
-
-
-def _mfu(tflops: float | None, peak: float | None) -> str:
-    """A rank's MFU (achieved / peak TFLOPS), "-" without a peak or a figure."""
-    if tflops is None or not peak:
-        return "-"
-    return number(tflops / peak, ".3f")
-
-
-def _cluster_mfu(red: ReducedStep) -> str:
-    """Mean MFU over ranks with its range and the ranks at its ends: `0.412 (0.301 r1..0.455 r0)`."""
-    if red.mfu_mean is None:
-        return "-"
-    if red.mfu_min is None or red.mfu_max is None or red.world_size < 2:
-        return number(red.mfu_mean, ".3f")
-    return (f"{number(red.mfu_mean, '.3f')} ({number(red.mfu_min, '.3f')} r{red.mfu_min_rank}.."
-            f"{number(red.mfu_max, '.3f')} r{red.mfu_max_rank})")
 
 
 def summary_table(ranks: Iterable[dict[str, Any]]) -> str:
@@ -146,7 +99,7 @@ def totals_table(summary: dict[str, Any]) -> str:
         ["fingerprints equal", summary.get("fingerprints_equal")],
         ["packets accepted", summary.get("packets", {}).get("accepted")],
         ["packets rejected", summary.get("packets", {}).get("rejected")],
-        ["monitor wait s (all ranks)", number(summary.get("monitor_wait_s"), ".3f")],
+        *([f"{key.replace('_', ' ')} (all ranks)", number(summary.get(key), ".3f")] for key, _ in totals()),
         ["wall time s", number(summary.get("wall_time_s"), ".1f")],
     ]
     if summary.get("stop"):

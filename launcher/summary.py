@@ -11,6 +11,7 @@ from typing import Any
 
 from mindpulse.aggregator.rule_changes import changes_in
 from mindpulse.config import RunConfig
+from mindpulse.metrics import totals
 
 from .rundir import write_json
 from .spec import ExitCode, RunResult, RunStatus
@@ -131,7 +132,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "best_loss": history.losses.get("best_loss", snap.get("best_loss")),
         "best_loss_step": history.losses.get("best_loss_step", snap.get("best_loss_step")),
         "fingerprints_equal": snap.get("fingerprints_equal"),
-        "monitor_wait_s": snap.get("monitor_wait_s", 0.0),
+        **{key: snap.get(key, 0.0) for key, _ in totals()},  # the registry's run totals (Reduction.total)
         "monitor_errors": snap.get("monitor_errors", 0),
         "last_grad_norm": snap.get("last_grad_norm"),
         "loss_scale": snap.get("loss_scale"),

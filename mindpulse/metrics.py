@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpulse.formatting import number
+from mindpulse.formatting import millis, number
 
 
 class Reduce(str, enum.Enum):
@@ -80,7 +80,10 @@ class Reduction:
     tb_when: str | None = None
     """Written only when this `ReducedStep` field is not None (the loss-scale tags)."""
     total: str | None = None
-    """`summary.json` key that sums this value over the run's steps (RunTotals)."""
+    """`summary.json` key that sums this value over the run's steps (RunTotals); the totals
+    table shows it as the key in words, `(all ranks)`."""
+    total_words: str = ""
+    """The report's words for that total: `ranks <total_words> <seconds> s in all`."""
     prom: tuple[str, str] | None = None
     """The Prometheus series of the cluster's value: (family without the `mindpulse_` prefix, in
     base units; its `stat` label, empty for none) (aggregator/prometheus_exporter.py)."""
@@ -104,11 +107,12 @@ class Derived:
 
 @dataclass(frozen=True)
 class Column:
-    """A console column of the per-step table (aggregator/tables.py): a rank's cell from its
-    packet's value, the cluster row's cell from the reduced values."""
+    """A console column of the per-step table (aggregator/tables.py), in declaration order: a
+    rank's cell from its packet (and the step's `ReducedStep`, for what only the cluster knows:
+    the card's peak), the cluster row's cell from the reduced values."""
 
     header: str
-    rank_cell: Callable[[Any], str]
+    rank_cell: Callable[[Any, Any], str]
     cluster_cell: Callable[[Any], str]
 
 
@@ -144,6 +148,28 @@ def _ms_with_rank(value: Any, rank: Any) -> str:
     return _ms(value) + (f" r{rank}" if value is not None and rank is not None else "")
 
 
+def _per_second(count: Any, seconds: Any) -> float | None:
+    """A rank's own rate: `count` over its step time (None without either)."""
+    return count / seconds if seconds and count is not None else None
+
+
+def _mfu(tflops: float | None, peak: float | None) -> str:
+    """A rank's MFU (achieved / peak TFLOPS), "-" without a peak or a figure."""
+    if tflops is None or not peak:
+        return "-"
+    return number(tflops / peak, ".3f")
+
+
+def _cluster_mfu(red: Any) -> str:
+    """Mean MFU over ranks with its range and the ranks at its ends: `0.412 (0.301 r1..0.455 r0)`."""
+    if red.mfu_mean is None:
+        return "-"
+    if red.mfu_min is None or red.mfu_max is None or red.world_size < 2:
+        return number(red.mfu_mean, ".3f")
+    return (f"{number(red.mfu_mean, '.3f')} ({number(red.mfu_min, '.3f')} r{red.mfu_min_rank}.."
+            f"{number(red.mfu_max, '.3f')} r{red.mfu_max_rank})")
+
+
 def _scaled(p: Any) -> bool:
     """A grad norm the loss scale overflowed (the step was skipped): not the model's."""
     return not (p.overflow and (p.loss_scale or 0) > 1)
@@ -175,13 +201,18 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                   std="loss_std", tb="loss/mean", prom=("loss", "mean")),
         Reduction("loss_min", Reduce.MIN, tb="loss/min", keep=True, prom=("loss", "min")),
         Reduction("loss_max", Reduce.MAX, tb="loss/max", keep=True, prom=("loss", "max")),
-        Reduction("loss", Reduce.HIST)), aliases={"loss": "loss_mean"}, rank_tb="loss", rank_prom=("loss", "rank")),
+        Reduction("loss", Reduce.HIST)), aliases={"loss": "loss_mean"}, rank_tb="loss", rank_prom=("loss", "rank"),
+        column=Column("loss", lambda p, red: number(p.loss),
+                      lambda red: f"{number(red.loss_mean)} ({number(red.loss_min)}..{number(red.loss_max)})")),
     StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr", prom=("learning_rate", "")),)),
     StepMetric("grad_norm", float, **_OPT, doc="Global grad norm, after the data-parallel reduction.",
                reduce=(Reduction("grad_norm", Reduce.GLOBAL, "Global (post-reduction) grad norm; the largest "
                                  "report if ranks disagree.", include=_scaled, tb="grad_norm/global",
                                  prom=("grad_norm", "global")),),
-               aliases={"grad_norm_global": "grad_norm"}),
+               aliases={"grad_norm_global": "grad_norm"},
+               # a rank's row shows its own (local) norm: the one that tells which rank went wrong
+               column=Column("grad norm", lambda p, red: number(p.grad_norm_local, ".3f"),
+                             lambda red: number(red.grad_norm, ".3f"))),
     StepMetric("grad_norm_local", float, **_OPT, doc="This rank's grad norm before the reduction: tells which "
                "rank produced a NaN.", reduce=(Reduction("grad_norm_local_max", Reduce.MAX, keep=True,
                                                          prom=("grad_norm", "local_max")),),
@@ -191,16 +222,22 @@ STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("step_time_s", float, **_OPT, unit="s", reduce=(
         Reduction("step_time_min", Reduce.MIN, keep=True, prom=("step_duration_seconds", "min")),
         Reduction("step_time_max", Reduce.MAX, tb="step_time/max", keep=True, prom=("step_duration_seconds", "max")),
-        Reduction("step_time", Reduce.HIST)), rank_tb="step_time", rank_prom=("step_duration_seconds", "rank")),
+        Reduction("step_time", Reduce.HIST)), rank_tb="step_time", rank_prom=("step_duration_seconds", "rank"),
+        column=Column("step ms", lambda p, red: millis(p.step_time_s), lambda red: millis(red.step_time_max))),
     StepMetric("data_wait_s", float, **_OPT, unit="s", doc="Time from the end of the previous step to the start "
                "of this one (fetching the batch, host work): before the collective, so it tells stragglers apart.",
                reduce=(Reduction("data_wait_max", Reduce.PEAK, "The longest data wait of the step over ranks.",
                                  prom=("data_wait_seconds", "max")),)),
     StepMetric("compute_s", float, **_OPT, unit="s", doc="PYNATIVE: time from the step's start until the local "
                "gradients were ready (before the all-reduce); None where the mode does not allow measuring it."),
-    StepMetric("samples", int, 0, reduce=(Reduction("samples", Reduce.SUM, internal=True),)),
+    StepMetric("samples", int, 0, reduce=(Reduction("samples", Reduce.SUM, internal=True),),
+               column=Column("samples/s", lambda p, red: number(_per_second(p.samples, p.step_time_s), ".1f"),
+                             lambda red: number(red.samples_per_s, ".1f"))),
     StepMetric("tokens", int, 0, doc="Tokens this rank trained on in this step (0: not known).",
-               reduce=(Reduction("tokens", Reduce.SUM, "Tokens trained in this step, summed over ranks."),)),
+               reduce=(Reduction("tokens", Reduce.SUM, "Tokens trained in this step, summed over ranks."),),
+               # a rank's 0 tokens: not known (no rate), where 0 samples is a rate of 0
+               column=Column("tokens/s", lambda p, red: number(_per_second(p.tokens or None, p.step_time_s), ".0f"),
+                             lambda red: number(red.tokens_per_s, ".0f"))),
     StepMetric("tflops", float, **_OPT, unit="TFLOPS", doc="This rank's achieved model TFLOPS in this step.",
                reduce=(Reduction("tflops_mean", Reduce.MEAN, "Achieved TFLOPS per card, mean over ranks.",
                                  include=lambda p: is_rate(p.tflops), tb="compute/tflops/mean",
@@ -209,7 +246,8 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                                  prom=("tflops", "min")),
                        Reduction("tflops_max", Reduce.MAX, include=lambda p: is_rate(p.tflops), keep=True, rate=True,
                                  prom=("tflops", "max"))),
-               aliases={"tflops": "tflops_mean"}, rank_prom=("tflops", "rank")),
+               aliases={"tflops": "tflops_mean"}, rank_prom=("tflops", "rank"),
+               column=Column("MFU", lambda p, red: _mfu(p.tflops, red.peak_tflops), _cluster_mfu)),
     StepMetric("ts", float, 0.0, unit="s", reduce=(Reduction("ts", Reduce.PEAK),)),
     StepMetric("fingerprint", str, **_OPT, doc="Hash of the parameters, every `collect_freq` steps (and step 0)."),
     StepMetric("param_norm", float, **_OPT),
@@ -219,7 +257,8 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                    Reduction("monitor_wait_max", Reduce.PEAK, tb="monitor/wait_s",
                              prom=("monitor_wait_seconds", "max")),
                    Reduction("monitor_wait_sum", Reduce.SUM, include=lambda p: bool(p.monitor_wait_s),
-                             total="monitor_wait_s", prom=("monitor_wait_seconds", "sum")))),
+                             total="monitor_wait_s", total_words="blocked on the monitor",
+                             prom=("monitor_wait_seconds", "sum")))),
     StepMetric("monitor_errors", int, 0, doc="Errors inside this rank's monitor so far (logged and counted).",
                reduce=(Reduction("monitor_errors", Reduce.SUM),)),
     StepMetric("checkpoint_s", float, 0.0, unit="s", reduce=(Reduction("checkpoint_s_max", Reduce.PEAK),)),
@@ -245,10 +284,11 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                           "step, with the rank.", tb="monitor/self_s/max",
                           prom=("monitor_self_seconds", "max")),
                 Reduction("monitor_self_sum", Reduce.SUM, "Every rank's seconds in mindpulse's code, summed.",
-                          tb="monitor/self_s/sum", total="monitor_self_s", prom=("monitor_self_seconds", "sum"))),
+                          tb="monitor/self_s/sum", total="monitor_self_s", total_words="spent in mindpulse's code",
+                          prom=("monitor_self_seconds", "sum"))),
         aliases={"monitor_self_s": "monitor_self_max"}, rank_tb="monitor_self_s",
         rank_prom=("monitor_self_seconds", "rank"),
-        column=Column("self ms", lambda p: _ms(p.monitor_self_s),
+        column=Column("self ms", lambda p, red: _ms(p.monitor_self_s),
                       lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank))),
     StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss."),
     StepMetric("weights", dict, doc="Every collect_freq steps: per-layer norms, update ratios, histograms."),
@@ -316,7 +356,7 @@ def rank_tb_scalars() -> tuple[tuple[str, str], ...]:
 
 
 def columns() -> tuple[Column, ...]:
-    """The console columns declared here (after the table's fixed ones)."""
+    """The console columns of the per-step table, in declaration order."""
     return tuple(m.column for m in STEP_METRICS if m.column)
 
 
@@ -360,3 +400,8 @@ PROM_HELP: dict[str, str] = {
 def totals() -> tuple[tuple[str, str], ...]:
     """(`summary.json` key, reduced field) of every run total."""
     return tuple((r.total, r.name) for _, r in reductions() if r.total)
+
+
+def total_words() -> tuple[tuple[str, str], ...]:
+    """(`summary.json` key, the report's words for it) of every run total."""
+    return tuple((r.total, r.total_words or r.total.replace("_", " ")) for _, r in reductions() if r.total)

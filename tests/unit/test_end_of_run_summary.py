@@ -8,6 +8,8 @@ import json
 import re
 import time
 
+import pytest
+
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import from_dict
 from mindpulse.launcher.rundir import write_config
@@ -32,6 +34,7 @@ def _aggregate(run_dir, steps: int = STEPS) -> dict:
     for s in range(steps + 1):
         core.ingest([StepPacket(rank=r, step=s, loss=None if s == 0 else 2.0 / s + 0.01 * r, lr=1e-3,
                                 grad_norm=1.0, grad_norm_local=1.0, step_time_s=0.5, samples=8, ts=T0 + s,
+                                monitor_self_s=0.001 * (r + 1), monitor_wait_s=0.01,
                                 fingerprint="fp" if s % 4 == 0 else None).encode() for r in range(WORLD)])
         core.ingest([TelemetryPacket(node="node0-vm", ts=T0 + s, source="psutil", cards=[
             {"card": -1, "name": "cpu", "util_pct": 90.0, "memory_used_mb": 2000.0, "source": "psutil"}]).encode()])
@@ -56,7 +59,11 @@ def _end(tmp_path, result: RunResult, report: bool = True, steps: int = STEPS) -
 def test_the_console_summary_starts_with_status_and_why_and_shows_dates(tmp_path):
     ok = RunResult(RunStatus.SUCCEEDED, {r: RankOutcome(r, exit_code=0) for r in range(WORLD)})
     out, summary = _end(tmp_path, ok)
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "succeeded"
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert written["status"] == "succeeded"
+    # every run total of the metric registry (Reduction.total), summed over ranks and steps 0..8
+    assert written["monitor_self_s"] == pytest.approx(0.003 * (STEPS + 1)), written
+    assert written["monitor_wait_s"] == pytest.approx(0.02 * (STEPS + 1)), written
     start = out.index("run eor: succeeded — completed all 8 steps")
     block = out[start:]
     labels = [ln.strip().split("  ")[0] for ln in block[1:] if ln.startswith("  ")][:7]
