@@ -225,7 +225,9 @@ def _print_plan(cfg: RunConfig, specs: list[RankSpec]) -> None:
 
 def _telemetry(args) -> int:
     if args.telemetry_command == "parse-npu-smi":
-        from mindpulse.node.npu_smi import format_cards_table, parse_npu_smi
+        from mindpulse.aggregator.tables import card_table
+        from mindpulse.node.npu_smi import parse_npu_smi
+        from mindpulse.node.samplers.npu_smi import records_of_listing
 
         try:
             data = args.file.read_bytes()
@@ -238,7 +240,9 @@ def _telemetry(args) -> int:
         if args.json:
             print(json.dumps([c.to_dict() for c in res.cards], indent=2))
         else:
-            print(format_cards_table(res.cards))
+            # what mindpulse reports from this listing, in the card table every view prints
+            # (--json: every field the parser read)
+            print(card_table([dict(c, node=args.file.name) for c in records_of_listing(res.cards)]))
         return 0
     from mindpulse.node.telemetry import TelemetryUnavailable, sample_this_machine
 

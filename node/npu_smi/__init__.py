@@ -8,8 +8,8 @@ Two kinds of output are understood, and may even be mixed in one input:
   (:mod:`.key_value_layout`), several of one card combined with :func:`merge_cards`.
 
 :func:`parse_npu_smi` (:mod:`.parse`) reads either; what it returns, and how one printed
-value is read, is :mod:`.values`; :func:`format_cards_table` (:mod:`.render`) prints cards
-for the CLI. Nothing here raises on bad input: every public function returns what could
+value is read, is :mod:`.values` (the sampler turns cards into card records, which the one
+card table prints). Nothing here raises on bad input: every public function returns what could
 be read, plus human-readable warnings for what could not. Only the standard library is
 used.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from .merge import merge_cards
 from .parse import parse_npu_smi
-from .render import format_cards_table
 from .values import HEALTH_VALUES, MAX_WARNINGS, NpuCard, ParseResult
 
 __all__ = [
@@ -28,5 +27,4 @@ __all__ = [
     "ParseResult",
     "parse_npu_smi",
     "merge_cards",
-    "format_cards_table",
 ]

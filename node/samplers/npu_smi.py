@@ -407,29 +407,10 @@ class NpuSmiSampler(Sampler):
         return records
 
     def _record(self, ident: NpuCard, m: NpuCard | None, chips_of_npu: int) -> dict[str, Any]:
-        v = m or NpuCard()
-        if v.hbm_total_mb:  # HBM boards (910 class); DDR boards (310 class) report memory
-            used, total = v.hbm_used_mb, v.hbm_total_mb
-        elif v.memory_total_mb is not None:
-            used, total = v.memory_used_mb, v.memory_total_mb
-        else:
-            used, total = v.hbm_used_mb, v.hbm_total_mb
-        chip = ident.chip if ident.chip is not None else v.chip
-        ident_full = NpuCard(npu=ident.npu, chip=chip, phy_id=ident.phy_id if ident.phy_id is not None else v.phy_id)
-        return card_record(
-            card=self._card_id(ident_full, chips_of_npu),
-            chip=chip,
-            name=ident.name or v.name,
-            # a fresh value when a query reports health (e.g. queries with "health"),
-            # else the one of the last discovery
-            health=v.health or ident.health,
-            util_pct=v.aicore_pct,
-            memory_used_mb=used,
-            memory_total_mb=total,
-            power_w=v.power_w,
-            temp_c=v.temp_c,
-            source=self.name,
-        )
+        chip = ident.chip if ident.chip is not None else (m.chip if m else None)
+        phy = ident.phy_id if ident.phy_id is not None else (m.phy_id if m else None)
+        return record_of(ident, m, self._card_id(NpuCard(npu=ident.npu, chip=chip, phy_id=phy), chips_of_npu),
+                         self.name)
 
     def close(self) -> None:
         self.cancel_event.set()
@@ -440,3 +421,40 @@ def _identity(known: NpuCard, found: NpuCard) -> NpuCard:
     return NpuCard(npu=known.npu, chip=found.chip, phy_id=found.phy_id, name=known.name,
                    health=known.health)
 
+
+
+def record_of(ident: NpuCard, m: NpuCard | None, card_id: int | None, source: str) -> dict[str, Any]:
+    """The card record of a card (`ident`: what discovery found) with the values one sample's
+    listings gave it (`m`, None: none)."""
+    v = m or NpuCard()
+    if v.hbm_total_mb:  # HBM boards (910 class); DDR boards (310 class) report memory
+        used, total = v.hbm_used_mb, v.hbm_total_mb
+    elif v.memory_total_mb is not None:
+        used, total = v.memory_used_mb, v.memory_total_mb
+    else:
+        used, total = v.hbm_used_mb, v.hbm_total_mb
+    return card_record(
+        card=card_id,
+        chip=ident.chip if ident.chip is not None else v.chip,
+        name=ident.name or v.name,
+        # a fresh value when a query reports health (e.g. queries with "health"),
+        # else the one of the last discovery
+        health=v.health or ident.health,
+        util_pct=v.aicore_pct,
+        memory_used_mb=used,
+        memory_total_mb=total,
+        power_w=v.power_w,
+        temp_c=v.temp_c,
+        source=source,
+    )
+
+
+def records_of_listing(cards: list[NpuCard], source: str = "npu-smi") -> list[dict[str, Any]]:
+    """The card records one saved npu-smi listing gives (`mindpulse telemetry parse-npu-smi`):
+    each card's id is its physical id, or its NPU id where the NPU has one chip (a live
+    sampler also asks `npu-smi info -m` for the logic ids of multi-chip NPUs)."""
+    chips: dict[int | None, int] = {}
+    for c in cards:
+        chips[c.npu] = chips.get(c.npu, 0) + 1
+    return [record_of(c, c, c.phy_id if c.phy_id is not None else (c.npu if chips[c.npu] <= 1 else None), source)
+            for c in cards]

@@ -19,10 +19,10 @@ from mindpulse.node.npu_smi import (
     MAX_WARNINGS,
     NpuCard,
     ParseResult,
-    format_cards_table,
     merge_cards,
     parse_npu_smi,
 )
+from mindpulse.node.samplers.npu_smi import records_of_listing
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "npu-smi"
 
@@ -726,21 +726,24 @@ def test_warnings_are_capped():
 # ------------------------------------------------------------------ formatting
 
 
-def test_format_cards_table():
+def test_a_saved_listing_prints_as_the_card_table_with_what_mindpulse_reports(tmp_path, capsys):
+    """`mindpulse telemetry parse-npu-smi FILE`: the records the sampler would report, in the
+    card table every view prints (one renderer); --json keeps every field the parser read."""
+    from mindpulse.launcher.cli import main
+
     cards = parse_npu_smi(A3_TABLE).cards[:2]
-    assert format_cards_table(cards).splitlines() == [
-        "NPU  Chip  Phy  Name       Health  Power(W)  Temp(C)  AICore(%)  HBM(MB)      "
-        "Memory(MB)  Bus-Id        Procs",
-        "---  ----  ---  ---------  ------  --------  -------  ---------  -----------  "
-        "----------  ------------  -----",
-        "0    0     0    Ascend910  OK      171.5     38       52         58012/65536  "
-        "0/0         0000:9D:00.0  1",
-        "0    1     1    Ascend910  OK      -         37       49         57960/65536  "
-        "0/0         0000:9F:00.0  1",
-    ]
-    assert format_cards_table([c.to_dict() for c in cards]) == format_cards_table(cards)
-    assert len(format_cards_table([]).splitlines()) == 2
-    assert "3276.8/65536" in format_cards_table(parse_npu_smi(load("t_usages_910b.txt")).cards)
+    recs = records_of_listing(cards)
+    assert [(r["card"], r["util_pct"], r["memory_used_mb"], r["memory_total_mb"], r["power_w"], r["temp_c"])
+            for r in recs] == [(0, 52.0, 58012.0, 65536.0, 171.5, 38.0), (1, 49.0, 57960.0, 65536.0, None, 37.0)]
+    saved = tmp_path / "a3.txt"
+    saved.write_text(A3_TABLE)
+    assert main(["telemetry", "parse-npu-smi", str(saved)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["node", "card", "ranks", "util", "memory", "power", "W", "temp", "C", "health"], out
+    assert out[2].split() == ["a3.txt", "0", "-", "52%", "58012/65536", "MB", "171.5", "38", "OK"], out
+    assert out[3].split() == ["a3.txt", "1", "-", "49%", "57960/65536", "MB", "-", "37", "OK"], out
+    usages = records_of_listing(parse_npu_smi(load("t_usages_910b.txt")).cards)
+    assert usages[0]["memory_used_mb"] == 3276.8 and usages[0]["memory_total_mb"] == 65536.0, usages
 
 
 def test_to_dict_has_exactly_the_contract_keys():
