@@ -201,7 +201,7 @@ class Attempt:
         self.terminate(graceful)
         try:
             ray.kill(self.aggregator, no_restart=True)  # closed: its state is in summary and metrics
-        except Exception:
+        except Exception:  # already gone with its node or Ray: there is nothing left to end
             pass
         self.nodes.release()
         # what msrun, MindSpore and TensorBoard wrote with their own umask follows output.mode

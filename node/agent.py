@@ -194,7 +194,7 @@ class NodeAgent:
         if self.leader is not None:
             try:
                 return tuple(ray.get(self.leader.uplink_address.remote(), timeout=10))  # type: ignore[return-value]
-            except Exception as exc:
+            except Exception as exc:  # any failure of the leader (gone, timed out): send to the aggregator itself
                 log.warning("node %d: group leader unreachable (%s); sending to the aggregator", self.node, exc)
                 self.leader = None
         return tuple(ray.get(self.aggregator.uplink_address.remote(), timeout=60))  # type: ignore[return-value]
@@ -348,7 +348,7 @@ class NodeAgent:
             self.sampler.stop()
             try:
                 self._ship(self.sampler.sample_once())  # short runs still end with a sample
-            except Exception:
+            except Exception:  # a last sample is a courtesy: its failure must not stop the node's end
                 pass
             self.sampler = None
         for proc in (self.msrun, self.sched):

@@ -236,7 +236,7 @@ class NodeSampler:
             else:
                 host.update(self._host.host_stats())
             host["processes"] = self._host.process_stats(self.rank_pids)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - host statistics are extras: their failure is a warning, the cards stay
             warnings.append(f"host statistics failed: {type(exc).__name__}: {exc}")
         return {
             "node": self.node,
@@ -276,7 +276,7 @@ class NodeSampler:
                 break
             try:
                 callback(sample)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the sampling thread outlives a consumer's error: counted and logged
                 self.callback_errors += 1
                 if self.callback_errors == 1 or self.callback_errors % 100 == 0:
                     log.exception("telemetry callback failed (%d times)", self.callback_errors)

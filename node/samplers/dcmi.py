@@ -147,7 +147,7 @@ class DcmiSampler(Sampler):
                     continue
                 try:
                     rc = lib.dcmi_init()
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - a library that fails to start is one reason among the paths tried
                     errors.append(f"{path}: dcmi_init failed ({exc})")
                     continue
                 if rc != 0:
@@ -183,7 +183,7 @@ class DcmiSampler(Sampler):
         try:
             with self._class_lock:
                 return self._sample(warnings)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a sampler never raises: its failure is a warning of the sample
             log.exception("DCMI sampler failed")
             warnings.append(f"DCMI sampler failed: {type(exc).__name__}: {exc}")
             return []

@@ -77,7 +77,7 @@ class PsutilSampler(Sampler):
             return [card_record(card=-1, name="cpu", util_pct=h["cpu_pct"],
                                 memory_used_mb=h["mem_used_mb"], memory_total_mb=h["mem_total_mb"],
                                 source=self.name)]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a sampler never raises: its failure is a warning of the sample
             warnings.append(f"psutil sampler failed: {type(exc).__name__}: {exc}")
             return []
         finally:

@@ -42,12 +42,12 @@ class NvmlSampler(Sampler):
             return False
         try:
             pynvml.nvmlInit()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any NVML failure means "not available here", said in load_error
             cls.load_error = f"NVML could not be initialised ({exc}); no NVIDIA driver?"
             return False
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the probe's shutdown: NVML was usable, which is all it asks
             pass
         cls.load_error = None
         return True
@@ -66,7 +66,7 @@ class NvmlSampler(Sampler):
                 for i in range(count):
                     records.append(self._read(i, failed))
                 return records
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a sampler never raises: its failure is a warning of the sample
             warnings.append(f"NVML sampler failed: {type(exc).__name__}: {exc}")
             return []
         finally:
@@ -111,5 +111,5 @@ class NvmlSampler(Sampler):
                 self._open = False
                 try:
                     self._nv.nvmlShutdown()
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - closing: nothing is left to read, the sampler is done either way
                     pass

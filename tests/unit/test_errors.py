@@ -9,6 +9,7 @@ import ast
 import importlib
 import inspect
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -115,12 +116,20 @@ def _raises(body: list[ast.stmt]) -> bool:
     return False
 
 
+_TOOL_TAGS = re.compile(r"#|noqa(:\s*[A-Z]+[0-9]+(,\s*[A-Z]+[0-9]+)*)?|type:\s*ignore(\[[^\]]*\])?|pragma:\s*\S+")
+
+
+def _says_why(comment: str) -> bool:
+    """A comment with words beyond the tools' tags (`# noqa: BLE001` alone is not a reason)."""
+    return any(ch.isalpha() for ch in _TOOL_TAGS.sub("", comment))
+
+
 def unexplained_handlers(path: Path) -> list[int]:
-    """Lines of `path`'s handlers that catch anything, never raise, and have no `#` comment on
-    the `except` line, the line above it or the first line of their body."""
+    """Lines of `path`'s handlers that catch anything, never raise, and have no `#` comment
+    that gives a reason on the `except` line, the line above it or the first line of their body."""
     text = path.read_text()
     comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
-                if tok.type == tokenize.COMMENT}
+                if tok.type == tokenize.COMMENT and _says_why(tok.string)}
     return sorted(
         node.lineno for node in ast.walk(ast.parse(text, str(path)))
         if isinstance(node, ast.ExceptHandler) and _catches_anything(node) and not _raises(node.body)
@@ -147,5 +156,8 @@ def test_the_handler_check_finds_a_silent_handler(tmp_path):
     src.write_text("try:\n    f()\nexcept Exception:\n    pass\n"
                    "try:\n    f()\nexcept Exception:  # best effort\n    pass\n"
                    "try:\n    f()\nexcept:\n    log()\n    raise\n"
-                   "try:\n    f()\nexcept (OSError, BaseException):\n    def g():\n        raise\n")
-    assert unexplained_handlers(src) == [3, 16]
+                   "try:\n    f()\nexcept (OSError, BaseException):\n    def g():\n        raise\n"
+                   "try:\n    f()\nexcept Exception:  # noqa: BLE001\n    pass\n"
+                   "try:\n    f()\nexcept Exception:  # noqa: BLE001 - a sampler never raises\n    pass\n"
+                   "x = 1  # type: ignore[attr-defined]\ntry:\n    f()\nexcept Exception:\n    pass\n")
+    assert unexplained_handlers(src) == [3, 16, 21, 30]
