@@ -24,13 +24,14 @@ from mindpulse.directives import Directive, Lease
 from mindpulse.partial import collect_ranks
 from mindpulse.protocol import EventKind, EventPacket, Packet, TelemetryPacket
 from mindpulse.settings import AggregatorSettings, compute_drop_window
+from mindpulse.stop_decision import RollbackDecision
 from mindpulse.uplink import UplinkServer
 
 from . import tables
 from .advice import Advice
 from .card_peaks import peak_dtype
 from .compute import ComputeWatch
-from .decisions import Decisions, RollbackDecision
+from .decisions import Decisions
 from .goodput import GoodputClock, StepTimes
 from .hang_clocks import HangClocks
 from .intake import STEP_WINDOW, Intake

@@ -14,7 +14,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from mindpulse.config import CheckpointConfig
 from mindpulse.directives import Directive, Lease
 from mindpulse.protocol import Action, CheckpointKind, EventPacket
 from mindpulse.settings import AggregatorSettings
+from mindpulse.stop_decision import RollbackDecision, StopDecision
 
 from .policies import Firing, PolicyEngine, build_rules, rule_config
 from .reducer import ReducedStep
@@ -32,51 +33,6 @@ log = logging.getLogger(__name__)
 
 KEEP_DIRECTIVES = 1024
 """Directives kept for rank 0 to ask (it asks within a few steps)."""
-
-
-@dataclass(frozen=True)
-class RollbackDecision:
-    """What the launcher needs to roll back after an anomaly (`stop.rollback` in summary.json)."""
-
-    rule: str
-    anomaly_step: int
-    skip_batches: bool
-    lr_factor: float
-    lr_steps: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "anomaly_step": self.anomaly_step, "skip_batches": self.skip_batches,
-                "lr_factor": self.lr_factor, "lr_steps": self.lr_steps}
-
-
-@dataclass(frozen=True)
-class StopDecision:
-    """A stop of every rank: requested (`step` None), then decided at a reduced step."""
-
-    rule: str
-    message: str
-    rank: int | None = None
-    value: float | None = None
-    threshold: float | None = None
-    save: bool = False
-    """Asked with a `last` checkpoint (interrupts, save_and_stop rules)."""
-    rollback: RollbackDecision | None = None
-    step: int | None = None
-    """Every rank stops after this step (None: not decided yet)."""
-    decided_at: int | None = None
-    """The reduced step it was decided at."""
-    save_last: bool = False
-    """Rank 0 writes a `last` checkpoint after `step` (asked, and checkpoint.save_last)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """summary.json's `stop`."""
-        out: dict[str, Any] = {"rule": self.rule, "rank": self.rank, "value": self.value,
-                               "threshold": self.threshold, "message": self.message}
-        if self.rollback is not None:
-            out["rollback"] = self.rollback.to_dict()
-        if self.step is not None:
-            out.update(step=self.step, decided_at=self.decided_at, save_last=self.save_last)
-        return out
 
 
 class Decisions:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig
+from mindpulse.stop_decision import RollbackDecision, StopDecision
 
 from .attempt import Attempt, logs_dir_of
 from .failure_policy import Decision, FailurePolicy
@@ -152,24 +153,24 @@ class Controller:
     _rolling_back = False
     _attempt_started = 0.0
 
-    def _rollback(self, rb: dict[str, Any], stop: dict[str, Any]) -> None:
+    def _rollback(self, rb: RollbackDecision, stop: StopDecision) -> None:
         """Resume from the newest valid checkpoint strictly before the anomaly step, past the
         batches from there to it, the learning rate lowered for a while (rule action `rollback`)."""
         from .resume import rollback_point
 
-        anomaly = int(rb["anomaly_step"])
+        anomaly = rb.anomaly_step
         ckpt_dir = self.run_dir / "checkpoints"
         point, refused = rollback_point(ckpt_dir, anomaly)
         for why in refused:
             self.console.say(f"mindpulse: rollback: refused {why}")
         to_step = int(point["step"]) if point else 0
-        skipped = anomaly - to_step if rb.get("skip_batches", True) else 0
+        skipped = anomaly - to_step if rb.skip_batches else 0
         before = self.history.resume or {}
         counts = dict(before.get("rollbacks") or {})
-        counts[rb["rule"]] = counts.get(rb["rule"], 0) + 1
+        counts[rb.rule] = counts.get(rb.rule, 0) + 1
         resume = dict(point or {"path": "", "step": 0, "epoch": 0, "kind": ""})
-        resume.update(skip_batches=int(before.get("skip_batches") or 0) + skipped, lr_factor=float(rb["lr_factor"]),
-                      lr_until_step=to_step + int(rb["lr_steps"]), rollbacks=counts)
+        resume.update(skip_batches=int(before.get("skip_batches") or 0) + skipped, lr_factor=rb.lr_factor,
+                      lr_until_step=to_step + rb.lr_steps, rollbacks=counts)
         if point is None:  # back to the start: no checkpoint of the abandoned line stays latest or best
             from mindpulse.checkpoint_manifest import supersede_after
 
@@ -177,16 +178,16 @@ class Controller:
                 supersede_after(ckpt_dir, 0, note="rolled back to the start")
             except Exception as exc:  # the rollback goes on from the start; the stale listing is only said
                 self.console.say(f"mindpulse: rollback: the newer checkpoints stay listed: {exc}")
-        record = {"rule": rb["rule"], "anomaly_step": anomaly, "from_step": stop.get("step"), "to_step": to_step,
-                  "skipped_batches": skipped, "lr_factor": float(rb["lr_factor"])}
+        record = {"rule": rb.rule, "anomaly_step": anomaly, "from_step": stop.step, "to_step": to_step,
+                  "skipped_batches": skipped, "lr_factor": rb.lr_factor}
         self.history.rollbacks.append(record)
         self.history.resume = resume
         self._rolling_back = True
-        self.console.say(f"mindpulse: rollback {len(self.history.rollbacks)} ({rb['rule']} at step {anomaly}): every "
-                         f"rank stopped after step {stop.get('step')}; resuming from "
+        self.console.say(f"mindpulse: rollback {len(self.history.rollbacks)} ({rb.rule} at step {anomaly}): every "
+                         f"rank stopped after step {stop.step}; resuming from "
                          + (f"step {to_step} ({point['path']})" if point else "the start (no checkpoint before it)")
                          + (f", skipping {skipped} batch(es)" if skipped else "")
-                         + f", learning rate x{rb['lr_factor']:g} until step {resume['lr_until_step']}")
+                         + f", learning rate x{rb.lr_factor:g} until step {resume['lr_until_step']}")
 
     def _enough_hosts_left(self) -> bool:
         """After a lost node: whether the cluster still holds `world.nodes` hosts for a
@@ -211,10 +212,10 @@ class Controller:
     def _conclude(self) -> ControllerState:
         """Record the attempt that just ended and ask the failure policy what comes next."""
         self._record()
-        stop = self.snapshot.get("stop") or {}
-        if (stop.get("rollback") and self.result.status is not RunStatus.FAILED
+        stop = StopDecision.from_dict(self.snapshot["stop"]) if self.snapshot.get("stop") else None
+        if (stop is not None and stop.rollback is not None and self.result.status is not RunStatus.FAILED
                 and not self.interrupts.count):
-            self._rollback(stop["rollback"], stop)
+            self._rollback(stop.rollback, stop)
             return ControllerState.RESTARTING
         decision = self.policy.decide(self.result, self.index, self.interrupts.count > 0, self.history.resume)
         if decision.decision is Decision.STOP:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mindpulse.aggregator.decisions import RollbackDecision, StopDecision
 from mindpulse.config import MonitorConfig, RuleKind, from_dict, load_config
 from mindpulse.directives import Directive
 from mindpulse.launcher.spec import aggregator_settings, node_settings
 from mindpulse.protocol import CheckpointKind, EventPacket, PacketError, RankState, decode
 from mindpulse.settings import COMPUTE_DROP_WINDOW, AggregatorSettings, BestSeed, NodeSettings
+from mindpulse.stop_decision import RollbackDecision, StopDecision
 from mindpulse.workers.heartbeat import BUSY_SAVING, Heartbeat
 
 
@@ -57,6 +57,9 @@ def test_a_stop_decision_reads_as_summary_json_says_it():
     decided = StopDecision(rule="interrupt", message="ctrl-c", step=5, decided_at=4, save_last=True)
     assert list(decided.to_dict()) == ["rule", "rank", "value", "threshold", "message", "step", "decided_at",
                                        "save_last"]
+    # the driver reads the aggregator's map back as the same decision (`save`, the ask, stays in the aggregator)
+    assert StopDecision.from_dict(decided.to_dict()) == decided
+    assert StopDecision.from_dict(asked.to_dict()) == asked and StopDecision.from_dict(asked.to_dict()).rollback == rb
 
 
 def test_a_directive_carries_a_set_of_checkpoint_kinds():
