@@ -17,11 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from mindpulse.card_peaks import resolve_peak
 from mindpulse.partial import NodeComputeDrops
+from mindpulse.reducer import ReducedStep
 from mindpulse.settings import COMPUTE_DROP_WINDOW
-
-from .card_peaks import resolve_peak
-from .reducer import ReducedStep
 
 log = logging.getLogger(__name__)
 

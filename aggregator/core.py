@@ -20,24 +20,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mindpulse import tables
+from mindpulse.card_peaks import peak_dtype
 from mindpulse.directives import Directive, Lease
+from mindpulse.goodput import GoodputClock, StepTimes
+from mindpulse.metrics_store import MetricsWriter
 from mindpulse.partial import collect_ranks
 from mindpulse.protocol import EventKind, EventPacket, Packet, TelemetryPacket
+from mindpulse.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, straggler_scores
+from mindpulse.replay import replay_attempt
 from mindpulse.settings import AggregatorSettings, compute_drop_window
 from mindpulse.stop_decision import RollbackDecision
 from mindpulse.uplink import UplinkServer
 
-from . import tables
 from .advice import Advice
-from .card_peaks import peak_dtype
 from .compute import ComputeWatch
 from .decisions import Decisions
-from .goodput import GoodputClock, StepTimes
 from .hang_clocks import HangClocks
 from .intake import STEP_WINDOW, Intake
-from .metrics_store import MetricsWriter
-from .reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, straggler_scores
-from .replay import replay_attempt
 from .sinks import Sinks
 
 KEEP_HISTORY = 512

@@ -21,11 +21,11 @@ from typing import Any
 from mindpulse.config import CheckpointConfig
 from mindpulse.directives import Directive, Lease
 from mindpulse.protocol import Action, CheckpointKind, EventPacket
+from mindpulse.reducer import ReducedStep
 from mindpulse.settings import AggregatorSettings
 from mindpulse.stop_decision import RollbackDecision, StopDecision
 
 from .policies import Firing, PolicyEngine, build_rules, rule_config
-from .reducer import ReducedStep
 from .rule_changes import LiveRules
 from .sinks import Sinks
 

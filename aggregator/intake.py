@@ -15,12 +15,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from mindpulse.metrics_store import MetricsWriter
 from mindpulse.partial import from_wire as partial_from_wire
 from mindpulse.protocol import EventPacket, Packet, PacketError, StepPacket, TelemetryPacket, decode
+from mindpulse.reducer import ReducedStep, StepReducer
 
 from .hang_clocks import HangClocks
-from .metrics_store import MetricsWriter
-from .reducer import ReducedStep, StepReducer
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from typing import Any
 import yaml
 
 from mindpulse.config import MlflowConfig, RunConfig
+from mindpulse.reducer import ReducedStep
 
-from .reducer import ReducedStep
 from .tracker_scalars import (
     TrackerFailed,
     TrackerIds,

@@ -21,8 +21,7 @@ from typing import Any
 from mindpulse.config import DEFAULT_RULES, AnomalyRuleConfig, RuleKind, resolve_rule, sections_of
 from mindpulse.formatting import general
 from mindpulse.protocol import Action
-
-from .reducer import ReducedStep
+from mindpulse.reducer import ReducedStep
 
 RuleInput = AnomalyRuleConfig | Mapping[str, Any]
 """A rule's config: typed, or the plain dict of its fields."""

@@ -26,9 +26,8 @@ from typing import Any
 
 from mindpulse.config import MonitorConfig, PrometheusConfig
 from mindpulse.metrics import PROM_HELP, prom_series, rank_prom_series
-
-from .reducer import ReducedStep
-from .tables import CARD_EXTREMES
+from mindpulse.reducer import ReducedStep
+from mindpulse.tables import CARD_EXTREMES
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig, SwanLabConfig, SwanLabMode
+from mindpulse.reducer import ReducedStep
 
-from .reducer import ReducedStep
 from .tracker_scalars import (
     TrackerFailed,
     TrackerIds,

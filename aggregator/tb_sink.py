@@ -38,9 +38,8 @@ from mindpulse.config import MonitorConfig
 from mindpulse.formatting import cell, finite_float
 from mindpulse.metrics import rank_tb_scalars, tb_scalars
 from mindpulse.partial import collect_ranks
-
-from .reducer import ReducedStep
-from .tables import CARD_EXTREMES
+from mindpulse.reducer import ReducedStep
+from mindpulse.tables import CARD_EXTREMES
 
 log = logging.getLogger(__name__)
 

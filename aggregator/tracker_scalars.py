@@ -19,9 +19,9 @@ from mindpulse.config import RunConfig
 from mindpulse.errors import MindpulseError
 from mindpulse.formatting import finite_float
 from mindpulse.partial import collect_ranks
+from mindpulse.reducer import ReducedStep
 from mindpulse.rundir_io import write_json_atomic
 
-from .reducer import ReducedStep
 from .tb_sink import _CARD_SCALARS, _CLUSTER_SCALARS, _RANK_SCALARS, _tag_part
 
 TRACKERS_FILE = "trackers.json"

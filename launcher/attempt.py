@@ -76,8 +76,8 @@ class Attempt:
     def start(self) -> dict[Any, RefOwner]:
         import ray
 
-        from mindpulse.aggregator.card_peaks import peak_dtype
         from mindpulse.aggregator.core import actor_name, start_aggregator
+        from mindpulse.card_peaks import peak_dtype
 
         from . import mindformers_plan
         from .preflight import check_cluster

@@ -209,7 +209,7 @@ def _read_results(check_dir: Path) -> dict[int, dict[str, Any]]:
     """Each rank's newest `card_check` event from the check's metrics.msgpack."""
     import json
 
-    from mindpulse.aggregator.metrics_store import read_packets
+    from mindpulse.metrics_store import read_packets
     from mindpulse.protocol import EventPacket
 
     out: dict[int, dict[str, Any]] = {}

@@ -225,9 +225,9 @@ def _print_plan(cfg: RunConfig, specs: list[RankSpec]) -> None:
 
 def _telemetry(args) -> int:
     if args.telemetry_command == "parse-npu-smi":
-        from mindpulse.aggregator.tables import card_table
         from mindpulse.node.npu_smi import parse_npu_smi
         from mindpulse.node.samplers.npu_smi import records_of_listing
+        from mindpulse.tables import card_table
 
         try:
             data = args.file.read_bytes()
@@ -254,7 +254,7 @@ def _telemetry(args) -> int:
     if args.json:
         print(json.dumps(sample, indent=2, default=str))
     else:
-        from mindpulse.aggregator.tables import card_table
+        from mindpulse.tables import card_table
 
         print(f"source: {sample.get('source')}  node: {sample.get('node')}")
         print(card_table(sample.get("cards", [])))

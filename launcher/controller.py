@@ -114,7 +114,7 @@ class Controller:
         # its aggregator, which takes the manifest's best) reads it
         for line in supersede_newer(self.history.resume):
             self.console.say(f"mindpulse: {line}")
-        from mindpulse.aggregator.goodput import combine
+        from mindpulse.goodput import combine
 
         self._attempt_started = time.time()
         kept = combine(self.history.clocks, self.started, self._attempt_started, self.history.attempts)

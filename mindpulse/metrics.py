@@ -7,9 +7,9 @@ values live, and where it shows (console column, TensorBoard tags, rule-metric a
 
 - the step packet's fields and wire schema (`mindpulse/protocol.py`, `StepPacket`),
 - the node partial's accumulators, their merge, wire form and checks (`mindpulse/partial.py`),
-- the aggregator's `ReducedStep` fields and `finalize` (`aggregator/reducer.py`),
+- the aggregator's `ReducedStep` fields and `finalize` (`mindpulse/reducer.py`),
 - the rule and best-checkpoint metric names (`REDUCED_METRICS`, `METRIC_ALIASES`: config
-  validation), the console columns (`aggregator/tables.py`), the TensorBoard tags
+  validation), the console columns (`mindpulse/tables.py`), the TensorBoard tags
   (`aggregator/tb_sink.py`) and the totals of `summary.json` (`RunTotals`).
 
 Adding a metric is one `StepMetric` here plus the rank code that measures it (it passes the
@@ -107,7 +107,7 @@ class Derived:
 
 @dataclass(frozen=True)
 class Column:
-    """A console column of the per-step table (aggregator/tables.py), in declaration order: a
+    """A console column of the per-step table (mindpulse/tables.py), in declaration order: a
     rank's cell from its packet (and the step's `ReducedStep`, for what only the cluster knows:
     the card's peak), the cluster row's cell from the reduced values."""
 
@@ -305,7 +305,7 @@ DERIVED: tuple[Derived, ...] = (
 
 FIXED_REDUCED: tuple[str, ...] = ("world_size", "ranks_reported", "peak_tflops", "mfu_mean", "mfu_min",
                                    "mfu_min_rank", "mfu_max", "mfu_max_rank")
-"""The numeric `ReducedStep` fields not reduced from one packet field (aggregator/reducer.py
+"""The numeric `ReducedStep` fields not reduced from one packet field (mindpulse/reducer.py
 declares them; the MFU is achieved TFLOPS over the card's peak, which the aggregator knows)."""
 
 OTHER_ALIASES: dict[str, str] = {"throughput": "samples_per_s", "mfu": "mfu_mean"}

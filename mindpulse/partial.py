@@ -567,7 +567,7 @@ class NodeStragglers:
     """Each rank's busy time (data wait + compute before the collective) over a rolling
     window, on the node that has its packets; the node sends its fastest median and its
     ranks' medians, so the aggregator scores stragglers from one number per node plus the
-    ranks that stand out (`aggregator/reducer.py`, `straggler_scores`). The offline views and
+    ranks that stand out (`mindpulse/reducer.py`, `straggler_scores`). The offline views and
     the flat path run the same class over every rank at once (one node that holds them all).
 
     The all-reduce makes every rank's step end at the same moment, so step times cannot name

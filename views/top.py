@@ -31,11 +31,11 @@ try:  # POSIX terminals; elsewhere the terminal view refreshes without keys
 except ImportError:  # pragma: no cover
     termios = tty = None  # type: ignore[assignment]
 
-from mindpulse.aggregator.metrics_store import closed_segments
-from mindpulse.aggregator.reducer import ReducedStep
-from mindpulse.aggregator.tables import MAX_TABLE_RANKS, card_table, cluster_table
 from mindpulse.formatting import is_number
+from mindpulse.metrics_store import closed_segments
 from mindpulse.protocol import EventPacket, Packet, StepPacket, TelemetryPacket
+from mindpulse.reducer import ReducedStep
+from mindpulse.tables import MAX_TABLE_RANKS, card_table, cluster_table
 from mindpulse.views.run_reader import CONFIG, METRICS, SUMMARY, MetricsTail, RunReader
 
 MAX_ERROR_LINES = 3

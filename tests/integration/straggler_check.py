@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mindpulse.aggregator.metrics_store import read_packets
+from mindpulse.metrics_store import read_packets
 from mindpulse.protocol import StepPacket
 
 
@@ -12,9 +12,9 @@ def assert_offline_straggler_scores_are_the_live_ones(run_dir: Path, slow_rank: 
     """One straggler scorer: the views' offline scores (report, `top`: every rank's packets
     replayed through StragglerTracker, which runs the nodes' scorer per node) equal the live
     rule's (the node agents' medians, scored by the aggregator) at every step the live run scored."""
-    from mindpulse.aggregator.metrics_store import REDUCED, read_records
-    from mindpulse.aggregator.reducer import StragglerTracker, reduce_all
     from mindpulse.config import load_config
+    from mindpulse.metrics_store import REDUCED, read_records
+    from mindpulse.reducer import StragglerTracker, reduce_all
 
     cfg, _ = load_config(run_dir / "config.yaml")
     packets = [p for p in read_packets(run_dir / "metrics.msgpack") if isinstance(p, StepPacket)]

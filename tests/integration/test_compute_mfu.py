@@ -9,7 +9,7 @@ import json
 import pytest
 from straggler_check import assert_offline_straggler_scores_are_the_live_ones
 
-from mindpulse.aggregator.metrics_store import read_packets
+from mindpulse.metrics_store import read_packets
 from mindpulse.protocol import StepPacket
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]

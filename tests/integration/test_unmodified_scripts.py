@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.aggregator.metrics_store import read_records
+from mindpulse.metrics_store import read_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "plain_train.py"

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.metrics_store import read_packets, read_wire
+from mindpulse.metrics_store import read_packets, read_wire
 from mindpulse.protocol import Action, EventPacket, StepPacket
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.aggregator.card_peaks import (
+from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.aggregator.policies import ComputeDropRule
+from mindpulse.card_peaks import (
     CARD_PEAKS,
     DTYPES,
     NO_PUBLIC_PEAK,
@@ -18,12 +20,10 @@ from mindpulse.aggregator.card_peaks import (
     peak_dtype,
     resolve_peak,
 )
-from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.policies import ComputeDropRule
-from mindpulse.aggregator.reducer import StepReducer, finalize, reduce_step
-from mindpulse.aggregator.tables import card_table, cluster_table
 from mindpulse.partial import NodeComputeDrops, from_wire, merge, partial_of, to_wire
 from mindpulse.protocol import StepPacket
+from mindpulse.reducer import StepReducer, finalize, reduce_step
+from mindpulse.tables import card_table, cluster_table
 from mindpulse.workers.flops import achieved_tflops, decoder_flops_per_token
 
 

@@ -244,9 +244,9 @@ def test_reduced_metrics_match_the_reducer():
     import dataclasses
     import typing
 
-    from mindpulse.aggregator.reducer import ReducedStep
     from mindpulse.config import METRIC_ALIASES, REDUCED_METRICS
     from mindpulse.metrics import aliases as registry_aliases
+    from mindpulse.reducer import ReducedStep
 
     def numeric(tp) -> bool:  # int, float, or either | None
         if typing.get_origin(tp) is None:

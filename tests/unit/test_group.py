@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.metrics_store import read_wire
-from mindpulse.aggregator.reducer import reduce_step
+from mindpulse.metrics_store import read_wire
 from mindpulse.node import group as group_mod
 from mindpulse.node.group import GroupLeader
 from mindpulse.node.relay import NodePreReducer
 from mindpulse.protocol import EventPacket, StepPacket
+from mindpulse.reducer import reduce_step
 
 NODES, RPN = 3, 2
 

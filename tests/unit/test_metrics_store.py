@@ -10,9 +10,9 @@ import os
 import msgpack
 import pytest
 
-from mindpulse.aggregator import metrics_store as ms
+from mindpulse import metrics_store as ms
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.metrics_store import (
+from mindpulse.metrics_store import (
     ATTEMPT,
     REDUCED,
     THINNED,
@@ -26,9 +26,9 @@ from mindpulse.aggregator.metrics_store import (
     reduced_record,
     with_attempts,
 )
-from mindpulse.aggregator.reducer import reduce_step
 from mindpulse.packet_stream import iter_stream
 from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
+from mindpulse.reducer import reduce_step
 from mindpulse.views.report import build_report, load_run
 from mindpulse.views.run_reader import RunReader
 from mindpulse.views.top import RunView

@@ -180,8 +180,8 @@ def test_reading_a_config_does_not_import_mindspore():
 
 
 def test_the_compute_dtype_of_mfus_peak_is_read_from_the_yaml(tmp_path):
-    """MFU's peak is taken in the dtype the model computes in (aggregator/card_peaks.py)."""
-    from mindpulse.aggregator.card_peaks import peak_dtype
+    """MFU's peak is taken in the dtype the model computes in (mindpulse/card_peaks.py)."""
+    from mindpulse.card_peaks import peak_dtype
     from mindpulse.config import from_dict
     from mindpulse.launcher.mindformers_plan import compute_dtype
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindpulse.aggregator.reducer import StepReducer, StragglerTracker, reduce_step, straggler_scores
 from mindpulse.partial import NodeStragglers, exact, exact_sum, from_wire, partial_of, to_wire
 from mindpulse.protocol import StepPacket
+from mindpulse.reducer import StepReducer, StragglerTracker, reduce_step, straggler_scores
 
 values = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=64),
                    st.floats(min_value=-1e6, max_value=1e6))
@@ -168,7 +168,7 @@ def test_a_nodes_relay_pre_reduces_and_the_aggregator_merges_one_partial_per_nod
     assert {r: i["pid"] for r, i in core.rank_info.items()} == {r: 100 + r for r in range(4)}, "events pass through"
     assert core.rejected == {"node:malformed": 1}, core.rejected
     core.close()
-    stored = [o for o in __import__("mindpulse.aggregator.metrics_store", fromlist=["x"]).read_wire(
+    stored = [o for o in __import__("mindpulse.metrics_store", fromlist=["x"]).read_wire(
         tmp_path / "metrics.msgpack") if o.get("t") == "step"]
     assert sorted(o["rank"] for o in stored) == [0, 1, 2, 3], "raw step packets are stored as the nodes sent them"
 

@@ -16,9 +16,9 @@ from mindpulse.aggregator.policies import (
     ThresholdRule,
     build_rules,
 )
-from mindpulse.aggregator.reducer import reduce_step
 from mindpulse.protocol import Action as DirectiveAction
 from mindpulse.protocol import StepPacket, TelemetryPacket
+from mindpulse.reducer import reduce_step
 
 
 def red(step, losses, grad_norm=1.0, locals_=None, **kw):
@@ -202,7 +202,7 @@ def test_desync_names_ranks_off_the_majority_and_ties_keep_rank0():
 
 def test_straggler_scores_and_rule():
     from mindpulse.aggregator.policies import StragglerRule
-    from mindpulse.aggregator.reducer import StragglerTracker
+    from mindpulse.reducer import StragglerTracker
 
     tr = StragglerTracker(window=5, min_steps=3)
     rule = StragglerRule({"default_threshold": 0.8, "patience": 1})

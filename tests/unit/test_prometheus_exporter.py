@@ -149,8 +149,8 @@ def test_beyond_256_ranks_only_the_cards_and_ranks_that_matter_have_series(tmp_p
     from prometheus_client import generate_latest
 
     from mindpulse.aggregator.prometheus_exporter import CARDS_THAT_MATTER, PrometheusExporter
-    from mindpulse.aggregator.reducer import reduce_step
     from mindpulse.config import PrometheusConfig
+    from mindpulse.reducer import reduce_step
 
     exp = PrometheusExporter(PrometheusConfig(port=free_port()), run="big", world_size=1024, ranks_per_node=8)
     try:

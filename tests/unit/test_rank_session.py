@@ -350,7 +350,7 @@ def test_monitor_self_s_counts_mindpulses_own_time_and_leaves_out_evaluation(tmp
     (it is counted after that packet was built); an evaluation's time is the user's, not ours."""
     import time
 
-    from mindpulse.aggregator.reducer import RunTotals, reduce_step
+    from mindpulse.reducer import RunTotals, reduce_step
     from mindpulse.workers.session import RankSession
 
     class SlowChannel(Recording):
@@ -385,10 +385,10 @@ def test_monitor_self_s_shows_in_the_table_tensorboard_and_rules(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from mindpulse.aggregator.policies import ThresholdRule
-    from mindpulse.aggregator.reducer import reduce_step
-    from mindpulse.aggregator.tables import cluster_table
     from mindpulse.aggregator.tb_sink import TensorBoardSink
     from mindpulse.config import ConfigError, from_dict
+    from mindpulse.reducer import reduce_step
+    from mindpulse.tables import cluster_table
 
     def red(step):
         return reduce_step(step, {r: StepPacket(rank=r, step=step, loss=1.0, step_time_s=0.1,

@@ -14,8 +14,8 @@ from html.parser import HTMLParser
 import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.reducer import reduce_all
 from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
+from mindpulse.reducer import reduce_all
 from mindpulse.views.report import PLOT_NAMES, build_report, final_tables, headline, load_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.metrics_store import read_records
 from mindpulse.config import ConfigError, from_dict
 from mindpulse.launcher.preflight import LaunchRefused, check_local, check_trackers
 from mindpulse.metrics import tb_scalars
+from mindpulse.metrics_store import read_records
 from mindpulse.protocol import EventKind, EventPacket, StepPacket, TelemetryPacket
 
 mlflow = pytest.importorskip("mlflow", reason="pip install 'mindpulse[mlflow]'")

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.aggregator.metrics_store import read_wire
 from mindpulse.directives import Directive, Lease
 from mindpulse.frames import encode_frame
+from mindpulse.metrics_store import read_wire
 from mindpulse.node.relay import NodePreReducer
 from mindpulse.protocol import Action, StepPacket
 from mindpulse.uplink import Uplink, UplinkServer

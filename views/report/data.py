@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindpulse.aggregator.reducer import ReducedStep
 from mindpulse.config import RunConfig
 from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
+from mindpulse.reducer import ReducedStep
 from mindpulse.views.run_reader import (
     CONFIG,
     METRICS,

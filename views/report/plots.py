@@ -271,7 +271,7 @@ def _plot_straggler(data: RunData, path: Path, marks: Markers) -> Plot:
 def _peak_of(data: RunData) -> tuple[float | None, str]:
     """The peak the run's MFU was measured against: summary.json's `compute`, else the
     run's own sources again (world.peak_tflops, preflight.json: a run without a summary)."""
-    from mindpulse.aggregator.card_peaks import resolve_peak
+    from mindpulse.card_peaks import resolve_peak
 
     comp = (data.summary or {}).get("compute") or {}
     peak = comp.get("peak_tflops")

@@ -32,7 +32,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from .metrics_store import ATTEMPT, REDUCED, attempt_of
+from mindpulse.metrics_store import ATTEMPT, REDUCED, attempt_of
 
 CAUSES = ("startup", "checkpoint", "eval", "profile", "monitor_wait", "data_wait", "restart", "recomputed", "hang",
           "teardown")

@@ -13,8 +13,7 @@ from tabulate import tabulate
 from mindpulse.config import MonitorConfig
 from mindpulse.formatting import finite_float, number
 from mindpulse.metrics import columns, totals
-
-from .reducer import ReducedStep
+from mindpulse.reducer import ReducedStep
 
 MAX_TABLE_RANKS = 16
 """Above this many ranks the table shows the ranks that matter and counts the rest."""

@@ -54,9 +54,8 @@ from mindpulse.config import MonitorConfig
 from mindpulse.errors import MindpulseError
 from mindpulse.packet_stream import iter_stream
 from mindpulse.protocol import SCHEMA_VERSION, Packet, PacketError, from_wire
+from mindpulse.reducer import ReducedStep
 from mindpulse.rundir_io import file_mode_in, fsync_dir
-
-from .reducer import ReducedStep
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mindpulse.protocol import Packet, PacketError, from_wire
-
-from .metrics_store import (
+from mindpulse.metrics_store import (
     ATTEMPT,
     META_TYPES,
     REDUCED,
@@ -27,7 +25,8 @@ from .metrics_store import (
     read_records,
     reduced_from_record,
 )
-from .reducer import ReducedStep
+from mindpulse.protocol import Packet, PacketError, from_wire
+from mindpulse.reducer import ReducedStep
 
 
 @dataclass
