@@ -421,7 +421,7 @@ def actor_name(run_id: str) -> str:
 
 class AggregatorActor:
     def __init__(self, run_dir: str, world_size: int, per_print_step: int = 10, total_steps: int | None = None,
-                 settings: dict[str, Any] | None = None):
+                 settings: AggregatorSettings | None = None):
         # restarted by Ray after a crash: rebuild the state from metrics.msgpack first
         import ray  # the actor runs inside Ray; the core alone (tests, replay) does not need it
 
@@ -547,8 +547,11 @@ class AggregatorActor:
 
 
 def start_aggregator(run_id: str, namespace: str, run_dir: Path, world_size: int, per_print_step: int,
-                     total_steps: int | None, node_id: str | None = None, settings: dict[str, Any] | None = None):
-    """Start the named actor; pinned to the driver's node so it can write the run directory."""
+                     total_steps: int | None, node_id: str | None = None,
+                     settings: AggregatorSettings | None = None):
+    """Start the named actor; pinned to the driver's node so it can write the run directory.
+    `settings`: built by `launcher/spec.py`'s `aggregator_settings` (the benchmarks build them
+    the same way)."""
     options: dict[str, Any] = dict(
         name=actor_name(run_id),
         namespace=namespace,
