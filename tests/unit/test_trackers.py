@@ -165,6 +165,33 @@ def test_an_mlflow_failure_at_run_time_is_counted_and_training_goes_on(tmp_path,
     assert len(reduced(tmp_path / "run-x")) == 5
 
 
+def test_a_swanlab_run_that_ends_under_the_job_is_counted_and_training_goes_on(tmp_path):
+    """SwanLab ends its run on its own (at the process's exit, on a crash of its own): the sink's
+    next write finds it ended, which is counted and said once; the steps go on being reduced and
+    written, the other outputs keep logging."""
+    core = make_core(tmp_path / "run-x", {"swanlab": {"enabled": True}, "mlflow": {"enabled": True}})
+    try:
+        train(core, range(1, 3))
+        assert not core.sinks.output_errors
+        swanlab.finish()  # SwanLab's own end of its current run, as at exit: the sink did not ask for it
+        train(core, range(3, 6))
+        console = "\n".join(core.drain_console())
+    finally:
+        core.close()
+    errors = core.sinks.output_errors
+    assert errors["SwanLabSink.on_reduced"] == 3 and errors["SwanLabSink.on_checkpoint"] == 1, errors
+    assert not any(key.startswith("MlflowSink.") for key in errors), errors
+    assert console.count("SwanLabSink failed in on_reduced (TrackerFailed: the SwanLab run") == 1, console
+    assert f"ended before the job (SwanLab's log: {tmp_path / 'run-x' / 'swanlab'})" in console
+    assert core.last_reduced is not None and core.last_reduced.step == 5
+    assert sorted(reduced(tmp_path / "run-x")) == [1, 2, 3, 4, 5]
+    _, series = mlflow_series(tmp_path / "run-x")
+    assert sorted(series["loss/mean"]) == [1, 2, 3, 4, 5]  # the other tracker logged on
+    logged = {r.scalar.step for r in swanlab_records(tmp_path / "run-x" / "swanlab")
+              if r.HasField("scalar") and r.scalar.key == "loss/mean"}
+    assert logged == {1, 2}
+
+
 def test_swanlab_offline_run_holds_the_reduced_series_and_a_resumed_attempt_continues_it(tmp_path):
     run_dir = tmp_path / "run-x"
     first = make_core(run_dir, {"swanlab": {"enabled": True}})
