@@ -211,6 +211,8 @@ class AggregatorCore:
         elif pkt.kind == EventKind.ERROR:
             if len(self.rank_errors) < 100:
                 self.rank_errors.append({"rank": pkt.rank, "step": pkt.step, "message": pkt.message})
+            if self.sinks.outputs:  # the endpoint keeps a failed rank's series (a replay rebuilds them too)
+                self.sinks.each("on_rank_error", pkt.rank, pkt.step, pkt.message)
             if not self.replaying:
                 self.console.append(f"rank {pkt.rank}: {pkt.message}")
             self.decisions.on_rank_error(pkt)

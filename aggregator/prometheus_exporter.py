@@ -10,8 +10,9 @@ step (after its lease and directive went out, as TensorBoard); a scrape, on the 
 own thread, builds the text from the newest snapshot. Series follow Prometheus' rules: the
 `mindpulse_` prefix, base units, `_total` counters, ratios 0-1, `_info` for metadata; labels
 `run`, `rank`, `node` (never the step). Above `MAX_RANK_SERIES` ranks the per-rank series are
-kept only for the ranks that matter (the extremes, non-finite, stragglers, failed), so a
-32,768-rank job stays a few thousand series.
+kept only for the ranks that matter (the extremes, non-finite, stragglers, the ranks that
+reported an error, and the `OLDEST_RANKS` whose last finished step is the oldest: a hung or
+dead rank), so a 32,768-rank job stays a few thousand series.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ CARDS_THAT_MATTER = 8
 """Beyond MAX_RANK_SERIES: the cards kept per reading (the hottest, the most power, the most
 memory in use, the least utilised: an operator's first look; Huawei's NPU Exporter on each node
 has every card)."""
+
+OLDEST_RANKS = 8
+"""Beyond MAX_RANK_SERIES: the ranks whose last finished step is the oldest keep their
+`last_step_timestamp_seconds` (a hung or dead rank stops there, and its age is what a hang
+alert reads), whatever else they hold."""
+FAILED_RANKS = 100
+"""Beyond MAX_RANK_SERIES: the ranks that reported an error (`on_rank_error`) keep their series
+for the rest of the attempt; the first this many (as the aggregator keeps `rank_errors`)."""
 
 STALE_RANKS_S = 600.0
 """A rank's series that no reduced step refreshed for this long (it no longer matters) is dropped."""
@@ -104,6 +113,8 @@ class PrometheusExporter:
         self._seen: dict[int, float] = {}
         self._anomalies: Counter[tuple[str, str]] = Counter()
         self._nonfinite: Counter[int] = Counter()
+        self._failed: frozenset[int] = frozenset()
+        """Ranks that reported an error (beyond MAX_RANK_SERIES, kept shown); replaced whole."""
         self.scrapes = 0
         self._clocks: Any = None
         self._cards: dict[str, _NodeCards] = {}
@@ -127,20 +138,24 @@ class PrometheusExporter:
             return {}, {}
         for _ in range(5):
             try:
-                nodes, own = dict(clocks.node_progress_at), dict(clocks.progress_at)
+                partials, own = dict(clocks.node_progress_at), dict(clocks.progress_at)
                 break
             except RuntimeError:  # "changed size during iteration": copied again
                 continue
         else:
             return {}, {}
         rpn = self.ranks_per_node
+        nodes = dict(partials)
         for r, t in own.items():  # ranks that report without a relay (the flat path): their node's time too
             if t > nodes.get(r // rpn, 0.0):
                 nodes[r // rpn] = t
-        ranks = range(self.world_size) if self.world_size <= MAX_RANK_SERIES else shown
+        if self.world_size <= MAX_RANK_SERIES:
+            ranks: Iterable[int] = range(self.world_size)
+        else:  # the ranks shown, those that failed, and the ones whose last step is the oldest (hung, dead)
+            ranks = {*shown, *self._failed, *_oldest_ranks(own, partials, rpn, self.world_size, OLDEST_RANKS)}
         out = {}
-        for r in ranks:
-            t = max(own.get(r, 0.0), nodes.get(r // rpn, 0.0))
+        for r in ranks:  # a rank's clock: its own packets and heartbeats, or its node's partials (as HangClocks')
+            t = max(own.get(r, 0.0), partials.get(r // rpn, 0.0))
             if t:
                 out[r] = t
         return out, nodes
@@ -189,7 +204,15 @@ class PrometheusExporter:
     def _shown_ranks(self, red: ReducedStep) -> set[int]:
         if self.world_size <= MAX_RANK_SERIES:
             return set(red.per_rank)
-        return red.ranks_that_matter(self.straggler_threshold) & set(red.per_rank)
+        return (red.ranks_that_matter(self.straggler_threshold) | self._failed) & set(red.per_rank)
+
+    def on_rank_error(self, rank: int, step: int = 0, message: str = "") -> None:
+        """A rank reported an error (a checkpoint save that failed, ...): beyond MAX_RANK_SERIES
+        its series are kept from now on (its last step's time at every scrape; its values
+        while its packets reach the aggregator)."""
+        with self._lock:
+            if rank not in self._failed and len(self._failed) < FAILED_RANKS and 0 <= rank < self.world_size:
+                self._failed = self._failed | {int(rank)}
 
     def on_anomaly(self, rec: Mapping[str, Any]) -> None:
         with self._lock:
@@ -369,6 +392,36 @@ def _cards_that_matter(nodes: Mapping[str, _NodeCards]) -> set[tuple[str, str]]:
     return out
 
 
+def _oldest_ranks(own: Mapping[int, float], partials: Mapping[int, float], rpn: int, world: int,
+                  k: int) -> list[int]:
+    """The `k` ranks whose clock (`max(own[r], partials[r // rpn])`, 0: no step finished yet,
+    left out) is the oldest. Vectorised: at 32,768 ranks a loop over the ranks took ~8 ms of
+    a scrape, this ~2 ms."""
+    import numpy as np
+
+    if not own and not partials:
+        return []
+    t = np.zeros(world, dtype=np.float64)
+    if own:
+        ranks = np.fromiter(own.keys(), dtype=np.int64, count=len(own))
+        times = np.fromiter(own.values(), dtype=np.float64, count=len(own))
+        ok = (ranks >= 0) & (ranks < world)
+        t[ranks[ok]] = times[ok]
+    if partials:
+        n_nodes = (world + rpn - 1) // rpn
+        nodes = np.fromiter(partials.keys(), dtype=np.int64, count=len(partials))
+        times = np.fromiter(partials.values(), dtype=np.float64, count=len(partials))
+        ok = (nodes >= 0) & (nodes < n_nodes)
+        by_node = np.zeros(n_nodes, dtype=np.float64)
+        by_node[nodes[ok]] = times[ok]
+        np.maximum(t, np.repeat(by_node, rpn)[:world], out=t)
+    started = np.flatnonzero(t > 0)
+    if len(started) <= k:
+        return started.tolist()
+    pick = np.argpartition(t[started], k - 1)[:k]
+    return started[pick].tolist()
+
+
 def _host_of(node: str) -> str:
     """The host of a node agent's name (`node<k>-<host>`): the label a card's series shares with
     the NPU Exporter's (its `instance`'s host) for PromQL joins."""
@@ -376,4 +429,4 @@ def _host_of(node: str) -> str:
     return host if sep and head.startswith("node") and head[4:].isdigit() else node
 
 
-__all__ = ["MAX_RANK_SERIES", "PREFIX", "PrometheusExporter"]
+__all__ = ["FAILED_RANKS", "MAX_RANK_SERIES", "OLDEST_RANKS", "PREFIX", "PrometheusExporter"]

@@ -41,7 +41,8 @@ class Sinks:
         self._views: deque[Callable[[], None]] = deque()
         self.outputs: list[Any] = []
         """The trackers besides TensorBoard (`open_outputs`): each may have `on_reduced(red, also)`,
-        `on_telemetry(node, cards, ts, step)`, `on_anomaly(record)`, `on_checkpoint(step)`, `close()`."""
+        `on_telemetry(node, cards, ts, step)`, `on_anomaly(record)`, `on_checkpoint(step)`,
+        `on_rank_error(rank, step, message)`, `close()`."""
         self.output_errors: Counter[str] = Counter()
         self.tb: Any = None
         if tensorboard:

@@ -14,8 +14,9 @@ and the cards are the job's telemetry below.
 
 A resumed attempt continues the same run: its id is kept in `RUN_DIR/trackers.json` and given
 back to SwanLab (`id=`, `resume="allow"`). Offline and local, SwanLab writes each attempt to a
-new folder under the log directory with that same run id; `swanlab sync` of the folders puts
-them into one cloud run.
+new folder under the log directory with that same run id (after `mindpulse launch --resume`,
+under the new run directory's log directory); `swanlab sync` of the folders puts them into one
+cloud run.
 
 SwanLab writes from its own threads and keeps its write errors to its log (`Run.log` never
 raises); what this sink sees — a run SwanLab ended (at exit, on a crash) — it raises, so

@@ -119,7 +119,8 @@ def anomaly_step(record: dict) -> int:
 
 class TrackerIds:
     """`RUN_DIR/trackers.json`: `{tracker: {run_id, ...}}`, read by a resumed attempt (or a
-    restarted aggregator) to continue the same tracker run."""
+    restarted aggregator) to continue the same tracker run; `mindpulse launch --resume RUN_DIR`
+    copies it into its new run directory first (launcher/resume.py `carry_tracker_runs`)."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / TRACKERS_FILE

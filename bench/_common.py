@@ -120,6 +120,21 @@ def aggregator_settings(*overrides: str) -> Any:
     return settings_of(cfg)
 
 
+TRACKER_SINKS = {"none": [], "mlflow": ["sinks.mlflow.enabled=true"], "swanlab": ["sinks.swanlab.enabled=true"]}
+"""A tracker sink by name → the `--set` lines that turn it on (MLflow: a file store in
+`<output.root>/mlruns`, the run directory's parent; SwanLab: offline, under the run directory):
+the settings path a launch takes, `aggregator_settings`."""
+
+
+def tracker_missing(sink: str) -> str | None:
+    """Why the tracker `sink` cannot run here (its package is not installed), or None."""
+    import importlib.util
+
+    if sink == "none" or importlib.util.find_spec(sink) is not None:
+        return None
+    return f"{sink} is not installed (pip install 'mindpulse[{sink}]')"
+
+
 def write_result(path: str | os.PathLike | None, name: str, data: dict[str, Any], t0: float) -> None:
     """Write a benchmark's result JSON (when a path was given)."""
     if not path:

@@ -1,6 +1,9 @@
 """What the dashboards and trackers cost the aggregator: the Prometheus endpoint's scrape time
 at 4,096 and 32,768 ranks, and the aggregator's CPU per reduced step with each sink on.
 
+Both build the core's settings as a launch does, from the default config with `--set`-style
+changes (`_common.aggregator_settings`, as the other benchmarks).
+
 Scrape: a real `AggregatorCore` with its endpoint on (the aggregator's own code, in this
 process), fed what a job of that size sends it: every node's card telemetry (8 cards a node,
 as an Atlas 800 node; 16 with `--cards-per-node 16`, an A3-shaped node) and `--steps` reduced
@@ -24,7 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -69,9 +71,9 @@ def scrape_cost(world: int, steps: int, scrapes: int, cards_per_node: int) -> di
     rpn = 8
     port = C.free_port()
     tmp = Path(tempfile.mkdtemp(prefix="mp-exporter-"))
-    core = AggregatorCore(tmp / "run", world_size=world, per_print_step=10 ** 9, settings={
-        "tensorboard": False, "world": {"nodes": world // rpn, "ranks_per_node": rpn},
-        "exporters": {"prometheus": {"port": port}}})
+    settings = C.aggregator_settings("output.tensorboard=false", f"world.nodes={world // rpn}",
+                                     f"world.ranks_per_node={rpn}", f"exporters.prometheus.port={port}")
+    core = AggregatorCore(tmp / "run", world_size=world, per_print_step=10 ** 9, settings=settings)
     try:
         core.ingest(_telemetry(world, rpn, cards_per_node))
         for s in range(1, steps + 1):
@@ -94,29 +96,30 @@ def scrape_cost(world: int, steps: int, scrapes: int, cards_per_node: int) -> di
             "scrape_max_ms": round(times[-1] * 1000, 1), "met": times[-1] * 1000 < SCRAPE_TARGET_MS}
 
 
-SINKS = {
-    "none": {"tensorboard": False},
-    "tensorboard": {"tensorboard": True},
-    "prometheus": {"tensorboard": False, "exporters": {"prometheus": {"port": -1}}},
-    "mlflow": {"tensorboard": False, "sinks": {"mlflow": {"enabled": True, "tracking_uri": ""}}},
-    "swanlab": {"tensorboard": False, "sinks": {"swanlab": {"enabled": True}}},
-}
-PACKAGES = {"mlflow": "mlflow", "swanlab": "swanlab"}
+SINKS = ("none", "tensorboard", "prometheus", "mlflow", "swanlab")
+SINK_WORLD = ("world.nodes=1", "world.ranks_per_node=8")
+"""The sink rows' job: one node of 8 ranks (the default config otherwise)."""
+
+
+def sink_overrides(name: str, port: int = 0) -> list[str]:
+    """The `--set` lines of sink row `name` (TensorBoard off but in its own row; the endpoint on
+    `port` in the Prometheus row; the trackers as `C.TRACKER_SINKS` turns them on)."""
+    out = [*SINK_WORLD, f"output.tensorboard={str(name == 'tensorboard').lower()}"]
+    if name == "prometheus":
+        out.append(f"exporters.prometheus.port={port}")
+    return out + C.TRACKER_SINKS.get(name, [])
 
 
 def sink_cost(name: str, steps: int) -> dict:
     from mindpulse.aggregator.core import AggregatorCore
     from mindpulse.protocol import StepPacket
 
-    pkg = PACKAGES.get(name)
-    if pkg and importlib.util.find_spec(pkg) is None:
-        return {"sink": name, "skipped": f"{pkg} is not installed (pip install 'mindpulse[{name}]')"}
-    settings = json.loads(json.dumps(SINKS[name]))
+    missing = C.tracker_missing(name) if name in C.TRACKER_SINKS else None
+    if missing:
+        return {"sink": name, "skipped": missing}
     scraper = None
-    port = 0
-    if name == "prometheus":
-        port = C.free_port()
-        settings["exporters"]["prometheus"]["port"] = port
+    port = C.free_port() if name == "prometheus" else 0
+    settings = C.aggregator_settings(*sink_overrides(name, port))
     tmp = Path(tempfile.mkdtemp(prefix="mp-sinks-"))
     core = AggregatorCore(tmp / "run", world_size=8, per_print_step=10 ** 9, settings=settings)
     core.defer_sinks = True  # as the actor: the views after the step's lease

@@ -25,11 +25,17 @@ of step k-1-max_lag_steps, and after a checkpoint candidate only once rank 0 has
 directive; steps are paced at the asked rate, so a saturated aggregator shows as a lower
 achieved rate and as rank wait.
 
+`--sink mlflow` or `--sink swanlab` turns that tracker on as a launch does
+(`sinks.<name>.enabled=true` through the launcher's settings: MLflow with a file store in the
+run's `<output.root>/mlruns`, SwanLab offline under the run directory); `--sink
+none,mlflow,swanlab` runs the configuration with each in turn (`--repeats` rounds; the nodes'
+batches made once), for the aggregator's cost of each tracker at that scale.
+
 Measured over the timed steps: achieved steps/s; reduce latency per step (the target's: the
 step's last group partial leaving its leader, to every leader holding the lease that says
 the step is reduced) and end to end (every node's batch handed over, to every leader and
-streaming member holding that lease); the aggregator's CPU as a fraction of one core (its
-process); the rank wait for the lease, and rank 0's wait for its directive (with how long
+streaming member holding that lease); the aggregator's CPU as a fraction of one core and in
+ms per reduced step (its process: a tracker's own threads in it included); the rank wait for the lease, and rank 0's wait for its directive (with how long
 after the step's lease the directive came down the same stream); the senders' CPU; what
 the driver's polls, hang checks and the scrapes took; packets the aggregator refused.
 Senders and aggregator share this machine's cores (on a cluster the nodes' work runs on
@@ -40,9 +46,11 @@ Separately (`--targets`), the node agent's whole process as a launch runs it
 telemetry on), and 8 ranks at 20 steps/s for context.
 
 Usage: bench/fanin.py --ranks N --ranks-per-node 8 --rate R --seconds S [--group-size G]
-                      [--hop-groups H] [--no-tensorboard] [--json [PATH]]
-Prints one JSON object (with --json) with at least: ranks, nodes, asked_steps_per_s,
-achieved_steps_per_s, reduce_p50_ms, reduce_p99_ms, reduce_n, aggregator_cpu_frac, rank_wait_p99_ms.
+                      [--hop-groups H] [--no-tensorboard] [--sink none|mlflow|swanlab[,...]]
+                      [--json [PATH]]
+Prints one JSON object (with --json) with at least: ranks, nodes, sink, asked_steps_per_s,
+achieved_steps_per_s, reduce_p50_ms, reduce_p99_ms, reduce_n, aggregator_cpu_frac,
+aggregator_cpu_ms_per_step, rank_wait_p99_ms (several sinks: {"sink_runs": {sink: [runs]}, ...}).
 `--targets [--repeats K]` runs the issue's fan-in targets K times each, in turn (each judged
 on its worst repeat), and the node-agent measurements (bench/run_all.py uses it).
 """
@@ -84,14 +92,16 @@ processes to ~38% of a core each, and with four leaders and their members in one
 per process the end-to-end latency grew ~3x over what one leader's loop sees."""
 
 
-def overrides_of(ranks: int, rpn: int, tensorboard: bool, port: int, group_size: int) -> list[str]:
-    """The `--set` lines of the simulated job (the default config otherwise)."""
+def overrides_of(ranks: int, rpn: int, tensorboard: bool, port: int, group_size: int,
+                 sink: str = "none") -> list[str]:
+    """The `--set` lines of the simulated job (the default config otherwise); `sink`: the
+    tracker turned on (`C.TRACKER_SINKS`)."""
     nodes = math.ceil(ranks / rpn)
     out = [f"world.nodes={nodes}", f"world.ranks_per_node={rpn}", f"output.tensorboard={str(tensorboard).lower()}",
            f"exporters.prometheus.port={port}", "train.steps=1000000"]  # no "last step" inside the run
     if group_size:
         out.append(f"monitor.group_size={group_size}")
-    return out
+    return out + C.TRACKER_SINKS[sink]
 
 
 def plan(ranks: int, rpn: int, group_size: int, hop_groups: int) -> dict:
@@ -161,6 +171,8 @@ class Driver:
         self.polls: list[float] = []
         self.checks: list[float] = []
         self.lines = self.chars = 0
+        self.tracker_lines: list[str] = []
+        """What the console said of the trackers (where each logs, one that failed): the first few."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -174,6 +186,8 @@ class Driver:
                 self.polls.append(time.perf_counter() - t)
                 self.lines += len(info["console"])
                 self.chars += sum(len(x) for x in info["console"])
+                self.tracker_lines += [x for x in info["console"] if len(self.tracker_lines) < 10 and any(
+                    w in x for w in ("MLflow", "SwanLab", "tracker did not start", "Sink failed in"))]
             except Exception:  # as the launcher: no answer this tick, asked again at the next
                 self.polls.append(10.0)
             if time.monotonic() - last_check >= HANG_CHECK_S:
@@ -190,7 +204,7 @@ class Driver:
         self._thread.join(timeout=15)
         return {"polls": len(self.polls), "poll_max_ms": round(max(self.polls, default=0) * 1000, 1),
                 "hang_checks": len(self.checks), "hang_check_max_ms": round(max(self.checks, default=0) * 1000, 1),
-                "console_lines": self.lines, "console_chars": self.chars}
+                "console_lines": self.lines, "console_chars": self.chars, "tracker_lines": self.tracker_lines}
 
 
 def run(args: argparse.Namespace, blobs: list | None = None) -> dict:
@@ -202,6 +216,10 @@ def run(args: argparse.Namespace, blobs: list | None = None) -> dict:
     from mindpulse.aggregator.core import start_aggregator
     from mindpulse.config.derived import AUTO_HANG_MIN_S, monitor_settings_of, schedule_of
 
+    sink = getattr(args, "sink", "none")
+    missing = C.tracker_missing(sink)
+    if missing:
+        return {"sink": sink, "skipped": missing}
     rpn = args.ranks_per_node
     p = plan(args.ranks, rpn, args.group_size, args.hop_groups)
     cfg = p["cfg"]
@@ -212,12 +230,15 @@ def run(args: argparse.Namespace, blobs: list | None = None) -> dict:
     if blobs is None:
         blobs = generate(p, rpn, args.rate, max_steps)
     tmp = Path(tempfile.mkdtemp(prefix="mp-fanin-"))
+    run_dir = tmp / "run"  # in a folder of its own: MLflow's file store goes beside it (<output.root>/mlruns)
+    run_dir.mkdir()
     actors, agg = [], None
     t_setup = time.time()
     try:
         port = C.free_port() if args.scrape_s > 0 else 0
-        settings = C.aggregator_settings(*overrides_of(ranks, rpn, not args.no_tensorboard, port, args.group_size))
-        agg = start_aggregator(f"fanin-{os.getpid()}-{time.time_ns()}", "mindpulse-bench", tmp, ranks,
+        settings = C.aggregator_settings(*overrides_of(ranks, rpn, not args.no_tensorboard, port, args.group_size,
+                                                       sink))
+        agg = start_aggregator(f"fanin-{os.getpid()}-{time.time_ns()}", "mindpulse-bench", run_dir, ranks,
                                cfg.monitor.per_print_step, None, settings=settings)
         agg_pid = ray.get(agg.ping.remote(), timeout=120)
         ms = monitor_settings_of(cfg)
@@ -312,7 +333,8 @@ def run(args: argparse.Namespace, blobs: list | None = None) -> dict:
         "ranks": ranks, "nodes": nodes, "ranks_per_node": rpn, "cards_per_node": rpn, "group_size": p["group_size"],
         "groups": len(p["groups"]), "hop_groups": sum(p["hop"]),
         "hop_members": sum(len(g) - 1 for g, h in zip(p["groups"], p["hop"]) if h),
-        "tensorboard": not args.no_tensorboard, "asked_steps_per_s": args.rate, "seconds": round(wall, 2),
+        "tensorboard": not args.no_tensorboard, "sink": sink, "asked_steps_per_s": args.rate,
+        "seconds": round(wall, 2),
         "setup_s": round(setup_s, 1), "teardown_s": round(teardown_s, 1),
         "per_print_step": cfg.monitor.per_print_step, "heartbeat_s": ms.heartbeat_s,
         "telemetry_interval_s": cfg.monitor.telemetry_interval_s,
@@ -331,6 +353,8 @@ def run(args: argparse.Namespace, blobs: list | None = None) -> dict:
                         round((when("seen_at", s) - when("sent_at", s)) * 1000, 1)] for s in done if s in ends_ok],
         "reduce_n": len(lat),
         "aggregator_cpu_frac": round(cpu / max(wall, 1e-9), 3),
+        # steps 1..step were reduced inside the timed window (the run waits for the last one)
+        "aggregator_cpu_ms_per_step": round(cpu / max(step, 1) * 1000, 2),
         "sender_cpu_frac": [round(c / max(wall, 1e-9), 3) for c in scpu],
         "rank_wait_p99_ms": round(C.quantile(sorted(w * 1000 for w in lease_waits), 0.99), 1) if lease_waits else None,
         "decision_wait_max_ms": round(max(decision_waits) * 1000, 1) if decision_waits else None,
@@ -402,6 +426,10 @@ def simulated(r: dict) -> str:
             f"{r['per_print_step']} steps, drained by a driver poll every {POLL_S:g} s beside the hang check every "
             f"{HANG_CHECK_S:g} s")
     out = ["the nodes' relays (each node's batches are made before the run)", "checkpoint writes", "evaluation"]
+    tracker = TRACKER_SAID.get(r.get("sink") or "none")
+    if tracker:
+        sent += f"; {tracker[0]}"
+        out.append(tracker[1])
     if r["group_size"] > 1 and r.get("hop_groups", 0) < r["groups"]:
         rest = r["groups"] - r.get("hop_groups", 0)
         members = r["nodes"] - r["groups"] - r.get("hop_members", 0)
@@ -412,8 +440,69 @@ def simulated(r: dict) -> str:
     return f"simulated: {sent}; left out: " + ", ".join(out)
 
 
+TRACKER_SAID = {
+    "mlflow": ("MLflow on (`sinks.mlflow.enabled`): the scalars TensorBoard writes logged to a file store on this "
+               "machine's disk from the sink's writer thread in the aggregator's process (counted in its CPU)",
+               "an MLflow tracking server (no network round trip: a file store)"),
+    "swanlab": ("SwanLab on (`sinks.swanlab.enabled`, offline): the same scalars written by SwanLab's own threads "
+                "in the aggregator's process (counted in its CPU)",
+                "SwanLab's upload (offline mode writes files only)"),
+}
+"""A tracker sink's run in words: (what it adds to what was simulated, what it leaves out)."""
+
+
+def sink_runs(args: argparse.Namespace, sinks: list[str]) -> dict:
+    """The configuration once per sink, `args.repeats` rounds (the sinks in turn each round, so a
+    disturbance hits them alike), on one set of node batches; judged against the fan-in target
+    of the same ranks and rate where there is one."""
+    p = plan(args.ranks, args.ranks_per_node, args.group_size, args.hop_groups)
+    blobs = generate(p, args.ranks_per_node, args.rate, int(math.ceil(args.rate * args.seconds)) + 2)
+    runs: dict[str, list[dict]] = {s: [] for s in sinks}
+    for _ in range(args.repeats):
+        for s in sinks:
+            r = run(argparse.Namespace(**dict(vars(args), sink=s)), blobs)
+            runs[s].append(r)
+            if "skipped" in r:
+                sinks = [x for x in sinks if x != s]  # not installed: said once
+    target = next((t for t in TARGETS if t["ranks"] == args.ranks and t["rate"] == args.rate), None)
+    return {"sink_runs": runs, "target": target,
+            "judged": {s: judge(target, rs) for s, rs in runs.items() if target and rs and "skipped" not in rs[0]},
+            "repeats": args.repeats, "seconds_per_run": args.seconds, "machine": C.machine()}
+
+
+def render_sinks(out: dict) -> str:
+    """The fan-in with each tracker sink (bench/run_all.py's exporter section)."""
+    rows, said = [], []
+    base = [r["aggregator_cpu_ms_per_step"] for r in out["sink_runs"].get("none", []) if "skipped" not in r]
+    for sink, runs in out["sink_runs"].items():
+        for i, r in enumerate(runs, 1):
+            if "skipped" in r:
+                rows.append([sink, i, "-", "-", "-", "-", "-", "-", r["skipped"]])
+                continue
+            over = (f"{r['aggregator_cpu_ms_per_step'] - base[min(i, len(base)) - 1]:+.2f}"
+                    if base and sink != "none" else "")
+            rows.append([sink, i, f"{r['achieved_steps_per_s']:.3f}",
+                         f"{r['reduce_p99_ms']:.0f} ({p99_label(r.get('reduce_n'))})",
+                         f"{r['aggregator_cpu_frac'] * 100:.0f}%", f"{r['aggregator_cpu_ms_per_step']:.2f}", over,
+                         f"{r['rank_wait_p99_ms']:.1f}", "; ".join(x for x in r.get("tracker_lines") or []
+                                                                   if "failed" in x or "did not start" in x) or "none"])
+        first = next((r for r in runs if "skipped" not in r), None)
+        if first is not None:
+            said.append(f"With {sink}: {simulated(first)}.")
+    r0 = next((r for rs in out["sink_runs"].values() for r in rs if "skipped" not in r), None)
+    head = (f"The fan-in at {r0['ranks']:,} ranks and {r0['asked_steps_per_s']:g} steps/s (TensorBoard "
+            f"{'on' if r0['tensorboard'] else 'off'}, the Prometheus endpoint scraped every {r0['scrape_every_s']:g} s) "
+            "with each tracker sink, the sinks in turn each round, on the same node batches:"
+            if r0 else "The fan-in with each tracker sink: no run.")
+    return "\n".join([head, C.table(["sink on", "round", "achieved steps/s", "reduce p99 ms",
+                                     "aggregator CPU (of a core)", "aggregator CPU ms per reduced step", "over none",
+                                     "rank wait p99 ms", "tracker failures"], rows), "", *said])
+
+
 def render(out: dict) -> str:
     """The Markdown section of docs/benchmarks.md (bench/run_all.py)."""
+    if "sink_runs" in out:
+        return render_sinks(out)
     rows = []
     for j in out["targets"]:
         t = j["target"]
@@ -509,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tensorboard", action="store_true")
     ap.add_argument("--scrape-s", type=float, default=15.0,
                     help="the Prometheus endpoint on, scraped every this many seconds (0: endpoint off)")
+    ap.add_argument("--sink", default="none", metavar="none|mlflow|swanlab[,...]",
+                    help="the tracker sink turned on (MLflow: a file store; SwanLab: offline); several, "
+                         "comma-separated: the run once with each, --repeats rounds")
     ap.add_argument("--json", nargs="?", const="-", default=None,
                     help="print one JSON object (or write it to the given path)")
     ap.add_argument("--targets", action="store_true", help="the target configurations, judged on the worst repeat")
@@ -517,6 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent-repeats", type=int, default=0, help="A3 node-agent repeats (0: --repeats)")
     ap.add_argument("--agent-only", action="store_true", help="only the node-agent measurements")
     args = ap.parse_args(argv)
+    sinks = [x.strip() for x in args.sink.split(",") if x.strip()] or ["none"]
+    unknown = [x for x in sinks if x not in C.TRACKER_SINKS]
+    if unknown:
+        ap.error(f"--sink: {', '.join(unknown)} is none of {', '.join(C.TRACKER_SINKS)}")
+    if len(sinks) > 1 and (args.targets or args.agent_only):
+        ap.error("--sink: one sink with --targets or --agent-only")
+    args.sink = sinks[0]
     t0 = time.time()
     fake_dir = Path(tempfile.mkdtemp(prefix="mp-npu-smi-"))
     ray_session(fake_dir)
@@ -538,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             out = {"targets": [judge(t, results[i]) for i, t in enumerate(TARGETS) if results[i]],
                    "repeats": args.repeats, "seconds_per_run": args.seconds, "machine": C.machine(),
                    "agent_target": AGENT_TARGET, "agent_a3": a3, "agent_8": eight}
+        elif len(sinks) > 1:
+            out = sink_runs(args, sinks)
         else:
             out = run(args)
     finally:

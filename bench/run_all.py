@@ -57,6 +57,11 @@ PIECES = [
           ["--targets", "--repeats", "2", "--seconds", "10", "--agent-repeats", "2", "--agent-seconds", "15"], 170),
     Piece("exporter", "exporter.py", ["--scrapes", "10", "--sink-steps", "300"], 60,
           ["--scrapes", "5", "--sink-steps", "100"], 30),
+    # planned times estimated from a 64-rank smoke run (3 sinks, 36 s), not yet from a timed 4,096-rank one
+    Piece("fanin_sinks", "fanin.py", ["--ranks", "4096", "--rate", "2", "--seconds", "15", "--repeats", "1",
+                                      "--sink", "none,mlflow,swanlab"], 150,
+          ["--ranks", "4096", "--rate", "2", "--seconds", "10", "--repeats", "1", "--sink", "none,mlflow,swanlab"],
+          110),
     Piece("memory", "memory.py", ["--steps", "100000", "--tensorboard", "off"], 30),
     Piece("memory_tb", "memory.py", ["--steps", "8000", "--tensorboard", "on"], 45,
           ["--steps", "4000", "--tensorboard", "on"], 25),
@@ -287,11 +292,7 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
 
         for j in fi["targets"]:
             t, w = j["target"], j["worst"]
-            limits = [f"achieved >= {t['achieved']}", f"reduce p99 < {t['p99_ms']:.0f} ms"]
-            if t["cpu"] is not None:
-                limits.append(f"aggregator <= {t['cpu'] * 100:.0f}% of a core")
-            if t["wait_ms"] is not None:
-                limits.append(f"rank wait p99 {t['wait_ms']:.0f} ms")
+            limits = fanin_limits(t)
             r0 = j["runs"][0]
             got = (f"worst of {len(j['runs'])}: {w['achieved_steps_per_s']:.3f} steps/s, reduce "
                    f"{w['reduce_p99_ms']:.0f} ms ({p99_label(w.get('reduce_n'))}), aggregator {w['aggregator_cpu_frac'] * 100:.0f}% of a core, "
@@ -341,6 +342,8 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                      "met" if big["met"] else "missed",
                      f"{abs(ex['target_ms'] - big['scrape_max_ms']):.1f} ms "
                      + ("under the limit" if big["met"] else "over the limit")])
+    if res.get("fanin_sinks"):
+        rows += sink_rows(res["fanin_sinks"])
     mem = res.get("memory")
     if mem:
         g = mem["growth_second_half_mb"]
@@ -352,6 +355,58 @@ def targets_table(res: dict, total_s: float, budget_s: float) -> tuple[str, list
                  "met" if total_s < 1200 else "missed", f"{abs(1200 - total_s) / 60:.1f} min "
                  + ("to spare" if total_s < 1200 else "over")])
     return C.table(["target", "measured", "result", "by how much"], rows), [r[2] for r in rows]
+
+
+def fanin_limits(t: dict) -> list[str]:
+    """A fan-in target's limits in words."""
+    limits = [f"achieved >= {t['achieved']}", f"reduce p99 < {t['p99_ms']:.0f} ms"]
+    if t["cpu"] is not None:
+        limits.append(f"aggregator <= {t['cpu'] * 100:.0f}% of a core")
+    if t["wait_ms"] is not None:
+        limits.append(f"rank wait p99 {t['wait_ms']:.0f} ms")
+    return limits
+
+
+def sink_rows(fs: dict) -> list[list[str]]:
+    """The fan-in with each tracker sink (`fanin.py --sink none,mlflow,swanlab`): one row a sink,
+    the aggregator's CPU per reduced step, judged against the fan-in target of its ranks and rate,
+    saying what was simulated and what the simulation leaves out."""
+    from fanin import p99_label, simulated
+
+    t = fs.get("target")
+    ok = {s: [r for r in runs if "skipped" not in r] for s, runs in fs["sink_runs"].items()}
+    base = max((r["aggregator_cpu_ms_per_step"] for r in ok.get("none", [])), default=None)
+    rows = []
+    for sink, runs in fs["sink_runs"].items():
+        if not ok[sink]:
+            rows.append([f"fan-in with tracker sink {sink}", runs[0].get("skipped", "no run"), "not measured", "-"])
+            continue
+        r0, n = ok[sink][0], len(ok[sink])
+        cpu_ms = max(r["aggregator_cpu_ms_per_step"] for r in ok[sink])
+        what = (f"{r0['ranks']:,} ranks at {r0['asked_steps_per_s']:g} steps/s, TensorBoard "
+                f"{'on' if r0['tensorboard'] else 'off'}, Prometheus endpoint scraped every {r0['scrape_every_s']:g} s, "
+                f"tracker sink {sink}: the aggregator's CPU per reduced step (its whole process)"
+                + (f", within the {t['ranks']:,}-rank fan-in target's limits: " + ", ".join(fanin_limits(t)) if t
+                   else "") + f"; {simulated(r0)}")
+        got = (f"worst of {n}: {cpu_ms:.2f} ms of CPU per reduced step"
+               + (f" ({cpu_ms - base:+.2f} ms over none)" if base is not None and sink != "none" else "")
+               + f", {max(r['aggregator_cpu_frac'] for r in ok[sink]) * 100:.0f}% of a core; "
+               f"{min(r['achieved_steps_per_s'] for r in ok[sink]):.3f} steps/s, reduce "
+               f"{max(r['reduce_p99_ms'] or math.inf for r in ok[sink]):.0f} ms "
+               f"({p99_label(min(r.get('reduce_n') or 0 for r in ok[sink]))}), rank wait p99 "
+               f"{max(r['rank_wait_p99_ms'] or 0.0 for r in ok[sink]):.1f} ms")
+        failed = [x for r in ok[sink] for x in r.get("tracker_lines") or [] if "failed" in x or "did not start" in x]
+        if failed:
+            got += f"; the tracker failed: {failed[0]}"
+        j = (fs.get("judged") or {}).get(sink)
+        if j is None:
+            rows.append([what, got, "measured", "no target of this size and rate"])
+            continue
+        missed = [k for k, v in j["checks"].items() if not v]
+        rows.append([what, got, "met" if j["met"] and not failed else "missed",
+                     "all limits held" if not missed and not failed else
+                     "missed: " + ", ".join(missed + (["the tracker failed"] if failed else []))])
+    return rows
 
 
 def agent_row(fi: dict) -> list[str]:
@@ -388,6 +443,15 @@ SECTIONS = [
     ("npu_smi", "npu_smi_parse", "`npu-smi` parsing speed", "npu_smi_parse.py"),
 ]
 
+RELATED = {"memory": ("memory_tb",), "exporter": ("fanin_sinks",)}
+"""Pieces shown in another piece's section, after it (each rendered by its own script's module)."""
+RELATED_TITLES = {"memory_tb": " (TensorBoard on)", "fanin_sinks": " (the fan-in with each tracker sink)"}
+
+
+def _module_of(piece: str) -> str:
+    return next(p.script for p in PIECES if p.name == piece).removesuffix(".py")
+
+
 NOTES = {
     "exporter": (
         "A real `AggregatorCore` (the aggregator's code, in this process) with `exporters.prometheus.port` on, fed "
@@ -396,7 +460,12 @@ NOTES = {
         "more CPU on). Beyond 256 ranks the endpoint names only the cards and ranks that matter (docs/dashboards.md). "
         "The sink rows feed 8 ranks' packets through the flat path; MLflow logs to a file store from its own writer "
         "thread (its CPU is not in the row: the row is what the aggregator's thread, which reduces and decides, "
-        "pays), SwanLab offline; the Prometheus row includes a scrape every 15 s (served on the endpoint's thread)."),
+        "pays), SwanLab offline; the Prometheus row includes a scrape every 15 s (served on the endpoint's thread). "
+        "Both take the settings a launch passes (the default config with `--set` changes). Then the fan-in simulation "
+        "(`bench/fanin.py --sink none,mlflow,swanlab`, as its section says: TensorBoard on, the endpoint scraped every "
+        "15 s) at 4,096 ranks once with each tracker sink in turn: the aggregator process's CPU per reduced step, "
+        "everything it did over the timed steps counted (heartbeats, telemetry, the driver's polls, the scrapes, the "
+        "tracker's own threads)."),
     "overhead": (
         "One process, GRAPH mode, `Model.train(..., dataset_sink_mode=False)`; one model, its weights, optimizer (a "
         "Tensor of learning rates, as the recipe's) and fixed random byte tokens shared by every configuration. "
@@ -535,7 +604,7 @@ def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) 
         "",
     ]
     for name, module, title, script in SECTIONS:
-        related = [n for n in (name, "memory_tb" if name == "memory" else None) if n]
+        related = [name, *RELATED.get(name, ())]
         if not any(res.get(n) for n in related if n in res):
             if name in res:
                 doc += [f"## {title}", "", f"Not measured in this run ({name} failed or did not fit the budget).", ""]
@@ -545,13 +614,13 @@ def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) 
             data = res.get(n)
             if not data:
                 continue
-            text = _render(module, data)
+            text = _render(module if n == name else _module_of(n), data)
             w = next((a for a in attempts[n] if a.kept), attempts[n][-1])
             doc += [f"Finished {data['date']} after {data['wall_s']:.0f} s; other processes used "
                     f"{w.foreign['mean_cores']:.2f} cores on average over the whole piece"
                     + (" (discarded repeats included)." if any(p.max_s for p in PIECES if p.name == n) else ".")
                     + (f" Arguments: `{' '.join(w.args)}`." if w.args else ""), "", text, ""]
-            lines_console += [f"\n## {title}" + (" (TensorBoard on)" if n == "memory_tb" else ""), text]
+            lines_console += [f"\n## {title}" + RELATED_TITLES.get(n, ""), text]
     squeeze = lambda text: re.sub(r"\n{3,}", "\n\n", text)  # noqa: E731
     return {"doc": squeeze("\n".join(doc)).rstrip() + "\n", "console": squeeze("\n".join(lines_console))}
 

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 return preflight_command(cfg, as_json=args.json)
             from .launch import launch
 
-            return launch(cfg, path, resume=resume)
+            return launch(cfg, path, resume=resume, resumed_run=args.resume if resume is not None else None)
         if args.command == "plan":
             from . import mindformers_plan
             from .preflight import LaunchRefused

@@ -25,6 +25,7 @@ from .paths import resolve_input
 from .preflight import LaunchRefused, check_local
 from .progress import Console
 from .ray_session import RaySession
+from .resume import carry_tracker_runs
 from .rundir import PidFile, make_run_dir, write_config
 from .spec import ExitCode, RunResult, RunStatus
 from .summary import RunHistory, write_summary
@@ -37,12 +38,14 @@ HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 class Launch:
     def __init__(self, cfg: RunConfig, config_path: Path | None, out: TextIO = sys.stdout,
-                 resume: dict[str, Any] | None = None):
+                 resume: dict[str, Any] | None = None, resumed_run: Path | None = None):
         self.cfg = cfg
         self.resume = resume
         self.config_path = config_path
         self.out = out
         self.run_dir = make_run_dir(cfg)
+        # `--resume RUN_DIR`: its tracker runs continue in this run (before any aggregator starts)
+        self.carried = carry_tracker_runs(resumed_run, self.run_dir) if resumed_run is not None else []
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self.started = time.time()
         self.interrupts = Interrupts()
@@ -82,6 +85,8 @@ class Launch:
             return self._refuse(exc)
         write_config(self.run_dir, self.cfg)
         self.say(f"mindpulse: run directory {self.run_dir}")
+        for line in self.carried:
+            self.say(f"mindpulse: {line}")
         old = {s: signal.signal(s, self.interrupts.on_signal) for s in HANDLED_SIGNALS}
         result = RunResult(status=RunStatus.FAILED, message="launcher did not start")
         snapshot: dict[str, Any] = {}
@@ -117,5 +122,7 @@ class Launch:
         return int(ExitCode.of(status))
 
 
-def launch(cfg: RunConfig, config_path: Path | None, resume: dict[str, Any] | None = None) -> int:
-    return Launch(cfg, config_path, resume=resume).run()
+def launch(cfg: RunConfig, config_path: Path | None, resume: dict[str, Any] | None = None,
+           resumed_run: Path | None = None) -> int:
+    """`resumed_run`: the run directory `--resume` names (its tracker runs continue here)."""
+    return Launch(cfg, config_path, resume=resume, resumed_run=resumed_run).run()

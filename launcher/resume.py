@@ -1,6 +1,7 @@
 """`--resume RUN_DIR [--resume-from best|latest|PATH]`: pick a valid checkpoint to continue
-from; before every attempt, make the resumed line the manifest's (`supersede_newer`) and
-hand its best to the new aggregator (`best_seed`)."""
+from; carry RUN_DIR's tracker runs into the new run directory (`carry_tracker_runs`); before
+every attempt, make the resumed line the manifest's (`supersede_newer`) and hand its best to
+the new aggregator (`best_seed`)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ def _resolve(run_dir: Path, which: str) -> tuple[dict[str, Any], Path]:
         raise ConfigError(f"--resume: no valid checkpoint in {ckpt_dir} ({detail})")
     return {"path": str(ckpt_dir / entry.path), "step": entry.step, "epoch": entry.epoch, "kind": entry.kind,
             "refused": refused}, cfg_path
+
+
+def carry_tracker_runs(resumed_run: Path, run_dir: Path) -> list[str]:
+    """`--resume RUN_DIR`: RUN_DIR's `trackers.json` (each tracker's run id) is written into the
+    new run directory before its aggregator starts, so the MLflow and SwanLab sinks continue the
+    tracker runs the resumed job logged to (each sink starts a new run, and says why, where its
+    config changed since: another tracking URI, another SwanLab mode). A RUN_DIR without one
+    carries nothing; one that cannot be read is said, naming the file, and the trackers start
+    new runs. Returns lines to show."""
+    from mindpulse.aggregator.tracker_scalars import TRACKERS_FILE, TrackerFailed, TrackerIds
+    from mindpulse.rundir_io import write_json_atomic
+
+    try:
+        runs = TrackerIds(Path(resumed_run)).read()
+    except TrackerFailed as exc:
+        return [f"WARNING --resume: {exc}; the trackers start new runs"]
+    if not runs:
+        return []
+    write_json_atomic(Path(run_dir) / TRACKERS_FILE, runs)
+    return [f"tracker runs continued from {Path(resumed_run) / TRACKERS_FILE}: " + ", ".join(
+        f"{name} {entry.get('run_id')}" for name, entry in sorted(runs.items()) if isinstance(entry, dict))]
 
 
 def supersede_newer(resume: dict[str, Any] | None) -> list[str]:

@@ -161,3 +161,53 @@ def test_node_batches_pack_as_the_uplink_sends_them():
     blob = _node_sim.node_batches([2], _overrides(1024), 1, 2.0)[2][1]
     batch = msgpack.unpackb(blob, raw=False, strict_map_key=False)
     assert from_wire(batch["partials"][0]).step == 1
+
+
+@pytest.mark.parametrize("sink", ["mlflow", "swanlab"])
+def test_a_tracker_sink_reaches_the_aggregator_through_the_launchers_settings(sink):
+    settings = fanin.C.aggregator_settings(*fanin.overrides_of(4096, 8, True, 0, 0, sink))
+    assert getattr(settings.config.sinks, sink).enabled
+    other = {"mlflow": "swanlab", "swanlab": "mlflow"}[sink]
+    assert not getattr(settings.config.sinks, other).enabled
+    none = fanin.C.aggregator_settings(*fanin.overrides_of(4096, 8, True, 0, 0))
+    assert not none.config.sinks.mlflow.enabled and not none.config.sinks.swanlab.enabled
+
+
+def test_the_exporter_benchmark_takes_the_launchers_settings():
+    import exporter
+
+    for name in exporter.SINKS:
+        cfg = fanin.C.aggregator_settings(*exporter.sink_overrides(name, 9400)).config
+        assert cfg.world.world_size == 8 and cfg.output.tensorboard == (name == "tensorboard")
+        assert cfg.exporters.prometheus.port == (9400 if name == "prometheus" else 0)
+        assert cfg.sinks.mlflow.enabled == (name == "mlflow") and cfg.sinks.swanlab.enabled == (name == "swanlab")
+
+
+def test_the_fanin_with_each_sink_reports_cpu_per_step_and_what_it_leaves_out():
+    runs = {s: [_run(4096, sink=s, tensorboard=True, asked_steps_per_s=2.0, aggregator_cpu_ms_per_step=ms,
+                     tracker_lines=lines)]
+            for s, ms, lines in (("none", 50.0, []), ("mlflow", 58.5, ["MLflow run x (new) in file:///r/mlruns"]),
+                                 ("swanlab", 61.0, ["SwanLabSink failed in on_reduced (TrackerFailed: ended)"]))}
+    target = fanin.TARGETS[0]
+    out = {"sink_runs": runs, "target": target, "judged": {s: fanin.judge(target, r) for s, r in runs.items()}}
+    text = fanin.render(out)
+    assert "| mlflow  | 1     |" in text and "+8.50" in text and "58.50" in text
+    assert "left out: " in text and "an MLflow tracking server (no network round trip: a file store)" in text
+    assert "SwanLab's upload (offline mode writes files only)" in text
+    table, _ = run_all.targets_table({"fanin_sinks": out}, 600.0, 1140.0)
+    rows = {s: next(line for line in table.splitlines() if f"tracker sink {s}:" in line) for s in runs}
+    assert "worst of 1: 58.50 ms of CPU per reduced step (+8.50 ms over none)" in rows["mlflow"]
+    assert "left out: the member-to-leader stream" in rows["mlflow"] and "an MLflow tracking server" in rows["mlflow"]
+    assert "achieved >= 1.95" in rows["none"] and "| met " in rows["none"]
+    assert "the tracker failed" in rows["swanlab"] and "| missed " in rows["swanlab"]
+    skipped = {"sink_runs": {"swanlab": [{"sink": "swanlab", "skipped": "swanlab is not installed"}]},
+               "target": target, "judged": {}}
+    assert "not measured" in run_all.targets_table({"fanin_sinks": skipped}, 600.0, 1140.0)[0]
+    fanin.render(skipped)
+
+
+def test_the_sink_runs_section_is_rendered_by_the_fanin_module_under_the_exporters():
+    assert run_all._module_of("fanin_sinks") == "fanin" and run_all._module_of("memory_tb") == "memory"
+    assert "fanin_sinks" in run_all.RELATED["exporter"]
+    piece = next(p for p in run_all.PIECES if p.name == "fanin_sinks")
+    assert "none,mlflow,swanlab" in piece.args and "4096" in piece.args and "4096" in piece.reduced_args

@@ -171,3 +171,59 @@ def test_beyond_256_ranks_only_the_cards_and_ranks_that_matter_have_series(tmp_p
     assert one(got, "mindpulse_cards_utilization_ratio", stat="mean") == pytest.approx(0.5)
     rank_loss = {s.labels["rank"] for s in got["mindpulse_loss"] if s.labels["stat"] == "rank"}
     assert "700" in rank_loss and len(rank_loss) < 16, rank_loss  # the extremes, not 1,024 ranks
+
+
+def test_beyond_256_ranks_a_hung_rank_and_a_failed_rank_keep_their_last_step_series(tmp_path):
+    """A 1,024-rank job: rank 77 hangs after step 1 (the others reach step 2), rank 500 reports an
+    error. Neither holds an extreme of a step, yet both keep `mindpulse_last_step_timestamp_seconds`
+    (a hang alert reads its age), beside the few other ranks that matter, not 1,024 series."""
+    from mindpulse.aggregator.prometheus_exporter import OLDEST_RANKS
+
+    port = free_port()
+    world, rpn = 1024, 8
+    core = AggregatorCore(tmp_path / "big", world_size=world, per_print_step=100, settings={
+        "tensorboard": False, "world": {"nodes": world // rpn, "ranks_per_node": rpn},
+        "exporters": {"prometheus": {"port": port}}})
+    try:
+        for step in (0, 1, 2):  # step 0: the step each rank starts at (its clock runs from its next)
+            core.ingest([StepPacket(rank=r, step=step, loss=1.0 + 1e-4 * r, step_time_s=0.5 + 1e-5 * r, samples=4,
+                                    tokens=256, ts=100.0 + step).encode() for r in range(world)
+                         if not (r == 77 and step == 2)])
+            time.sleep(0.02)  # rank 77's last step is older than every other rank's
+        core.ingest([EventPacket(rank=500, step=2, kind=EventKind.ERROR, message="data loader failed").encode()])
+        core.run_sinks()
+        assert core.last_reduced is not None and core.last_reduced.step == 1  # step 2 waits for rank 77
+        got = samples(scrape(f"http://127.0.0.1:{port}/metrics"))
+    finally:
+        core.close()
+    last = {s.labels["rank"]: s.value for s in got["mindpulse_last_step_timestamp_seconds"]}
+    assert "77" in last and last["77"] == min(last.values()), last
+    assert "500" in last, sorted(last)
+    shown = {s.labels["rank"] for s in got["mindpulse_loss"] if s.labels["stat"] == "rank"}
+    assert "77" not in shown and "500" not in shown  # they matter for their clock, not their values
+    assert len(last) <= len(shown) + OLDEST_RANKS + 1, sorted(last)
+
+
+def test_beyond_256_ranks_a_node_whose_partials_stopped_shows_its_ranks_last_step():
+    """Through node agents a rank's clock is its node's partials: the node that stopped at step 1
+    (its ranks hung or its agent gone) holds the oldest ranks, which keep their series."""
+    from prometheus_client import generate_latest
+
+    from mindpulse.aggregator.hang_clocks import HangClocks
+    from mindpulse.aggregator.prometheus_exporter import OLDEST_RANKS, PrometheusExporter
+    from mindpulse.config import PrometheusConfig
+
+    clocks = HangClocks(4096, 8, 600.0, "cpu")
+    exp = PrometheusExporter(PrometheusConfig(port=free_port()), run="big", world_size=4096, ranks_per_node=8)
+    exp.watch_progress(clocks)
+    try:
+        for step in (0, 1, 2):
+            clocks.on_node_step([n for n in range(512) if not (n == 9 and step == 2)], step)
+            time.sleep(0.02)
+        got = samples(generate_latest(exp.registry).decode())
+    finally:
+        exp.close()
+    last = {int(s.labels["rank"]): s.value for s in got["mindpulse_last_step_timestamp_seconds"]}
+    assert sorted(last) == list(range(72, 80)) and len(last) == OLDEST_RANKS
+    assert one(got, "mindpulse_node_last_step_timestamp_seconds", node="9") == last[72] < one(
+        got, "mindpulse_node_last_step_timestamp_seconds", node="10")

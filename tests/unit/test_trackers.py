@@ -165,6 +165,33 @@ def test_an_mlflow_failure_at_run_time_is_counted_and_training_goes_on(tmp_path,
     assert len(reduced(tmp_path / "run-x")) == 5
 
 
+def test_a_swanlab_run_that_ends_under_the_job_is_counted_and_training_goes_on(tmp_path):
+    """SwanLab ends its run on its own (at the process's exit, on a crash of its own): the sink's
+    next write finds it ended, which is counted and said once; the steps go on being reduced and
+    written, the other outputs keep logging."""
+    core = make_core(tmp_path / "run-x", {"swanlab": {"enabled": True}, "mlflow": {"enabled": True}})
+    try:
+        train(core, range(1, 3))
+        assert not core.sinks.output_errors
+        swanlab.finish()  # SwanLab's own end of its current run, as at exit: the sink did not ask for it
+        train(core, range(3, 6))
+        console = "\n".join(core.drain_console())
+    finally:
+        core.close()
+    errors = core.sinks.output_errors
+    assert errors["SwanLabSink.on_reduced"] == 3 and errors["SwanLabSink.on_checkpoint"] == 1, errors
+    assert not any(key.startswith("MlflowSink.") for key in errors), errors
+    assert console.count("SwanLabSink failed in on_reduced (TrackerFailed: the SwanLab run") == 1, console
+    assert f"ended before the job (SwanLab's log: {tmp_path / 'run-x' / 'swanlab'})" in console
+    assert core.last_reduced is not None and core.last_reduced.step == 5
+    assert sorted(reduced(tmp_path / "run-x")) == [1, 2, 3, 4, 5]
+    _, series = mlflow_series(tmp_path / "run-x")
+    assert sorted(series["loss/mean"]) == [1, 2, 3, 4, 5]  # the other tracker logged on
+    logged = {r.scalar.step for r in swanlab_records(tmp_path / "run-x" / "swanlab")
+              if r.HasField("scalar") and r.scalar.key == "loss/mean"}
+    assert logged == {1, 2}
+
+
 def test_swanlab_offline_run_holds_the_reduced_series_and_a_resumed_attempt_continues_it(tmp_path):
     run_dir = tmp_path / "run-x"
     first = make_core(run_dir, {"swanlab": {"enabled": True}})
@@ -221,3 +248,96 @@ def test_a_missing_package_refuses_the_launch_naming_the_extra(tmp_path, monkeyp
 def test_an_unknown_tracker_option_is_a_config_error_naming_it(section, key):
     with pytest.raises(ConfigError, match=rf"sinks\.{section}\.{key}"):
         from_dict({"sinks": {section: {"enabled": True, key: "x"}}})
+
+
+def _resumable(run_dir: Path, cfg) -> None:
+    """What `--resume RUN_DIR` reads of a run directory: its config.yaml and a checkpoint its
+    manifest lists (step 3)."""
+    from mindpulse.checkpoint_manifest import CkptEntry, sha256_of, write_manifest
+    from mindpulse.launcher.rundir import write_config
+
+    write_config(run_dir, cfg)
+    ckpt = run_dir / "checkpoints" / "step_00000003-periodic.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"weights")
+    write_manifest(ckpt.parent, [CkptEntry(path=ckpt.name, step=3, epoch=0, kind="periodic", metric=None,
+                                           metric_name="", size=ckpt.stat().st_size, sha256=sha256_of(ckpt),
+                                           time=1.0)])
+
+
+def test_launch_resume_continues_the_tracker_runs_of_the_run_it_resumes(tmp_path, monkeypatch, capsys):
+    """`mindpulse launch --resume RUN_DIR` makes a new run directory; RUN_DIR's trackers.json is in
+    it before the aggregator starts, so the MLflow run and the SwanLab run go on (one run each)."""
+    from mindpulse.launcher import launch as launch_mod
+    from mindpulse.launcher.cli import main
+    from mindpulse.launcher.preflight import LaunchRefused
+
+    root = tmp_path / "runs"
+    sinks = {"mlflow": {"enabled": True}, "swanlab": {"enabled": True}}
+    first_dir = root / "job-1"
+    first = make_core(first_dir, sinks)
+    train(first, range(1, 4))
+    first.close()
+    _resumable(first_dir, from_dict({"output": {"root": str(root)}, "sinks": sinks}))
+    ids = json.loads((first_dir / "trackers.json").read_text())
+
+    # the CLI's launch up to where its Ray cluster would start (none starts here): what the new run directory holds
+    seen: dict = {}
+
+    class NoRay:  # stands where the Ray cluster (and the aggregator in it) would start
+        def __init__(self, cfg):
+            [new] = [d for d in root.iterdir() if d.name.startswith(cfg.name + "-")]
+            seen.update(run_dir=new, trackers=json.loads((new / "trackers.json").read_text()))
+
+        def __enter__(self):
+            raise LaunchRefused("no Ray cluster in this test")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(launch_mod, "RaySession", NoRay)
+    assert main(["launch", "--resume", str(first_dir)]) == 2
+    assert "no Ray cluster in this test" in capsys.readouterr().err
+    assert seen["run_dir"] != first_dir and seen["trackers"] == ids
+
+    # the resumed launch's aggregator, in the run directory the launch made, continues both runs
+    launch = launch_mod.Launch(from_dict({"output": {"root": str(root)}, "sinks": sinks}), None,
+                               resume={"path": "", "step": 3, "epoch": 0, "kind": "periodic"},
+                               resumed_run=first_dir)
+    [line] = launch.carried  # said after the run directory's line
+    assert line.startswith(f"tracker runs continued from {first_dir / 'trackers.json'}: ")
+    assert ids["mlflow"]["run_id"] in line and ids["swanlab"]["run_id"] in line
+    second = make_core(launch.run_dir, sinks, start_step=3)
+    try:
+        console = "\n".join(second.drain_console())
+        train(second, range(4, 7))
+    finally:
+        second.close()
+    assert console.count("(continued") == 2, console
+    assert not first.sinks.output_errors and not second.sinks.output_errors
+    assert json.loads((launch.run_dir / "trackers.json").read_text()) == ids
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(root / "mlruns").as_uri())
+    run = client.get_run(ids["mlflow"]["run_id"])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss/mean")) == [1, 2, 3, 4, 5, 6]
+    assert len(client.search_runs([run.info.experiment_id])) == 1 and run.info.status == "FINISHED"
+    # SwanLab offline: each run directory holds its attempt's files, both under the one run id
+    starts = [r.start for d in (first_dir, launch.run_dir) for r in swanlab_records(d / "swanlab")
+              if r.HasField("start")]
+    assert len(starts) == 2 and {s.id for s in starts} == {ids["swanlab"]["run_id"]}
+    steps = {r.scalar.step for r in swanlab_records(launch.run_dir / "swanlab")
+             if r.HasField("scalar") and r.scalar.key == "loss/mean"}
+    assert steps == {4, 5, 6}
+
+
+def test_a_resumed_run_without_trackers_or_with_a_damaged_file_carries_nothing(tmp_path):
+    from mindpulse.launcher.resume import carry_tracker_runs
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    assert carry_tracker_runs(old, new) == [] and not (new / "trackers.json").exists()
+    (old / "trackers.json").write_text("{")
+    [line] = carry_tracker_runs(old, new)
+    assert str(old / "trackers.json") in line and "new runs" in line and not (new / "trackers.json").exists()
