@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig
@@ -20,16 +19,11 @@ from mindpulse.errors import MindpulseError
 from mindpulse.formatting import finite_float
 from mindpulse.partial import collect_ranks
 from mindpulse.reducer import ReducedStep
-from mindpulse.rundir_io import write_json_atomic
+from mindpulse.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
 from .tb_sink import _CARD_SCALARS, _CLUSTER_SCALARS, _RANK_SCALARS, _tag_part
 
-TRACKERS_FILE = "trackers.json"
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.\-/]+")
-
-
-class TrackerFailed(MindpulseError, RuntimeError):
-    """A tracker's write failed (raised on the aggregator's next call to it, so it is counted)."""
 
 
 class TrackerMissing(MindpulseError, ImportError):
@@ -115,34 +109,6 @@ def anomaly_text(record: dict) -> str:
 def anomaly_step(record: dict) -> int:
     step = record.get("step") if isinstance(record, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
-
-
-class TrackerIds:
-    """`RUN_DIR/trackers.json`: `{tracker: {run_id, ...}}`, read by a resumed attempt (or a
-    restarted aggregator) to continue the same tracker run; `mindpulse launch --resume RUN_DIR`
-    copies it into its new run directory first (launcher/resume.py `carry_tracker_runs`)."""
-
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / TRACKERS_FILE
-
-    def read(self) -> dict[str, dict[str, Any]]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            raise TrackerFailed(f"{self.path} cannot be read ({exc}); move it away to start new tracker runs") from None
-        return data if isinstance(data, dict) else {}
-
-    def get(self, tracker: str) -> dict[str, Any] | None:
-        entry = self.read().get(tracker)
-        return entry if isinstance(entry, dict) and entry.get("run_id") else None
-
-    def put(self, tracker: str, entry: dict[str, Any]) -> None:
-        data = self.read()
-        data[tracker] = entry
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, data)
 
 
 __all__ = ["TRACKERS_FILE", "TrackerFailed", "TrackerIds", "TrackerMissing", "anomaly_step", "anomaly_text",

@@ -68,8 +68,8 @@ def carry_tracker_runs(resumed_run: Path, run_dir: Path) -> list[str]:
     config changed since: another tracking URI, another SwanLab mode). A RUN_DIR without one
     carries nothing; one that cannot be read is said, naming the file, and the trackers start
     new runs. Returns lines to show."""
-    from mindpulse.aggregator.tracker_scalars import TRACKERS_FILE, TrackerFailed, TrackerIds
     from mindpulse.rundir_io import write_json_atomic
+    from mindpulse.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
     try:
         runs = TrackerIds(Path(resumed_run)).read()
