@@ -42,6 +42,7 @@ from .tracker_scalars import (
     anomaly_text,
     card_scalars,
     flat_params,
+    per_card_scalars,
     step_scalars,
 )
 
@@ -130,6 +131,7 @@ class MlflowSink:
         self.run_dir = Path(run_dir)
         self.collect_freq = config.monitor.collect_freq
         self.straggler_threshold = config.monitor.straggler_threshold
+        self.per_card = per_card_scalars(config)
         self.tracking_uri = cfg.tracking_uri or default_tracking_uri(self.run_dir)
         if self.tracking_uri.startswith("file:") or "://" not in self.tracking_uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
@@ -219,7 +221,7 @@ class MlflowSink:
                                    straggler_threshold=self.straggler_threshold), int(red.step), red.ts)
 
     def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
-        self._metrics(card_scalars(node, cards), int(step), ts)
+        self._metrics(card_scalars(node, cards, per_card=self.per_card), int(step), ts)
 
     def on_anomaly(self, record: dict) -> None:
         if self.closed:

@@ -40,6 +40,7 @@ from .tracker_scalars import (
     anomaly_text,
     card_scalars,
     flat_params,
+    per_card_scalars,
     step_scalars,
 )
 
@@ -67,6 +68,7 @@ class SwanLabSink:
         self.run_dir = Path(run_dir)
         self.collect_freq = config.monitor.collect_freq
         self.straggler_threshold = config.monitor.straggler_threshold
+        self.per_card = per_card_scalars(config)
         self.logdir = Path(cfg.logdir) if cfg.logdir else default_logdir(self.run_dir)
         self.mode = _MODES[cfg.mode]
         self.notes: list[str] = []
@@ -110,7 +112,7 @@ class SwanLabSink:
             self.run.log(dict(items), step=int(red.step))
 
     def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
-        items = card_scalars(node, cards)
+        items = card_scalars(node, cards, per_card=self.per_card)
         if items and self._alive():
             self.run.log(dict(items), step=int(step))
 

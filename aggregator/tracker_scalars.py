@@ -21,7 +21,7 @@ from mindpulse.partial import collect_ranks
 from mindpulse.reducer import ReducedStep
 from mindpulse.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
-from .tb_sink import _CARD_SCALARS, _CLUSTER_SCALARS, _RANK_SCALARS, _tag_part
+from .tb_sink import _CARD_SCALARS, _CLUSTER_SCALARS, _RANK_SCALARS, MAX_CARD_TAGS, _node_extremes, _tag_part
 
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.\-/]+")
 
@@ -63,8 +63,12 @@ def step_scalars(red: ReducedStep, also: list[tuple[str, Any]] | None, *, collec
     return _finite(items)
 
 
-def card_scalars(node: str, cards: list[dict]) -> list[tuple[str, float]]:
-    """The finite scalars TensorBoard writes for one node's card sample (`card_<node>_<card>/util`, ...)."""
+def card_scalars(node: str, cards: list[dict], *, per_card: bool = True) -> list[tuple[str, float]]:
+    """The finite scalars TensorBoard writes for one node's card sample: `card_<node>_<card>/util`,
+    ...; with `per_card` False (a job above MAX_CARD_TAGS cards, `per_card_scalars`) the node's
+    extremes, `cards_<node>/util_min`, ..., a few scalars a node whatever its cards."""
+    if not per_card:
+        return _finite(_node_extremes(node, [c for c in cards or [] if isinstance(c, dict)]))
     items: list[tuple[str, Any]] = []
     for i, card in enumerate(cards or []):
         if not isinstance(card, dict):
@@ -73,6 +77,12 @@ def card_scalars(node: str, cards: list[dict]) -> list[tuple[str, float]]:
         prefix = f"card_{_tag_part(node)}_{_tag_part(i if cid is None else cid)}"
         items += [(f"{prefix}/{suffix}", card.get(key)) for suffix, key in _CARD_SCALARS]
     return _finite(items)
+
+
+def per_card_scalars(config: RunConfig) -> bool:
+    """Whether a job's card samples are written card by card (TensorBoard's rule: its cards, one
+    a rank, at most MAX_CARD_TAGS)."""
+    return config.world.world_size <= MAX_CARD_TAGS
 
 
 def _finite(items: list[tuple[str, Any]]) -> list[tuple[str, float]]:
@@ -112,4 +122,4 @@ def anomaly_step(record: dict) -> int:
 
 
 __all__ = ["TRACKERS_FILE", "TrackerFailed", "TrackerIds", "TrackerMissing", "anomaly_step", "anomaly_text",
-           "card_scalars", "flat_params", "step_scalars"]
+           "card_scalars", "flat_params", "per_card_scalars", "step_scalars"]

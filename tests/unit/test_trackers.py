@@ -125,6 +125,32 @@ def test_mlflow_run_holds_the_reduced_series_under_tensorboards_names(tmp_path):
     assert json.loads(Path(client.download_artifacts(run_id, anomaly, str(tmp_path))).read_text())["step"] == 4
 
 
+def test_a_big_jobs_card_samples_reach_the_trackers_as_tensorboards_node_extremes(tmp_path):
+    """Above MAX_CARD_TAGS cards TensorBoard writes a node sample's extremes (4 tags a node, not 4
+    a card); the trackers write the same tags with the same values, so their cost follows nodes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mindpulse.aggregator.tb_sink import MAX_CARD_TAGS, TensorBoardSink
+    from mindpulse.aggregator.tracker_scalars import card_scalars, per_card_scalars
+    from mindpulse.config import from_dict
+
+    cards = [{"card": c, "util_pct": 0.0 if c == 3 else 95.0, "memory_used_mb": 1000.0 + c, "power_w": 300.0 + c,
+              "temp_c": float("nan") if c == 7 else 50.0 + c} for c in range(8)]
+    big = from_dict({"world": {"nodes": MAX_CARD_TAGS // 8 + 1, "ranks_per_node": 8}})
+    assert not per_card_scalars(big) and per_card_scalars(from_dict({"world": {"nodes": 1, "ranks_per_node": 8}}))
+    tb = TensorBoardSink(tmp_path, flush_secs=1.0, cards=big.world.world_size)
+    tb.on_telemetry("node7-h7", cards, 0.0, 5)
+    tb.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    written = {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
+    assert dict(card_scalars("node7-h7", cards, per_card=False)) == pytest.approx(written)
+    assert dict(card_scalars("node7-h7", cards, per_card=False)) == {
+        "cards_node7-h7/util_min": 0.0, "cards_node7-h7/memory_used_mb_max": 1007.0,
+        "cards_node7-h7/power_w_max": 307.0, "cards_node7-h7/temp_c_max": 56.0}
+    assert len(card_scalars("node0-h0", cards)) == 8 * 4 - 1  # a small job: every card's, the NaN left out
+
+
 def test_a_resumed_attempt_continues_the_same_mlflow_run(tmp_path):
     run_dir = tmp_path / "run-x"
     first = make_core(run_dir, {"mlflow": {"enabled": True}})
