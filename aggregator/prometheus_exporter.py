@@ -118,6 +118,7 @@ class PrometheusExporter:
         self.scrapes = 0
         self._clocks: Any = None
         self._cards: dict[str, _NodeCards] = {}
+        self._spreads = _NodeSpreads()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._server, self._thread = start_http_server(cfg.port, addr=cfg.address, registry=self.registry)
@@ -232,6 +233,7 @@ class PrometheusExporter:
         summary = _NodeCards.of(cards)
         with self._lock:
             self._cards[str(node)] = summary
+            self._spreads.put(str(node), summary.spread)
 
     def close(self) -> None:
         try:
@@ -328,10 +330,13 @@ class PrometheusExporter:
         from prometheus_client.core import GaugeMetricFamily
 
         run = self.run
+        big = self.world_size > MAX_RANK_SERIES
         with self._lock:
             nodes = dict(self._cards)
-        big = self.world_size > MAX_RANK_SERIES
-        shown = _cards_that_matter(nodes) if big else {(n, cid) for n, nc in nodes.items() for cid in nc.cards}
+            if big:
+                shown, spread = self._spreads.view(nodes)
+        if not big:
+            shown, spread = {(n, cid) for n, nc in nodes.items() for cid in nc.cards}, {}
         card_labels = ["run", "node", "host", "id"]
         for name, key, factor, help_text in _CARD_SERIES:
             fam = GaugeMetricFamily(PREFIX + name, help_text, labels=card_labels)
@@ -346,11 +351,9 @@ class PrometheusExporter:
             fam = GaugeMetricFamily(PREFIX + "cards_" + name.removeprefix("card_"),
                                     help_text + " Min, mean and max over every card of the job.",
                                     labels=["run", "stat"])
-            spread = [nc.spread[key] for nc in nodes.values() if key in nc.spread]
-            if spread:
-                n = sum(s[2] for s in spread)
-                for stat, v in (("min", min(s[0] for s in spread)), ("mean", sum(s[1] for s in spread) / n),
-                                ("max", max(s[3] for s in spread))):
+            if key in spread:
+                lo, total, n, hi = spread[key]
+                for stat, v in (("min", lo), ("mean", total / n), ("max", hi)):
                     fam.add_metric([run, stat], v * factor)
             yield fam
 
@@ -375,21 +378,72 @@ class _NodeCards:
         return _NodeCards(by_id, spread)
 
 
-def _cards_that_matter(nodes: Mapping[str, _NodeCards]) -> set[tuple[str, str]]:
-    """For each of hot, power-hungry, full and idle: the most extreme card of each of the
-    CARDS_THAT_MATTER most extreme nodes (the work follows the nodes, not the cards)."""
-    import heapq
+class _NodeSpreads:
+    """Every node's card spread (per value: min, sum, count, max over its cards) in arrays, one
+    row a node, written as each node's sample arrives: a big job's scrape reads the most extreme
+    nodes and the job's spread with a few array operations instead of a Python pass over 4,096
+    nodes (~14 ms of a 32,768-rank scrape)."""
 
-    out: set[tuple[str, str]] = set()
-    for key, biggest in CARD_EXTREMES:  # beyond MAX_RANK_SERIES
-        if biggest:
-            vals = [(nc.spread[key][3], n, nc.spread[key][4]) for n, nc in nodes.items() if key in nc.spread]
-            picked = heapq.nlargest(CARDS_THAT_MATTER, vals)
-        else:
-            vals = [(nc.spread[key][0], n, nc.spread[key][5]) for n, nc in nodes.items() if key in nc.spread]
-            picked = heapq.nsmallest(CARDS_THAT_MATTER, vals)
-        out.update((n, cid) for _, n, cid in picked)
-    return out
+    KEYS = tuple(key for _, key, _, _ in _CARD_SERIES)
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self._np = np
+        self.rows: dict[str, int] = {}
+        self.names: list[str] = []
+        self.lo = np.full((64, len(self.KEYS)), np.nan)
+        self.sum = np.zeros((64, len(self.KEYS)))
+        self.count = np.zeros((64, len(self.KEYS)))
+        self.hi = np.full((64, len(self.KEYS)), np.nan)
+
+    def put(self, node: str, spread: Mapping[str, tuple[float, float, int, float, str, str]]) -> None:
+        row = self.rows.get(node)
+        if row is None:
+            row = self.rows[node] = len(self.names)
+            self.names.append(node)
+            if row >= len(self.lo):  # room for twice the nodes
+                np = self._np
+                grow = len(self.lo)
+                self.lo = np.vstack([self.lo, np.full_like(self.lo, np.nan)])
+                self.hi = np.vstack([self.hi, np.full_like(self.hi, np.nan)])
+                self.sum = np.vstack([self.sum, np.zeros((grow, len(self.KEYS)))])
+                self.count = np.vstack([self.count, np.zeros((grow, len(self.KEYS)))])
+        for k, key in enumerate(self.KEYS):
+            sp = spread.get(key)
+            if sp is None:
+                self.lo[row, k] = self.hi[row, k] = float("nan")
+                self.sum[row, k] = self.count[row, k] = 0.0
+            else:
+                self.lo[row, k], self.sum[row, k], self.count[row, k], self.hi[row, k] = sp[0], sp[1], sp[2], sp[3]
+
+    def view(self, nodes: Mapping[str, _NodeCards]
+             ) -> tuple[set[tuple[str, str]], dict[str, tuple[float, float, int, float]]]:
+        """For each of hot, power-hungry, full and idle (CARD_EXTREMES) the most extreme card of
+        each of the CARDS_THAT_MATTER most extreme nodes; per value its spread over every card of
+        the job (min, sum, count, max). Called under the exporter's lock."""
+        np = self._np
+        n = len(self.names)
+        lo, hi, total, count = self.lo[:n], self.hi[:n], self.sum[:n], self.count[:n]
+        spread: dict[str, tuple[float, float, int, float]] = {}
+        for k, key in enumerate(self.KEYS):
+            have = count[:, k] > 0
+            if have.any():
+                spread[key] = (float(lo[have, k].min()), float(total[have, k].sum()), int(count[have, k].sum()),
+                               float(hi[have, k].max()))
+        shown: set[tuple[str, str]] = set()
+        for key, biggest in CARD_EXTREMES:
+            k = self.KEYS.index(key)
+            rows = np.flatnonzero(count[:, k] > 0)
+            if not len(rows):
+                continue
+            vals = hi[rows, k] if biggest else -lo[rows, k]  # the idlest: the smallest, negated
+            if len(rows) > CARDS_THAT_MATTER:
+                rows = rows[np.argpartition(vals, len(vals) - CARDS_THAT_MATTER)[-CARDS_THAT_MATTER:]]
+            for row in rows.tolist():
+                sp = nodes[self.names[row]].spread[key]
+                shown.add((self.names[row], sp[4] if biggest else sp[5]))
+        return shown, spread
 
 
 def _oldest_ranks(own: Mapping[int, float], partials: Mapping[int, float], rpn: int, world: int,

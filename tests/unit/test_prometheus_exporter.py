@@ -227,3 +227,44 @@ def test_beyond_256_ranks_a_node_whose_partials_stopped_shows_its_ranks_last_ste
     assert sorted(last) == list(range(72, 80)) and len(last) == OLDEST_RANKS
     assert one(got, "mindpulse_node_last_step_timestamp_seconds", node="9") == last[72] < one(
         got, "mindpulse_node_last_step_timestamp_seconds", node="10")
+
+
+def test_a_big_jobs_card_view_is_the_plain_reading_of_every_nodes_newest_sample():
+    """The arrays a big job's scrape reads (one row a node, rewritten by each sample) give what a
+    plain pass over every node's newest sample gives: the job's min, mean and max of each value,
+    and for hot, power-hungry, full and idle the extreme card of the most extreme nodes."""
+    import random
+
+    from mindpulse.aggregator.prometheus_exporter import (
+        _CARD_SERIES,
+        CARDS_THAT_MATTER,
+        _NodeCards,
+        _NodeSpreads,
+    )
+    from mindpulse.tables import CARD_EXTREMES
+
+    rng = random.Random(7)
+    spreads, nodes = _NodeSpreads(), {}
+    for _ in range(600):  # 150 nodes, each sampled several times (a node's row is rewritten)
+        node = f"node{rng.randrange(150)}-h"
+        cards = [{"card": c, **{key: (None if rng.random() < 0.1 else round(rng.uniform(0, 500), 1))
+                                for _, key, _, _ in _CARD_SERIES}} for c in range(rng.choice([0, 1, 8]))]
+        nodes[node] = _NodeCards.of(cards)
+        spreads.put(node, nodes[node].spread)
+    shown, spread = spreads.view(nodes)
+    for _, key, _, _ in _CARD_SERIES:
+        every = [v for nc in nodes.values() for c in nc.cards.values() if (v := c.get(key)) is not None]
+        assert spread[key][0] == min(every) and spread[key][3] == max(every), key
+        assert spread[key][1] / spread[key][2] == pytest.approx(sum(every) / len(every)), key
+    want = set()
+    for key, biggest in CARD_EXTREMES:
+        ends = [(nc.spread[key][3] if biggest else -nc.spread[key][0], n)
+                for n, nc in nodes.items() if key in nc.spread]
+        cut = sorted((v for v, _ in ends), reverse=True)[CARDS_THAT_MATTER - 1]
+        top = [n for v, n in ends if v > cut]  # ties at the cut may go either way
+        tied = {n for v, n in ends if v == cut}
+        mine = {n for n, cid in shown if nodes[n].spread.get(key) and cid == nodes[n].spread[key][4 if biggest else 5]}
+        assert set(top) <= mine, key
+        want.update((n, nodes[n].spread[key][4 if biggest else 5]) for n in top)
+        assert len({n for n in mine if n in tied or n in top}) >= CARDS_THAT_MATTER, key
+    assert want <= shown and len(shown) <= len(CARD_EXTREMES) * CARDS_THAT_MATTER
