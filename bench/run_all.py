@@ -369,7 +369,8 @@ def fanin_limits(t: dict) -> list[str]:
 
 def sink_rows(fs: dict) -> list[list[str]]:
     """The fan-in with each tracker sink (`fanin.py --sink none,mlflow,swanlab`): one row a sink,
-    the aggregator's CPU per reduced step, judged against the fan-in target of its ranks and rate,
+    the aggregator's CPU per reduced step; the row without a tracker is judged against the fan-in
+    target of its ranks and rate, the trackers' rows are costs set beside its limits,
     saying what was simulated and what the simulation leaves out."""
     from fanin import p99_label, simulated
 
@@ -403,6 +404,13 @@ def sink_rows(fs: dict) -> list[list[str]]:
             rows.append([what, got, "measured", "no target of this size and rate"])
             continue
         missed = [k for k, v in j["checks"].items() if not v]
+        if sink != "none":  # a cost row: the 4,096-rank target is judged with TensorBoard and the endpoint
+            rows.append([what, got, "missed" if failed else "measured", "no target for a tracker; " + (
+                "within the fan-in target's limits" if not missed and not failed else
+                "beyond the fan-in target's limits: " + ", ".join(missed + (["the tracker failed"] if failed else [])))
+                + " (the tracker's own writes run in the aggregator's process: MLflow's file store writes a file "
+                "a series, SwanLab offline its own log)"])
+            continue
         rows.append([what, got, "met" if j["met"] and not failed else "missed",
                      "all limits held" if not missed and not failed else
                      "missed: " + ", ".join(missed + (["the tracker failed"] if failed else []))])
