@@ -4,9 +4,10 @@ Packets in → validated, stored in `metrics.msgpack`, reduced per complete step
 decisions (directives) and console tables out. `AggregatorCore` composes the parts, each a
 module of its own: `intake.py` (packets and node partials in, reduction driven),
 `decisions.py` (rules, stops and rollbacks, checkpoint decisions, the lease),
-`hang_clocks.py` (start-up and running hang clocks), `replay.py` (the state of a restarted
-aggregator rebuilt from metrics.msgpack) and `sinks.py` (console, TensorBoard,
-anomalies.jsonl). `AggregatorActor` (below) wraps it as a Ray actor.
+`hang_clocks.py` (start-up and running hang clocks) and `sinks.py` (console, TensorBoard,
+anomalies.jsonl, the trackers), with the shared base's `mindpulse/replay.py` (the state of a
+restarted aggregator rebuilt from metrics.msgpack, the same replay the views run).
+`AggregatorActor` (below) wraps it as a Ray actor.
 """
 
 from __future__ import annotations

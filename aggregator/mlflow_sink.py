@@ -142,6 +142,10 @@ class MlflowSink:
         before = ids.get("mlflow")
         self.run_id = ""
         self.resumed = False
+        if before and before.get("experiment", cfg.experiment) != cfg.experiment:
+            self.notes.append(f"sinks.mlflow.experiment changed since the earlier attempt ({before.get('experiment')} "
+                              f"-> {cfg.experiment}): a new MLflow run is started")
+            before = None
         if before and before.get("tracking_uri") == self.tracking_uri:
             try:
                 self.client.update_run(before["run_id"], status=RunStatus.to_string(RunStatus.RUNNING))
@@ -158,7 +162,7 @@ class MlflowSink:
                 "mindpulse.run_dir": str(self.run_dir.resolve()), "mindpulse.attempt": str(attempt)})
             self.run_id = run.info.run_id
             ids.put("mlflow", {"run_id": self.run_id, "tracking_uri": self.tracking_uri,
-                               "experiment_id": experiment_id})
+                               "experiment_id": experiment_id, "experiment": cfg.experiment})
         self._log_config(config, attempt, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH)
         self._anomalies = 0
         self._writer = _Writer()

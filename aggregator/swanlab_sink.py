@@ -78,6 +78,10 @@ class SwanLabSink:
             self.notes.append(f"sinks.swanlab.mode changed since the earlier attempt ({before.get('mode')} -> "
                               f"{self.mode}): a new SwanLab run is started")
             before = None
+        if before and before.get("project", cfg.project) != cfg.project:
+            self.notes.append(f"sinks.swanlab.project changed since the earlier attempt ({before.get('project')} -> "
+                              f"{cfg.project}): a new SwanLab run is started")
+            before = None
         self.resumed = before is not None
         settings = swanlab.Settings(
             interactive=False,  # never a login prompt in the aggregator
@@ -90,7 +94,8 @@ class SwanLabSink:
             id=before["run_id"] if before else None, resume="allow" if before else None, settings=settings)
         self.run_id = str(self.run.id)
         if not self.resumed:
-            ids.put("swanlab", {"run_id": self.run_id, "mode": self.mode, "logdir": str(self.logdir)})
+            ids.put("swanlab", {"run_id": self.run_id, "mode": self.mode, "logdir": str(self.logdir),
+                                "project": cfg.project})
         self.attempt = attempt
         self.closed = False
 

@@ -6,6 +6,7 @@ the new aggregator (`best_seed`)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,14 @@ def _resolve(run_dir: Path, which: str) -> tuple[dict[str, Any], Path]:
             "refused": refused}, cfg_path
 
 
-def carry_tracker_runs(resumed_run: Path, run_dir: Path) -> list[str]:
+def carry_tracker_runs(resumed_run: Path, run_dir: Path, enabled: Iterable[str] = ("mlflow", "swanlab")) -> list[str]:
     """`--resume RUN_DIR`: RUN_DIR's `trackers.json` (each tracker's run id) is written into the
     new run directory before its aggregator starts, so the MLflow and SwanLab sinks continue the
     tracker runs the resumed job logged to (each sink starts a new run, and says why, where its
-    config changed since: another tracking URI, another SwanLab mode). A RUN_DIR without one
-    carries nothing; one that cannot be read is said, naming the file, and the trackers start
-    new runs. Returns lines to show."""
+    config changed since: another tracking URI or experiment, another SwanLab mode or project).
+    A RUN_DIR without one carries nothing; one that cannot be read is said, naming the file, and
+    the trackers start new runs. `enabled`: the trackers this launch's config turns on, the only
+    ones said to continue (the others' ids are kept for a later launch). Returns lines to show."""
     from mindpulse.rundir_io import write_json_atomic
     from mindpulse.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
@@ -78,8 +80,10 @@ def carry_tracker_runs(resumed_run: Path, run_dir: Path) -> list[str]:
     if not runs:
         return []
     write_json_atomic(Path(run_dir) / TRACKERS_FILE, runs)
-    return [f"tracker runs continued from {Path(resumed_run) / TRACKERS_FILE}: " + ", ".join(
-        f"{name} {entry.get('run_id')}" for name, entry in sorted(runs.items()) if isinstance(entry, dict))]
+    on = set(enabled)
+    named = [f"{name} {entry.get('run_id')}" for name, entry in sorted(runs.items())
+             if isinstance(entry, dict) and name in on]
+    return [f"tracker runs continued from {Path(resumed_run) / TRACKERS_FILE}: " + ", ".join(named)] if named else []
 
 
 def supersede_newer(resume: dict[str, Any] | None) -> list[str]:

@@ -15,6 +15,9 @@ def assert_offline_straggler_scores_are_the_live_ones(run_dir: Path, slow_rank: 
     aggregator) at every step the live run scored."""
     reader = RunReader(run_dir, history=True)
     reader.poll()
+    # every step rebuilt from the ranks' packets: a step the reader took from the aggregator's
+    # own reduced record would carry the live scores and compare them with themselves
+    assert all(a.from_records == 0 for a in reader.attempts.values()), reader.attempts
     offline = {red.step: red.straggler_scores for red in reader.reduced}
     live = {rec["step"]: rec["straggler_scores"] for rec in read_records(run_dir / "metrics.msgpack")
             if rec.get("t") == REDUCED and rec.get("straggler_scores")}

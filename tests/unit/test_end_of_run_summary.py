@@ -73,6 +73,15 @@ def test_the_console_summary_starts_with_status_and_why_and_shows_dates(tmp_path
     assert f"{began:%Y-%m-%d %H:%M:%S}" in wall and "→" in wall, wall
     assert "  loss (mean)      2.0050 (step 1) → best 0.2550 (step 8) → last 0.2550 (step 8)" in block
     assert "  throughput       32.0 samples/s, 0.5 s per step" in "\n".join(block)
+    # the registry's run totals in the report's monitor line (the console's text with a report)
+    # and in the totals table (the console's text without one)
+    assert "ranks blocked on the monitor 0.180 s in all; ranks spent in mindpulse's code 0.027 s in all" in (
+        "\n".join(out))
+    from mindpulse.tables import totals_table
+
+    rows = totals_table(summary).splitlines()
+    assert any(ln.startswith("monitor wait s (all ranks)") and ln.endswith("0.180") for ln in rows), rows
+    assert any(ln.startswith("monitor self s (all ranks)") and ln.endswith("0.027") for ln in rows), rows
     assert "node0-vm/cpu" in next(ln for ln in block if ln.strip().startswith("world"))
     text = "\n".join(out)
     assert not EPOCH_NUMBER.search(text), f"an epoch number on the console:\n{text}"

@@ -116,7 +116,8 @@ def _raises(body: list[ast.stmt]) -> bool:
     return False
 
 
-_TOOL_TAGS = re.compile(r"#|noqa(:\s*[A-Z]+[0-9]+(,\s*[A-Z]+[0-9]+)*)?|type:\s*ignore(\[[^\]]*\])?|pragma:\s*\S+")
+_TOOL_TAGS = re.compile(r"#|noqa(:\s*[A-Z]+[0-9]+([,\s]+[A-Z]+[0-9]+)*)?|type:\s*ignore(\[[^\]]*\])?"
+                        r"|pragma:\s*no\s+(cover|branch)|nosec(\s+[A-Z]+[0-9]+)*|pylint:\s*disable=[\w,-]+", re.I)
 
 
 def _says_why(comment: str) -> bool:
@@ -159,5 +160,8 @@ def test_the_handler_check_finds_a_silent_handler(tmp_path):
                    "try:\n    f()\nexcept (OSError, BaseException):\n    def g():\n        raise\n"
                    "try:\n    f()\nexcept Exception:  # noqa: BLE001\n    pass\n"
                    "try:\n    f()\nexcept Exception:  # noqa: BLE001 - a sampler never raises\n    pass\n"
-                   "x = 1  # type: ignore[attr-defined]\ntry:\n    f()\nexcept Exception:\n    pass\n")
-    assert unexplained_handlers(src) == [3, 16, 21, 30]
+                   "try:\n    f()\nexcept Exception:  # type: ignore[misc]\n    pass\n"
+                   "try:\n    f()\nexcept Exception:  # NOQA: BLE001 S110\n    pass\n"
+                   "try:\n    f()\nexcept Exception:  # pragma: no cover\n    pass\n"
+                   "try:\n    f()\nexcept Exception:  # pylint: disable=broad-except\n    pass  # nosec B110\n")
+    assert unexplained_handlers(src) == [3, 16, 21, 29, 33, 37, 41]

@@ -172,6 +172,20 @@ def test_a_resumed_attempt_continues_the_same_mlflow_run(tmp_path):
         [run.info.experiment_id])) == 1
 
 
+def test_an_attempt_with_another_mlflow_experiment_starts_a_new_run_and_says_why(tmp_path):
+    run_dir = tmp_path / "run-x"
+    first = make_core(run_dir, {"mlflow": {"enabled": True}})
+    train(first, range(1, 3))
+    first.close()
+    old = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    second = make_core(run_dir, {"mlflow": {"enabled": True, "experiment": "other"}}, attempt=1, start_step=2)
+    said = "\n".join(second.drain_console())
+    second.close()
+    assert "sinks.mlflow.experiment changed" in said and "a new MLflow run" in said, said
+    new = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert new["run_id"] != old["run_id"] and new["experiment"] == "other"
+
+
 def test_an_mlflow_failure_at_run_time_is_counted_and_training_goes_on(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -364,6 +378,13 @@ def test_a_resumed_run_without_trackers_or_with_a_damaged_file_carries_nothing(t
     old.mkdir()
     new.mkdir()
     assert carry_tracker_runs(old, new) == [] and not (new / "trackers.json").exists()
+    # a tracker this launch turns off is carried (a later launch may turn it on) but not said to continue
+    (old / "trackers.json").write_text('{"mlflow": {"run_id": "m1"}, "swanlab": {"run_id": "s1"}}')
+    assert carry_tracker_runs(old, new, enabled=["mlflow"]) == [
+        f"tracker runs continued from {old / 'trackers.json'}: mlflow m1"]
+    assert json.loads((new / "trackers.json").read_text())["swanlab"] == {"run_id": "s1"}
+    assert carry_tracker_runs(old, new, enabled=[]) == []
+    (new / "trackers.json").unlink()
     (old / "trackers.json").write_text("{")
     [line] = carry_tracker_runs(old, new)
     assert str(old / "trackers.json") in line and "new runs" in line and not (new / "trackers.json").exists()
