@@ -379,12 +379,14 @@ class _NodeCards:
 
 
 class _NodeSpreads:
-    """Every node's card spread (per value: min, sum, count, max over its cards) in arrays, one
-    row a node, written as each node's sample arrives: a big job's scrape reads the most extreme
-    nodes and the job's spread with a few array operations instead of a Python pass over 4,096
-    nodes (~14 ms of a 32,768-rank scrape)."""
+    """Every node's card spread (per value: min, sum, count, max over its cards) in one array,
+    a row a node, written as each node's sample arrives: a big job's scrape reads the most
+    extreme nodes and the job's spread with a few array operations instead of a Python pass
+    over 4,096 nodes (~14 ms of a 32,768-rank scrape). A value a node's sample lacks has count 0
+    (its min and max are not read)."""
 
     KEYS = tuple(key for _, key, _, _ in _CARD_SERIES)
+    LO, SUM, COUNT, HI = range(4)
 
     def __init__(self) -> None:
         import numpy as np
@@ -392,30 +394,18 @@ class _NodeSpreads:
         self._np = np
         self.rows: dict[str, int] = {}
         self.names: list[str] = []
-        self.lo = np.full((64, len(self.KEYS)), np.nan)
-        self.sum = np.zeros((64, len(self.KEYS)))
-        self.count = np.zeros((64, len(self.KEYS)))
-        self.hi = np.full((64, len(self.KEYS)), np.nan)
+        self.stats = np.zeros((64, len(self.KEYS), 4))
 
     def put(self, node: str, spread: Mapping[str, tuple[float, float, int, float, str, str]]) -> None:
         row = self.rows.get(node)
         if row is None:
             row = self.rows[node] = len(self.names)
             self.names.append(node)
-            if row >= len(self.lo):  # room for twice the nodes
-                np = self._np
-                grow = len(self.lo)
-                self.lo = np.vstack([self.lo, np.full_like(self.lo, np.nan)])
-                self.hi = np.vstack([self.hi, np.full_like(self.hi, np.nan)])
-                self.sum = np.vstack([self.sum, np.zeros((grow, len(self.KEYS)))])
-                self.count = np.vstack([self.count, np.zeros((grow, len(self.KEYS)))])
+            if row >= len(self.stats):  # room for twice the nodes
+                self.stats = self._np.concatenate([self.stats, self._np.zeros_like(self.stats)])
         for k, key in enumerate(self.KEYS):
             sp = spread.get(key)
-            if sp is None:
-                self.lo[row, k] = self.hi[row, k] = float("nan")
-                self.sum[row, k] = self.count[row, k] = 0.0
-            else:
-                self.lo[row, k], self.sum[row, k], self.count[row, k], self.hi[row, k] = sp[0], sp[1], sp[2], sp[3]
+            self.stats[row, k] = sp[:4] if sp is not None else (0.0, 0.0, 0.0, 0.0)
 
     def view(self, nodes: Mapping[str, _NodeCards]
              ) -> tuple[set[tuple[str, str]], dict[str, tuple[float, float, int, float]]]:
@@ -423,21 +413,21 @@ class _NodeSpreads:
         each of the CARDS_THAT_MATTER most extreme nodes; per value its spread over every card of
         the job (min, sum, count, max). Called under the exporter's lock."""
         np = self._np
-        n = len(self.names)
-        lo, hi, total, count = self.lo[:n], self.hi[:n], self.sum[:n], self.count[:n]
+        stats = self.stats[:len(self.names)]
         spread: dict[str, tuple[float, float, int, float]] = {}
-        for k, key in enumerate(self.KEYS):
-            have = count[:, k] > 0
-            if have.any():
-                spread[key] = (float(lo[have, k].min()), float(total[have, k].sum()), int(count[have, k].sum()),
-                               float(hi[have, k].max()))
         shown: set[tuple[str, str]] = set()
-        for key, biggest in CARD_EXTREMES:
-            k = self.KEYS.index(key)
-            rows = np.flatnonzero(count[:, k] > 0)
+        ends = dict(CARD_EXTREMES)
+        for k, key in enumerate(self.KEYS):
+            rows = np.flatnonzero(stats[:, k, self.COUNT] > 0)
             if not len(rows):
                 continue
-            vals = hi[rows, k] if biggest else -lo[rows, k]  # the idlest: the smallest, negated
+            have = stats[rows, k]
+            spread[key] = (float(have[:, self.LO].min()), float(have[:, self.SUM].sum()),
+                           int(have[:, self.COUNT].sum()), float(have[:, self.HI].max()))
+            if key not in ends:
+                continue
+            biggest = ends[key]
+            vals = have[:, self.HI] if biggest else -have[:, self.LO]  # the idlest: the smallest, negated
             if len(rows) > CARDS_THAT_MATTER:
                 rows = rows[np.argpartition(vals, len(vals) - CARDS_THAT_MATTER)[-CARDS_THAT_MATTER:]]
             for row in rows.tolist():
