@@ -16,7 +16,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,10 +299,7 @@ class NpuSmiSampler(Sampler):
             warnings.append("`npu-smi info` lists no NPU cards")
         self._known = cards
         self._discovered_at = now if cards else None  # no cards yet: look again next sample
-        chips: dict[int | None, int] = {}
-        for c in cards:
-            chips[c.npu] = chips.get(c.npu, 0) + 1
-        if any(n > 1 for n in chips.values()) and any(c.phy_id is None for c in cards):
+        if any(n > 1 for n in chips_per_npu(cards).values()) and any(c.phy_id is None for c in cards):
             res = self._run(["info", "-m"], warnings)
             if res.problem is None and res.rc == 0:
                 self._logic_ids = _parse_logic_ids(res.stdout.decode("utf-8", errors="replace"))
@@ -313,13 +311,7 @@ class NpuSmiSampler(Sampler):
         return True
 
     def _card_id(self, card: NpuCard, chips_of_npu: int) -> int | None:
-        if card.phy_id is not None:
-            return card.phy_id
-        if card.npu is not None and card.chip is not None and (card.npu, card.chip) in self._logic_ids:
-            return self._logic_ids[(card.npu, card.chip)]
-        if chips_of_npu <= 1:
-            return card.npu
-        return None
+        return card_id_of(card, chips_of_npu, self._logic_ids)
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -387,9 +379,7 @@ class NpuSmiSampler(Sampler):
         by_npu: dict[int | None, list[NpuCard]] = {}
         for c in merged.cards:
             by_npu.setdefault(c.npu, []).append(c)
-        chips_of: dict[int | None, int] = {}
-        for c in known:
-            chips_of[c.npu] = chips_of.get(c.npu, 0) + 1
+        chips_of = chips_per_npu(known)
 
         records: list[dict[str, Any]] = []
         used: set[int] = set()
@@ -425,6 +415,22 @@ def _identity(known: NpuCard, found: NpuCard) -> NpuCard:
                    health=known.health)
 
 
+def chips_per_npu(cards: list[NpuCard]) -> Counter[int | None]:
+    """How many chips each NPU id has among `cards`."""
+    return Counter(c.npu for c in cards)
+
+
+def card_id_of(card: NpuCard, chips_of_npu: int, logic_ids: Mapping[tuple[int, int], int]) -> int | None:
+    """A card's id: its physical id; else its logic id (`npu-smi info -m`); else its NPU id
+    where the NPU has one chip; else none."""
+    if card.phy_id is not None:
+        return card.phy_id
+    if card.npu is not None and card.chip is not None and (card.npu, card.chip) in logic_ids:
+        return logic_ids[(card.npu, card.chip)]
+    if chips_of_npu <= 1:
+        return card.npu
+    return None
+
 
 def record_of(ident: NpuCard, m: NpuCard | None, card_id: int | None, source: str) -> dict[str, Any]:
     """The card record of a card (`ident`: what discovery found) with the values one sample's
@@ -454,10 +460,7 @@ def record_of(ident: NpuCard, m: NpuCard | None, card_id: int | None, source: st
 
 def records_of_listing(cards: list[NpuCard], source: str = "npu-smi") -> list[dict[str, Any]]:
     """The card records one saved npu-smi listing gives (`mindpulse telemetry parse-npu-smi`):
-    each card's id is its physical id, or its NPU id where the NPU has one chip (a live
-    sampler also asks `npu-smi info -m` for the logic ids of multi-chip NPUs)."""
-    chips: dict[int | None, int] = {}
-    for c in cards:
-        chips[c.npu] = chips.get(c.npu, 0) + 1
-    return [record_of(c, c, c.phy_id if c.phy_id is not None else (c.npu if chips[c.npu] <= 1 else None), source)
-            for c in cards]
+    each card's id as `card_id_of` gives it without logic ids (a live sampler also asks
+    `npu-smi info -m` for those of multi-chip NPUs)."""
+    chips = chips_per_npu(cards)
+    return [record_of(c, c, card_id_of(c, chips[c.npu], {}), source) for c in cards]
