@@ -45,9 +45,8 @@ class Launch:
         self.out = out
         self.run_dir = make_run_dir(cfg)
         # `--resume RUN_DIR`: its tracker runs continue in this run (before any aggregator starts)
-        self.carried = (carry_tracker_runs(resumed_run, self.run_dir, enabled=[
-            name for name, on in (("mlflow", cfg.sinks.mlflow.enabled), ("swanlab", cfg.sinks.swanlab.enabled)) if on])
-            if resumed_run is not None else [])
+        self.carried = (carry_tracker_runs(resumed_run, self.run_dir, enabled=cfg.sinks.enabled)
+                        if resumed_run is not None else [])
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self.started = time.time()
         self.interrupts = Interrupts()

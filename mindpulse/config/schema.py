@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mindpulse.protocol import Action
@@ -520,6 +520,11 @@ class MlflowConfig:
 class SinksConfig:
     swanlab: SwanLabConfig = field(default_factory=SwanLabConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    @property
+    def enabled(self) -> list[str]:
+        """The trackers turned on, by section name (`mlflow`, `swanlab`)."""
+        return [f.name for f in fields(self) if getattr(self, f.name).enabled]
 
 
 @dataclass
