@@ -451,6 +451,11 @@ TRACKER_SAID = {
 """A tracker sink's run in words: (what it adds to what was simulated, what it leaves out)."""
 
 
+def tracker_failures(r: dict) -> list[str]:
+    """What the console said of a run's tracker failing (it did not start, or a write failed)."""
+    return [x for x in r.get("tracker_lines") or [] if "failed" in x or "did not start" in x]
+
+
 def sink_runs(args: argparse.Namespace, sinks: list[str]) -> dict:
     """The configuration once per sink, `args.repeats` rounds (the sinks in turn each round, so a
     disturbance hits them alike), on one set of node batches; judged against the fan-in target
@@ -484,8 +489,7 @@ def render_sinks(out: dict) -> str:
             rows.append([sink, i, f"{r['achieved_steps_per_s']:.3f}",
                          f"{r['reduce_p99_ms']:.0f} ({p99_label(r.get('reduce_n'))})",
                          f"{r['aggregator_cpu_frac'] * 100:.0f}%", f"{r['aggregator_cpu_ms_per_step']:.2f}", over,
-                         f"{r['rank_wait_p99_ms']:.1f}", "; ".join(x for x in r.get("tracker_lines") or []
-                                                                   if "failed" in x or "did not start" in x) or "none"])
+                         f"{r['rank_wait_p99_ms']:.1f}", "; ".join(tracker_failures(r)) or "none"])
         first = next((r for r in runs if "skipped" not in r), None)
         if first is not None:
             said.append(f"With {sink}: {simulated(first)}.")

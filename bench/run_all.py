@@ -372,7 +372,7 @@ def sink_rows(fs: dict) -> list[list[str]]:
     the aggregator's CPU per reduced step; the row without a tracker is judged against the fan-in
     target of its ranks and rate, the trackers' rows are costs set beside its limits,
     saying what was simulated and what the simulation leaves out."""
-    from fanin import p99_label, simulated
+    from fanin import p99_label, simulated, tracker_failures
 
     t = fs.get("target")
     ok = {s: [r for r in runs if "skipped" not in r] for s, runs in fs["sink_runs"].items()}
@@ -396,7 +396,7 @@ def sink_rows(fs: dict) -> list[list[str]]:
                f"{max(r['reduce_p99_ms'] or math.inf for r in ok[sink]):.0f} ms "
                f"({p99_label(min(r.get('reduce_n') or 0 for r in ok[sink]))}), rank wait p99 "
                f"{max(r['rank_wait_p99_ms'] or 0.0 for r in ok[sink]):.1f} ms")
-        failed = [x for r in ok[sink] for x in r.get("tracker_lines") or [] if "failed" in x or "did not start" in x]
+        failed = [x for r in ok[sink] for x in tracker_failures(r)]
         if failed:
             got += f"; the tracker failed: {failed[0]}"
         j = (fs.get("judged") or {}).get(sink)
