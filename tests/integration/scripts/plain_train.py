@@ -23,6 +23,10 @@ parser.add_argument("--mode", choices=["pynative", "graph"], default="graph")
 parser.add_argument("--cell", choices=["model", "own", "loss_scale"], default="model")
 parser.add_argument("--loop", choices=["model", "hand"], default="model")
 parser.add_argument("--ckpt-dir", default="./ckpt")
+parser.add_argument("--save-stagger", type=float, default=0.0,
+                    help="ranks above 0 wait rank x this many seconds before their ModelCheckpoint saves: with one "
+                         "folder for every rank, MindSpore's own save (isfile, then remove, then write) races "
+                         "between ranks that save at the same instant")
 parser.add_argument("--overflow-at", type=int, default=0, help="make the inputs of this step overflow (1-based)")
 parser.add_argument("--linger-at-exit", type=float, default=0.0,
                     help="a worker thread that never joins keeps the process alive this long after the script "
@@ -67,7 +71,17 @@ else:
     # some users' scripts do: mindpulse warns, and two ranks may trip over each other's files)
     ckpt = ModelCheckpoint(prefix="plain", directory=os.path.abspath(args.ckpt_dir.format(rank=rank)),
                            config=CheckpointConfig(save_checkpoint_steps=args.steps, keep_checkpoint_max=1))
-    model.train(1, ds, callbacks=[LossMonitor(), TimeMonitor(), ckpt], dataset_sink_mode=True)
+    callbacks = [LossMonitor(), TimeMonitor(), ckpt]
+    if args.save_stagger and rank:
+
+        class SaveAfterRankZero(ms.train.Callback):
+            def step_end(self, run_context):
+                import time
+
+                time.sleep(args.save_stagger * rank)
+
+        callbacks.insert(2, SaveAfterRankZero())
+    model.train(1, ds, callbacks=callbacks, dataset_sink_mode=True)
 print(f"rank {rank}/{size} done", flush=True)
 if args.linger_at_exit:
     import threading
