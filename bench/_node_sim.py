@@ -252,11 +252,18 @@ class LeaseWatch:
                 self.cond.notify_all()
 
     def wait(self, need: int, timeout: float) -> float:
-        """Seconds blocked until every watched node's lease covers step `need`."""
+        """Seconds the ranks waited for every watched node's lease to cover step `need`: how
+        long after this call the last node had it (`seen_at`), 0 when all had it before. A
+        rank reads its node's lease board without a lock, so the time this process takes to
+        get this lock (held by a thread noting another lease) is not a wait of the ranks."""
         t0 = time.time()
         with self.cond:
             self.cond.wait_for(lambda: self.all_through >= need or self.stopping, timeout)
-        return time.time() - t0
+            held = self.all_through >= need
+        at = self.seen_at.get(need)
+        if at is None:  # before the first step (0), a stop, or the timeout: the time blocked
+            return 0.0 if held and need < 0 else time.time() - t0
+        return max(0.0, at - t0)
 
 
 class _Relay:

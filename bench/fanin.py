@@ -35,7 +35,8 @@ Measured over the timed steps: achieved steps/s; reduce latency per step (the ta
 step's last group partial leaving its leader, to every leader holding the lease that says
 the step is reduced) and end to end (every node's batch handed over, to every leader and
 streaming member holding that lease); the aggregator's CPU as a fraction of one core and in
-ms per reduced step (its process: a tracker's own threads in it included); the rank wait for the lease, and rank 0's wait for its directive (with how long
+ms per reduced step (its process: a tracker's own threads in it included); the rank wait for the lease (how long after a
+step's end the last node had the lease it needs, 0 when every node had it before), and rank 0's wait for its directive (with how long
 after the step's lease the directive came down the same stream); the senders' CPU; what
 the driver's polls, hang checks and the scrapes took; packets the aggregator refused.
 Senders and aggregator share this machine's cores (on a cluster the nodes' work runs on
