@@ -17,7 +17,7 @@ import functools
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ class AggregatorCore:
         self.decisions = Decisions(self.run_dir, settings, self.sinks, replay=replay,
                                    next_step=lambda: self.reducer.reduced_through + 1)
         self.intake = Intake(self.reducer, self.metrics, self.clocks, world_size=world_size,
-                             start_step=self.start_step, on_reduced=self._on_reduced, on_event=self._on_event,
+                             start_step=self.start_step, on_event=self._on_event,
                              on_telemetry=self._on_telemetry)
         self.advice = Advice(world_size)
         """Ranks without a Monitor, callbacks of several ranks writing one directory (advice.py)."""
@@ -144,7 +144,7 @@ class AggregatorCore:
 
         def packet(pkt: Packet) -> list[ReducedStep]:
             self.intake.accepted += 1
-            return self.intake.accept_one(pkt)
+            return self._decide(self.intake.accept_one(pkt))
 
         def record(red: ReducedStep) -> None:
             self.reducer.reduced_through = max(self.reducer.reduced_through, red.step)
@@ -168,18 +168,32 @@ class AggregatorCore:
                             f"{self.metrics.attempt} in metrics.msgpack ({'; '.join(notes)}) "
                             f"(through step {self.reducer.reduced_through})")
 
-    # ---- input ---------------------------------------------------------------------
+    # ---- input: the packet path's loop -----------------------------------------------
     def ingest(self, batch: list[bytes]) -> list[ReducedStep]:
         """Accept a batch of encoded packets; returns the steps this batch completed."""
-        return self.intake.ingest(batch)
+        return self._decide(self.intake.ingest(batch))
 
     def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> list[ReducedStep]:
         """Several nodes' batches in one call (a group leader's), each `(node or nodes, batch)`."""
-        return self.intake.ingest_nodes(batches)
+        return self._decide(self.intake.ingest_nodes(batches))
 
     def ingest_node(self, node: int | list[int], batch: dict[str, Any]) -> list[ReducedStep]:
         """A node agent's batch (node/relay.py): see `Intake.ingest_node`."""
-        return self.intake.ingest_node(node, batch)
+        return self._decide(self.intake.ingest_node(node, batch))
+
+    def _decide(self, completed: Iterable[ReducedStep]) -> list[ReducedStep]:
+        """Each step the intake completes, as it completes: its decisions (rules, stop,
+        checkpoint, the lease they change) and its views are settled here before the intake
+        takes the next packet or partial (the intake yields them), in the order they
+        complete. A step whose settling fails is counted (`apply_error`) and the batch goes on."""
+        done: list[ReducedStep] = []
+        for red in completed:
+            try:
+                self._on_reduced(red)
+            except Exception as exc:  # a step's consequences failing must not stop the aggregator: counted, logged
+                self.intake.count_error(f"reduced step {red.step} could not be applied", exc)
+            done.append(red)
+        return done
 
     def _on_event(self, pkt: EventPacket) -> None:
         info = self.rank_info.setdefault(pkt.rank, {})

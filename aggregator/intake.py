@@ -3,16 +3,17 @@
 
 A node agent's batch (node/relay.py) carries its ranks' step packets (validated there,
 stored here without decoding), its other packets, and one partial per step its ranks
-completed; a rank outside a launch sends encoded packets. Each complete step goes to
-`on_reduced`; events and telemetry go to their handlers. One bad packet never costs the
-batch: it is counted in `rejected` by reason.
+completed; a rank outside a launch sends encoded packets. Each complete step is yielded as
+it completes (the actor's loop, aggregator/core.py, decides on it before the intake takes the
+next packet or partial); events and telemetry go to their handlers. One bad packet never
+costs the batch: it is counted in `rejected` by reason.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mindpulse.metrics_store import MetricsWriter
@@ -30,14 +31,13 @@ STEP_WINDOW = 256
 
 class Intake:
     def __init__(self, reducer: StepReducer, metrics: MetricsWriter, clocks: HangClocks, *, world_size: int,
-                 start_step: int, on_reduced: Callable[[ReducedStep], None],
-                 on_event: Callable[[EventPacket], None], on_telemetry: Callable[[TelemetryPacket], None]):
+                 start_step: int, on_event: Callable[[EventPacket], None],
+                 on_telemetry: Callable[[TelemetryPacket], None]):
         self.reducer = reducer
         self.metrics = metrics
         self.clocks = clocks
         self.world_size = world_size
         self.start_step = start_step
-        self.on_reduced = on_reduced
         self.on_event = on_event
         self.on_telemetry = on_telemetry
         self.accepted = 0
@@ -45,8 +45,8 @@ class Intake:
         self.group_partials = 0
         """Step partials that came merged over several nodes by a group leader."""
 
-    def ingest(self, batch: list[bytes]) -> list[ReducedStep]:
-        """Accept a batch of encoded packets; returns the steps this batch completed."""
+    def ingest(self, batch: list[bytes]) -> Iterator[ReducedStep]:
+        """Accept a batch of encoded packets; yields each step it completes, as it completes."""
         good_raw: list[bytes] = []
         packets: list[Packet] = []
         for raw in batch if isinstance(batch, (list, tuple)) else [batch]:
@@ -63,10 +63,8 @@ class Intake:
             packets.append(pkt)
         self.metrics.append(good_raw)
         self.accepted += len(packets)
-        done: list[ReducedStep] = []
         for pkt in packets:
-            done.extend(self.accept_one(pkt))
-        return done
+            yield from self.accept_one(pkt)
 
     def _beyond_window(self, step: int) -> bool:
         return step > max(self.reducer.reduced_through, self.start_step) + STEP_WINDOW
@@ -85,20 +83,21 @@ class Intake:
         try:
             return self._accept(pkt)
         except Exception as exc:  # one bad packet must not stop the aggregator: counted, logged
-            self.rejected["apply_error"] += 1
-            if self.rejected["apply_error"] <= 5:
-                log.exception("a %s packet could not be applied: %s", type(pkt).__name__, exc)
+            self.count_error(f"a {type(pkt).__name__} packet could not be applied", exc)
             return []
 
-    def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> list[ReducedStep]:
+    def count_error(self, what: str, exc: Exception) -> None:
+        self.rejected["apply_error"] += 1
+        if self.rejected["apply_error"] <= 5:
+            log.error("%s: %s", what, exc, exc_info=exc)
+
+    def ingest_nodes(self, batches: list[tuple[Any, dict[str, Any]]]) -> Iterator[ReducedStep]:
         """Several nodes' batches in one call (a group leader's), each `(node or nodes, batch)`."""
-        done: list[ReducedStep] = []
         with self.metrics.held():  # one write to metrics.msgpack per call
             for nodes, batch in batches:
-                done.extend(self.ingest_node(nodes, batch))
-        return done
+                yield from self.ingest_node(nodes, batch)
 
-    def ingest_node(self, node: int | list[int], batch: dict[str, Any]) -> list[ReducedStep]:
+    def ingest_node(self, node: int | list[int], batch: dict[str, Any]) -> Iterator[ReducedStep]:
         """A node agent's batch (node/relay.py): its step packets validated there (stored
         as they are, never decoded here), its other packets, and one partial per step its
         ranks completed; the work per step follows nodes, not ranks."""
@@ -114,7 +113,7 @@ class Intake:
         for reason, n in (batch.get("rejected") or {}).items():
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 self.rejected[f"node:{reason}"[:64]] += n
-        done = self.ingest(list(batch.get("other") or []))
+        yield from self.ingest(list(batch.get("other") or []))
         for wire in batch.get("partials") or []:
             try:
                 part = partial_from_wire(wire)
@@ -127,19 +126,12 @@ class Intake:
             self.clocks.on_node_step([node] if isinstance(node, int) else list(node), part.step)
             if not isinstance(node, int) and len(node) > 1:
                 self.group_partials += 1  # a group leader's merge of several nodes (node/group.py)
-            out = self.reducer.add_partial(node, part)
-            for red in out:
-                self.on_reduced(red)
-            done.extend(out)
-        return done
+            yield from self.reducer.add_partial(node, part)
 
     def _accept(self, pkt: Packet) -> list[ReducedStep]:
         if isinstance(pkt, StepPacket):
             self.clocks.on_step_packet(pkt.rank, pkt.step, pkt.step > self.reducer.last_step_of_rank.get(pkt.rank, -1))
-            out = self.reducer.add(pkt)
-            for red in out:
-                self.on_reduced(red)
-            return out
+            return self.reducer.add(pkt)
         if isinstance(pkt, EventPacket):
             self.on_event(pkt)
         elif isinstance(pkt, TelemetryPacket):

@@ -27,7 +27,7 @@ What a node agent sends (node/agent.py, node/relay.py), and how it is made here:
   (`node.agent._forward_decide`) and rank 0 waits for the directive before the next step.
 
 The tree: each group's first node leads it. A `SimAgent` is the real `NodeAgent`'s uplink,
-group and lease code (`lead`, `_on_lease`, `_members_ingest`, `_forward_send`,
+group and lease code (`lead`, `_route`, `_on_lease`, `_members_ingest`,
 `_forward_decide`) on a stand-in without a relay server, sampler or watchdog: a leader runs
 the real `GroupLeader` and `UplinkServer` (deferred acknowledgements) and streams up over a
 real `Uplink` to the aggregator's uplink server; a member with a hop of its own streams over
@@ -294,8 +294,9 @@ class _Relay:
 
 class SimAgent(NodeAgent):
     """A node agent's uplink, group and lease code on a stand-in: `NodeAgent`'s own methods
-    (`lead`, `_on_lease`, `_members_ingest`, `_forward_send`) run unchanged; `__init__`
-    sets only what they use (no relay server, sampler, watchdog or Ray actor)."""
+    (`lead`, `_route`, `_on_lease`, `_members_ingest`) run unchanged, so a node's batch goes
+    up the way the relay sends it (`relay.forward_send`, wired by `_route`); `__init__` sets
+    only what they use (no relay server, sampler, watchdog or Ray actor)."""
 
     def __init__(self, node: int, loop: asyncio.AbstractEventLoop, resolve: Any, watch: LeaseWatch | None):
         self.node = node
@@ -305,6 +306,7 @@ class SimAgent(NodeAgent):
         self.leader = None
         self.errors = []
         self.uplink = Uplink(node, resolve, self._on_lease, max_unacked=self.MAX_UNACKED)
+        self._route()
         self.uplink.start(loop)
 
 
@@ -433,21 +435,21 @@ class Nodes:
             self.decided.notify_all()
 
     def _deliver(self, items: list[tuple[int, dict[str, Any]]]) -> None:
-        """In the loop: each node's batch the way its agent sends it (`NodeAgent._forward_send`:
-        a leader into its group, a member up its uplink); members without a hop of their own
-        into their leader's group."""
+        """In the loop: each node's batch the way its relay sends it (`relay.forward_send`, as
+        `NodeAgent._route` wires it: a leader into its group, a member up its uplink); members
+        without a hop of their own into their leader's group."""
         for n, batch in items:
             agent = self.agents.get(n)
             if agent is not None:
                 if agent.group is None and self.leader_of[n] is agent:  # a group of one: straight up
                     self._note(batch)
-                agent._forward_send(batch)
+                agent.relay.forward_send(batch)
             else:
                 lead = self.leader_of[n]
                 if lead.group is not None:
                     lead.group.add(n, batch)
                 else:
-                    lead._forward_send(batch)
+                    lead.relay.forward_send(batch)
 
     def _noting(self, send: Any) -> Any:
         """A group leader's `send` that notes when a partial of each step went up."""

@@ -432,6 +432,11 @@ class Uplink:
         acknowledged them, or at once if they are dropped (a full queue: counted)."""
         self._queue({"op": "send", "entries": entries}, entries, on_acked=on_acked)
 
+    def send_batch(self, batch: dict[str, Any]) -> None:
+        """This node's own batch (its relay's `NodeBatch`), as one entry: the relay calls this
+        directly (`NodeAgent._route`)."""
+        self.send([(self.node, batch)])
+
     def send_threadsafe(self, entries: Entries, on_acked: Callable[[], None] | None = None) -> None:
         assert self.loop is not None, "start() the uplink first"
         self.loop.call_soon_threadsafe(self.send, entries, on_acked)

@@ -126,15 +126,16 @@ class NodeAgent:
                                         straggler_window=settings.straggler_window,
                                         collect_freq=settings.collect_freq, world_size=settings.world_size,
                                         compute_window=settings.compute_window)
-        self.relay = RelayServer(self._forward_send, functools.partial(_forward_decide, self), settings.local_ranks,
+        self.relay = RelayServer(self._send_up, functools.partial(_forward_decide, self), settings.local_ranks,
                                  prereduce=self.prereduce, token=settings.relay_token, pushed_leases=True)
-        self.relay_port = self.relay.start()
         # steps go up, and the lease comes down, over one stream (mindpulse/uplink.py): to the
         # aggregator, or to the group's leader
         self.uplink = Uplink(node, self._resolve_up, self._on_lease, max_unacked=self.MAX_UNACKED)
         self.server: UplinkServer | None = None
         """A group leader's uplink server, for its members."""
         self._end: dict[str, Any] | None = None
+        self._route()
+        self.relay_port = self.relay.start()
         self.uplink.start(self._loop)
         if self.driver:
             self._watchdog = threading.Thread(target=self._watch_driver, name="mindpulse-driver-watchdog",
@@ -172,7 +173,9 @@ class NodeAgent:
             # a member's frame is acknowledged once what it carried is acknowledged above
             self.server = UplinkServer(self._members_ingest, functools.partial(_members_decide, self),
                                        lambda: self.relay.lease.encode(), deferred_acks=True)
-            return await self.server.start(node_ip())
+            address = await self.server.start(node_ip())
+            self._route()
+            return address
 
         return self._in_loop(serve())
 
@@ -199,8 +202,26 @@ class NodeAgent:
                 self.leader = None
         return tuple(ray.get(self.aggregator.uplink_address.remote(), timeout=60))  # type: ignore[return-value]
 
+    def _route(self) -> None:
+        """Wire the packet path past the agent: the relay's batches go straight into the
+        uplink, and a lease pushed down straight to the relay. A group's leader puts its own
+        batches into its group instead (node/group.py) and passes each lease on to its
+        members too (`_on_lease`). Called at start and when this node starts leading (in the
+        loop: the relay and the uplink run there)."""
+        if self.group is None:
+            self.relay.forward_send = self.uplink.send_batch
+            self.uplink.on_lease = self.relay.set_lease
+        else:
+            self.relay.forward_send = functools.partial(self.group.add, self.node)
+            self.uplink.on_lease = self._on_lease
+
+    def _send_up(self, batch: NodeBatch) -> None:
+        """A batch made outside the relay (the telemetry sampler's): where the relay's go."""
+        self.relay.forward_send(batch)
+
     def _on_lease(self, raw: bytes) -> None:
-        """A lease from above (in the loop): the node's ranks, and a leader's members, get it."""
+        """A lease from above (in the loop), at a group's leader: the node's ranks, and the
+        leader's members, get it."""
         self.relay.set_lease(raw)
         if self.server is not None:
             self.server.push_lease()
@@ -213,12 +234,6 @@ class NodeAgent:
                 self.group.add(node, batch, receipt)
             else:
                 self.group.reject("malformed_entry")
-
-    def _forward_send(self, batch: NodeBatch) -> None:
-        if self.group is not None:
-            self.group.add(self.node, batch)
-        else:
-            self.uplink.send([(self.node, batch)])
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -331,7 +346,7 @@ class NodeAgent:
 
         try:
             batch = {"steps": [], "other": [telemetry_packet(sample).encode()], "partials": [], "rejected": {}}
-            self._loop.call_soon_threadsafe(self._forward_send, batch)
+            self._loop.call_soon_threadsafe(self._send_up, batch)
             self.sent += 1
         except Exception as exc:  # the relay is stopping: drop this sample
             self.errors.append(repr(exc))

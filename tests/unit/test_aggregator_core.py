@@ -220,3 +220,50 @@ def test_bad_nested_content_is_refused_by_the_codec_and_a_bad_packet_costs_only_
     core.close()
     again = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False}, replay=True)
     assert again.reducer.reduced_through == 1, "replay skips what it cannot apply and goes on"
+
+
+def test_a_batch_completing_two_steps_settles_each(tmp_path):
+    """The packet path's loop (`AggregatorCore._decide`): a node batch whose partials complete
+    steps 3 and 4 (a node catching up) returns both, and step 3's NaN stops the run at
+    3 + lag, as if it had arrived alone."""
+    from mindpulse.partial import partial_of, to_wire
+
+    core = AggregatorCore(tmp_path, world_size=2, settings={"tensorboard": False, "monitor": {"max_lag_steps": 1},
+                                                             "world": {"nodes": 1, "ranks_per_node": 2}})
+
+    def part(s, loss=1.0):
+        return to_wire(partial_of(s, {r: StepPacket(rank=r, step=s, loss=loss, step_time_s=0.1, samples=4)
+                                      for r in (0, 1)}))
+
+    for s in (1, 2):
+        core.ingest_node(0, {"steps": [], "other": [], "partials": [part(s)], "rejected": {}})
+    done = core.ingest_node(0, {"steps": [], "other": [], "partials": [part(3, float("nan")), part(4)],
+                                "rejected": {}})
+    assert [r.step for r in done] == [3, 4]
+    stop = core.snapshot()["stop"]
+    assert stop is not None and stop["rule"] == "nonfinite", stop
+    assert (stop["decided_at"], stop["step"]) == (3, 4), stop
+    assert core.lease().stop_after == 4
+    assert core.directive_for(4).action is Action.STOP and core.directive_for(3).action is Action.CONTINUE
+    core.close()
+
+
+def test_a_step_whose_settling_fails_is_counted_and_the_batch_goes_on(tmp_path, monkeypatch):
+    """One step's consequences failing (a bug in a view, a rule) costs that step's settling
+    only: counted as `apply_error`, the next step of the same batch is settled."""
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False})
+    settled = []
+    real = core._on_reduced
+
+    def flaky(red):
+        if red.step == 1:
+            raise RuntimeError("a view broke")
+        settled.append(red.step)
+        real(red)
+
+    monkeypatch.setattr(core, "_on_reduced", flaky)
+    done = core.ingest([step(0, 1), step(0, 2)])
+    assert [r.step for r in done] == [1, 2] and settled == [2]
+    assert core.rejected["apply_error"] == 1
+    assert core.directive_for(2).action is Action.CONTINUE
+    core.close()
