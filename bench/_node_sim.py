@@ -229,6 +229,8 @@ class LeaseWatch:
                 self.node0_at.setdefault(s, time.time())
         if lease.stopping and not self.stopping:
             self.stopping = lease.reason or "stop"
+            with self.cond:  # the ranks waiting for a lease are told to stop
+                self.cond.notify_all()
         if lease.reduced_through <= prev:
             return
         self.through[node] = lease.reduced_through
@@ -251,12 +253,13 @@ class LeaseWatch:
             with self.cond:
                 self.cond.notify_all()
 
-    def wait(self, need: int, timeout: float) -> float:
+    def wait(self, need: int, timeout: float, since: float | None = None) -> float:
         """Seconds the ranks waited for every watched node's lease to cover step `need`: how
-        long after this call the last node had it (`seen_at`), 0 when all had it before. A
-        rank reads its node's lease board without a lock, so the time this process takes to
-        get this lock (held by a thread noting another lease) is not a wait of the ranks."""
-        t0 = time.time()
+        long after `since` (their step's end: its batches handed over; default now) the last
+        node had it (`seen_at`), 0 when all had it before. Taken from when the lease came, not
+        from how long this call blocked: a rank reads its node's lease board without a lock,
+        and the ranks began waiting at their step's end, not when the driver asks."""
+        t0 = time.time() if since is None else since
         with self.cond:
             self.cond.wait_for(lambda: self.all_through >= need or self.stopping, timeout)
             held = self.all_through >= need
@@ -405,7 +408,9 @@ class Nodes:
             with self.decided:
                 self.decided.wait_for(lambda: directive_of in self.decided_at, timeout)
         t1 = time.time()
-        return t1 - t0, self.watch.wait(need, timeout)
+        # the ranks' wait counts from their step's end (this process's last batch handed over),
+        # the directive's wait above included: only rank 0 waits for that, the others for the lease
+        return t1 - t0, self.watch.wait(need, timeout, since=self.sent_at.get(self.step))
 
     def send_step(self, step: int, decide: bool) -> float:
         """Every node hands its batch of `step` to its uplink or its leader (node 0 with a

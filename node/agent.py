@@ -167,15 +167,15 @@ class NodeAgent:
         members send to (`uplink_address`)."""
         from mindpulse.node.group import GroupLeader
 
-        self.group = GroupLeader(self.node, members, self.uplink.send_threadsafe)
-
         async def serve() -> tuple[str, int, str]:
+            # the group and the relay's route change together, in the loop where the relay
+            # and `_forward_decide` read them: a step never goes up half by each route
+            self.group = GroupLeader(self.node, members, self.uplink.send_threadsafe)
+            self._route()
             # a member's frame is acknowledged once what it carried is acknowledged above
             self.server = UplinkServer(self._members_ingest, functools.partial(_members_decide, self),
                                        lambda: self.relay.lease.encode(), deferred_acks=True)
-            address = await self.server.start(node_ip())
-            self._route()
-            return address
+            return await self.server.start(node_ip())
 
         return self._in_loop(serve())
 

@@ -75,10 +75,13 @@ else:
     if args.save_stagger and rank:
 
         class SaveAfterRankZero(ms.train.Callback):
+            """Before the steps ModelCheckpoint writes on: the first (its graph) and the last."""
+
             def step_end(self, run_context):
                 import time
 
-                time.sleep(args.save_stagger * rank)
+                if run_context.original_args().cur_step_num in (1, args.steps):
+                    time.sleep(args.save_stagger * rank)
 
         callbacks.insert(2, SaveAfterRankZero())
     model.train(1, ds, callbacks=callbacks, dataset_sink_mode=True)
