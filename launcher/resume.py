@@ -62,7 +62,7 @@ def _resolve(run_dir: Path, which: str) -> tuple[dict[str, Any], Path]:
             "refused": refused}, cfg_path
 
 
-def carry_tracker_runs(resumed_run: Path, run_dir: Path, enabled: Iterable[str] = ("mlflow", "swanlab")) -> list[str]:
+def carry_tracker_runs(resumed_run: Path, run_dir: Path, enabled: Iterable[str]) -> list[str]:
     """`--resume RUN_DIR`: RUN_DIR's `trackers.json` (each tracker's run id) is written into the
     new run directory before its aggregator starts, so the MLflow and SwanLab sinks continue the
     tracker runs the resumed job logged to (each sink starts a new run, and says why, where its

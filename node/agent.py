@@ -126,11 +126,13 @@ class NodeAgent:
                                         straggler_window=settings.straggler_window,
                                         collect_freq=settings.collect_freq, world_size=settings.world_size,
                                         compute_window=settings.compute_window)
-        self.relay = RelayServer(self._send_up, functools.partial(_forward_decide, self), settings.local_ranks,
-                                 prereduce=self.prereduce, token=settings.relay_token, pushed_leases=True)
         # steps go up, and the lease comes down, over one stream (mindpulse/uplink.py): to the
-        # aggregator, or to the group's leader
+        # aggregator, or to the group's leader; the relay sends into it and takes its leases
+        # straight (`_route`)
         self.uplink = Uplink(node, self._resolve_up, self._on_lease, max_unacked=self.MAX_UNACKED)
+        self.relay = RelayServer(self.uplink.send_batch, functools.partial(_forward_decide, self),
+                                 settings.local_ranks, prereduce=self.prereduce, token=settings.relay_token,
+                                 pushed_leases=True)
         self.server: UplinkServer | None = None
         """A group leader's uplink server, for its members."""
         self._end: dict[str, Any] | None = None

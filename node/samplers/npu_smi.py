@@ -310,9 +310,6 @@ class NpuSmiSampler(Sampler):
                 return False
         return True
 
-    def _card_id(self, card: NpuCard, chips_of_npu: int) -> int | None:
-        return card_id_of(card, chips_of_npu, self._logic_ids)
-
     # -- sampling ------------------------------------------------------------------------
 
     def sample(self) -> list[dict[str, Any]]:
@@ -402,8 +399,8 @@ class NpuSmiSampler(Sampler):
     def _record(self, ident: NpuCard, m: NpuCard | None, chips_of_npu: int) -> dict[str, Any]:
         chip = ident.chip if ident.chip is not None else (m.chip if m else None)
         phy = ident.phy_id if ident.phy_id is not None else (m.phy_id if m else None)
-        return record_of(ident, m, self._card_id(NpuCard(npu=ident.npu, chip=chip, phy_id=phy), chips_of_npu),
-                         self.name)
+        card_id = card_id_of(NpuCard(npu=ident.npu, chip=chip, phy_id=phy), chips_of_npu, self._logic_ids)
+        return record_of(ident, m, card_id, self.name)
 
     def close(self) -> None:
         self.cancel_event.set()
