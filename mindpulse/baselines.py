@@ -38,7 +38,7 @@ compile, cold caches; nvidia-resiliency-ext's straggler detector also skips 5)."
 PAUSE_WARMUP_STEPS = 2
 """Steps a timing baseline leaves out after an evaluation, a checkpoint write or a profiler
 window: the step that carries it and the next one."""
-NOISE_SIGMAS = 4.0
+NOISE_SIGMAS = 3.0
 """A timing drop counts only this many robust standard deviations (1.4826 x MAD) below the
 median: what a shared host's step-time noise does not reach."""
 MAD_SIGMA = 1.4826
