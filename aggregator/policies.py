@@ -374,7 +374,8 @@ class StragglerRule(Rule):
             n = max(int(x.get("n") or 0) for x in inputs)
             w = max(int(x.get("w") or 0) for x in inputs)
             over = f" over {n} steps" if n else ""
-            base = f"; baseline: the fastest rank's median busy time {fast * 1000:.0f} ms{over}, after a {w}-step warm-up"
+            base = (f"; baseline: the fastest rank's median busy time {fast * 1000:.0f} ms{over}, after a "
+                    f"{w}-step warm-up")
         return self.fire(red.step, r, scores[r], self.threshold,
                          f"straggler: rank {r} scores {scores[r]:.2f} against the fastest rank (limit "
                          f"{self.threshold:g}, {self.hits[r]} steps in a row) at step {red.step}{wait}{base}")

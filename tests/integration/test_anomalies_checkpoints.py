@@ -58,7 +58,8 @@ def test_a_loss_spike_rolls_back_to_the_checkpoint_before_it_and_the_run_finishe
     step 9 with the learning rate halved, and finishes."""
     r = run_cli("launch", "--set", "train.steps=14", "--set", "checkpoint.save_checkpoint_steps=4",
                 "--inject", "loss_spike@1:9",
-                "--set", "anomalies=[{rule: loss_spike, action: rollback, warmup: 4, window: 4, z: 6}]", *FAST, timeout=500)
+                "--set", "anomalies=[{rule: loss_spike, action: rollback, warmup: 4, window: 4, z: 6}]", *FAST,
+                timeout=500)
     assert r.returncode == 0, r.output
     s = r.summary
     assert s["status"] == "succeeded" and s["steps_completed"] == 14, s["status"]

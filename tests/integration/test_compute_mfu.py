@@ -32,7 +32,8 @@ three consecutive steps under 0.8 x the median did not occur (lowest 0.87)."""
 def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_and_straggler(run_cli):
     r = run_cli("launch", "--set", "train.steps=21", "--set", f"train.batch_size={BATCH}",
                 "--set", "monitor.straggler_window=4",
-                "--set", f"anomalies=[{{rule: compute_drop, factor: {DROP_FACTOR}, for_steps: 3, window: {DROP_WINDOW}}}]",
+                "--set", f"anomalies=[{{rule: compute_drop, factor: {DROP_FACTOR}, for_steps: 3, "
+                         f"window: {DROP_WINDOW}}}]",
                 "--set", "preflight.enabled=true", "--set", "preflight.action=warn",  # its figure, not its verdict
                 "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600,
                 report=True)

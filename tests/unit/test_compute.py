@@ -10,6 +10,7 @@ import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.policies import ComputeDropRule
+from mindpulse.baselines import NodeComputeDrops
 from mindpulse.card_peaks import (
     CARD_PEAKS,
     DTYPES,
@@ -20,7 +21,6 @@ from mindpulse.card_peaks import (
     peak_dtype,
     resolve_peak,
 )
-from mindpulse.baselines import NodeComputeDrops
 from mindpulse.partial import from_wire, merge, partial_of, to_wire
 from mindpulse.protocol import StepPacket
 from mindpulse.reducer import StepReducer, finalize, reduce_step
