@@ -201,9 +201,13 @@ class NodeComputeDrops:
         self.warmup = warmup
         self.history: dict[int, Baseline] = {}
         self.recent: dict[int, deque[float]] = {}
+        """Each rank's last RECENT_STEPS figures: their median is what is judged."""
+        self.pending: dict[int, deque[float]] = {}
+        """Each rank's figures not yet in its baseline: a figure joins it only once the steps
+        after it showed no drop, so the start of a drop does not lower the bar it is judged by."""
         self.low: dict[int, deque[float]] = {}
-        """Each flagged rank's figures since its drop began: kept out of its baseline (a drop
-        must not lower the bar it is judged by) until it lasted a whole window, then its new level."""
+        """Each flagged rank's figures since its drop began: kept out of its baseline until the
+        drop lasted a whole window, then its new level."""
 
     def update(self, step: int, packets: Mapping[int, StepPacket | Any]) -> list[list[Any]]:
         """[[rank, recent TFLOPS, its median, its MAD, steps in its baseline], ...] of the flagged ranks."""
@@ -218,16 +222,20 @@ class NodeComputeDrops:
             if b is None:
                 b = self.history[r] = Baseline(self.window, self.warmup)
             recent = self.recent.setdefault(r, deque(maxlen=RECENT_STEPS))
+            pending = self.pending.setdefault(r, deque())
             phase = b.observe(step, paused(p))
             if phase is Phase.WARMING:
                 recent.clear()
+                pending.clear()
                 continue
             recent.append(v)
+            pending.append(v)
             if phase is Phase.JUDGING and len(recent) == RECENT_STEPS:
                 med, mad = b.stats()
                 level = median(recent)
                 if med > 0 and level < FLAG_RATIO * med and level < med - NOISE_SIGMAS * MAD_SIGMA * mad:
                     out.append([int(r), level, float(med), float(mad), len(b.values)])
+                    pending.clear()
                     low = self.low.setdefault(r, deque(maxlen=self.window))
                     low.append(v)
                     if len(low) >= self.window:  # a lasting new level: the baseline from now on
@@ -236,5 +244,6 @@ class NodeComputeDrops:
                         del self.low[r]
                     continue
             self.low.pop(r, None)
-            b.add(v)
+            while len(pending) >= RECENT_STEPS:
+                b.add(pending.popleft())
         return out
