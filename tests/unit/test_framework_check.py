@@ -128,3 +128,16 @@ def test_the_refusal_exit_code_is_the_usage_code():
     from mindpulse.launcher.spec import ExitCode
 
     assert framework_check.REFUSED_EXIT == int(ExitCode.USAGE)
+
+
+def test_a_run_whose_rank_refused_its_framework_is_not_restarted(tmp_path):
+    from mindpulse.launcher.failure_policy import Decision, FailurePolicy
+    from mindpulse.launcher.spec import RankOutcome, RunResult, RunStatus
+
+    def failed(error: str) -> RunResult:
+        return RunResult(status=RunStatus.FAILED, outcomes={0: RankOutcome(0, exit_code=2, error=error)})
+
+    policy = FailurePolicy(max_restarts=3, checkpoints_dir=tmp_path)
+    refused = failed("FrameworkVersionError: node n: mindspore 2.6.0 is older than the supported range")
+    assert policy.decide(refused, 0, False, None).decision is Decision.STOP, "a restart would refuse again"
+    assert policy.decide(failed("RuntimeError: boom"), 0, False, None).decision is Decision.RESTART
