@@ -14,8 +14,8 @@ import itertools
 import math
 import re
 import typing
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from mindpulse.config.derived import schedule_of
 from mindpulse.config.metric_names import RECIPE_METRICS, known_metrics

@@ -22,7 +22,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 from headless_venv import headless_venv
 from netns_hosts import Testbed, can_create_namespaces
 

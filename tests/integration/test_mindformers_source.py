@@ -4,9 +4,9 @@ installed, is what every rank imports, ahead of the MindFormers installed in its
 The tree is MindFormers 1.9.0's `mindformers/` package and `configs/` folder taken out of its
 published wheel (`pip download --no-deps mindformers==1.9.0`, kept under
 `$XDG_CACHE_HOME/mindpulse/`): the layout a `git clone` has (MindFormers reads
-`configs/general/run_general_task.yaml` beside its package). One line is added at the end of its `__init__.py`, printing where
-the package was imported from, so each rank's log shows the import itself, beside the rank's
-own start-up line that names where its MindFormers comes from."""
+`configs/general/run_general_task.yaml` beside its package). One line is added at the end of
+its `__init__.py`, printing where the package was imported from, so each rank's log shows the
+import itself, beside the rank's own start-up line that names where its MindFormers comes from."""
 
 from __future__ import annotations
 

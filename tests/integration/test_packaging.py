@@ -83,7 +83,8 @@ def test_pip_would_install_neither_framework_into_an_environment(holds, tmp_path
     res = subprocess.run([py, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report), str(ROOT)],
                          capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    install = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    install = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+               for i in json.loads(report.read_text())["install"]}
     assert "mindpulse" in install, f"the report does not list mindpulse itself: {install}"
     touched = {n: v for n, v in install.items() if n in FRAMEWORKS | {"numpy"}}
     assert not touched, f"pip install mindpulse would install {touched} into an environment that holds {holds}"
