@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` import
     sys.path.pop(0)
 
 from mindpulse.config import from_dict  # noqa: E402
-from mindpulse.framework_support import Framework, FrameworkVersionError  # noqa: E402
+from mindpulse.framework_support import FrameworkVersionError  # noqa: E402
 from mindpulse.rank_settings import SETTINGS_ENV, RankSettings  # noqa: E402
 from mindpulse.workers import framework_check  # noqa: E402
 from mindpulse.workers.errors import StopTraining  # noqa: E402
@@ -132,11 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         if node_rank() != 0:
             print("not node 0: no MindSpore scheduler here", flush=True)
             return 0
-        try:  # the scheduler imports MindSpore too: a missing or unsupported one is named here
-            framework_check.check((Framework.MINDSPORE,))
-        except FrameworkVersionError as exc:
-            print(f"mindpulse scheduler: {exc}", file=sys.stderr, flush=True)
-            return framework_check.REFUSED_EXIT
         from mindpulse.workers.scheduler import main as sched_main
 
         return sched_main()

@@ -59,9 +59,15 @@ def test_a_rank_that_finds_an_unsupported_mindspore_exits_2_naming_node_version_
     assert "[rank 0] finished with exit code 2" in res.stdout, res.stdout[-2000:]
 
 
-def test_the_msrun_scheduler_refuses_the_same_mindspore(tmp_path):
+@pytest.mark.parametrize("module", ["mindpulse.workers.rank_main", "mindpulse.workers.scheduler"])
+def test_the_scheduler_refuses_the_same_mindspore(module, tmp_path):
+    """msrun starts the scheduler through rank_main; the ray backend's node agent starts its module."""
     fake = _old_mindspore(tmp_path / "shadow")
-    res = _rank(_job_json(tmp_path), fake, MS_ROLE="MS_SCHED")
+    job = _job_json(tmp_path)
+    full = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    full.update(PYTHONPATH=str(fake), MS_ROLE="MS_SCHED", MINDPULSE_SETTINGS=str(job))
+    res = subprocess.run([sys.executable, "-m", module, *(["--job", str(job)] if module.endswith("rank_main") else [])],
+                         capture_output=True, text=True, timeout=120, env=full, cwd=ROOT)
     assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
     assert f"mindpulse scheduler: node {socket.gethostname()}: mindspore 2.6.0" in res.stderr, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
