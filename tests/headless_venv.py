@@ -25,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = ("mindspore", "mindformers")
+CHECKOUT = ".checkout"
+"""The checkout it was built for (its editable mindpulse): older builds for it are removed."""
 COMPLETE = ".complete"
 """Written last: a folder without it is a build that did not finish, and is built again."""
 
@@ -63,6 +65,7 @@ def headless_venv() -> Path:
         if (venv / COMPLETE).exists():
             return venv
         shutil.rmtree(venv, ignore_errors=True)
+        _drop_older(venv)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
         (venv / "constraints.txt").write_text("\n".join(cons) + "\n")
         py = str(venv / "bin" / "python")
@@ -72,5 +75,15 @@ def headless_venv() -> Path:
             if res.returncode:
                 raise RuntimeError(f"building the headless environment failed: {' '.join(step)}\n"
                                    f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        (venv / CHECKOUT).write_text(str(ROOT))
         (venv / COMPLETE).write_text("\n".join(deps) + "\n")
         return venv
+
+
+def _drop_older(venv: Path) -> None:
+    """Remove this checkout's environments built for other dependencies (~0.6 GB each)."""
+    for other in venv.parent.iterdir():
+        if other != venv and other.is_dir() and (other / CHECKOUT).exists() \
+                and (other / CHECKOUT).read_text() == str(ROOT):
+            shutil.rmtree(other, ignore_errors=True)
+            (venv.parent / f"{other.name}.lock").unlink(missing_ok=True)
