@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "mindpulse needs Python 3.11 (mindspore 2.9 wheels)"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# the package with the framework pair the demo and the tests run (the `mindspore` extra)
+	$(BIN)/python -m pip install --quiet -e ".[mindspore,test]"
 	# coverage-guided fuzzing of the packet decoder; its test is skipped where it cannot install
 	$(BIN)/python -m pip install --quiet "atheris>=2.3" || echo "note: atheris not installed; its fuzz test will be skipped"
 	touch $(STAMP)

@@ -187,6 +187,9 @@ def _print_mindformers(mf: dict, world_size: int) -> None:
     print(f"\nMindFormers config of every rank (ranks 0-{world_size - 1}: the same; MindFormers adds rank_<r>/ "
           f"under output_dir and under its log folder, and fills in its own defaults), from {mf['yaml']}:")
     print(yaml.safe_dump(mf["values"], sort_keys=False, default_flow_style=None).rstrip())
+    if mf.get("source"):
+        print(f"MindFormers is imported from the source tree {mf['source']} (job.mindformers.source), ahead of "
+              "any installed MindFormers")
 
 
 def _print_plan(cfg: RunConfig, specs: list[RankSpec]) -> None:

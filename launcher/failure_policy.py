@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mindpulse.framework_support import FrameworkVersionError
+
 from .spec import RunResult, RunStatus
 
 
@@ -39,6 +41,9 @@ class FailurePolicy:
     def decide(self, result: RunResult, attempt: int, interrupted: bool,
                resume: dict[str, Any] | None) -> FailureDecision:
         if result.status is not RunStatus.FAILED or attempt >= self.max_restarts or interrupted:
+            return FailureDecision(Decision.STOP, resume)
+        if any(o.error.startswith(FrameworkVersionError.__name__) for o in result.failures.values()):
+            # a rank refused the MindSpore or MindFormers of its node: a restart would find the same
             return FailureDecision(Decision.STOP, resume)
         entry, refused = self._newest_valid()
         if entry is not None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mindpulse.config import RunConfig
+from mindpulse.config import ConfigError, RunConfig
+from mindpulse.config.validation import check_mindformers_source
 from mindpulse.mindformers_yaml import MFJobConfig, MindFormersConfigError, mf_config_for_rank
 
 from .paths import resolve_input
@@ -18,8 +19,8 @@ from .preflight import LaunchRefused
 
 
 def resolve_paths(cfg: RunConfig, config_path: Path | None) -> None:
-    """Relative `job.mindformers.config` / `load_checkpoint`: as every input path of the
-    config (launcher/paths.py)."""
+    """Relative `job.mindformers.config` / `load_checkpoint` / `source`: as every input path of
+    the config (launcher/paths.py)."""
     mf = cfg.job.mindformers
     if mf is None:
         return
@@ -27,6 +28,8 @@ def resolve_paths(cfg: RunConfig, config_path: Path | None) -> None:
     mf.config = resolve_input(mf.config, base) if mf.config else mf.config
     if mf.load_checkpoint:
         mf.load_checkpoint = resolve_input(mf.load_checkpoint, base)
+    if mf.source:
+        mf.source = resolve_input(mf.source, base)
 
 
 def check(cfg: RunConfig, run_dir: str) -> MFJobConfig | None:
@@ -34,6 +37,11 @@ def check(cfg: RunConfig, run_dir: str) -> MFJobConfig | None:
     file or key when the YAML, an override or a path in it is wrong."""
     if cfg.job.mindformers is None:
         return None
+    if cfg.job.mindformers.source:
+        try:  # the ranks import MindFormers from there: a folder that is no MindFormers tree is refused now
+            check_mindformers_source(cfg.job.mindformers.source)
+        except ConfigError as exc:
+            raise LaunchRefused(str(exc)) from None
     try:
         return mf_config_for_rank(cfg, run_dir, device_target=cfg.world.device.value.upper())
     except MindFormersConfigError as exc:
@@ -64,4 +72,7 @@ def plan_view(cfg: RunConfig, run_dir: str) -> dict[str, Any] | None:
     job = check(cfg, run_dir)
     if job is None:
         return None
-    return {"yaml": str(job.source), "values": job.values}
+    view: dict[str, Any] = {"yaml": str(job.source), "values": job.values}
+    if cfg.job.mindformers is not None and cfg.job.mindformers.source:
+        view["source"] = cfg.job.mindformers.source  # the tree the ranks import MindFormers from
+    return view

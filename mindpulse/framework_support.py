@@ -60,6 +60,9 @@ class VersionCheck:
     """The version string the node reported (None: not importable there)."""
     fit: Fit
     node: str = ""
+    origin: str = ""
+    """Where the framework was found (its package folder), when the caller knows it: a
+    MindFormers source tree (`job.mindformers.source`) or an installed copy."""
 
     @property
     def ok(self) -> bool:
@@ -73,19 +76,20 @@ class VersionCheck:
         """What was found, the range and the fix, in one sentence a user acts on."""
         where = f"node {self.node}" if self.node else "this node"
         name = self.framework.value
+        found = f"{self.found} (from {self.origin})" if self.origin else f"{self.found}"
         if self.fit is Fit.OK:
-            return f"{where}: {name} {self.found} (supported: {self.range})"
+            return f"{where}: {name} {found} (supported: {self.range})"
         if self.fit is Fit.MISSING:
             fix = (INSTALL_HINT if self.framework is Framework.MINDSPORE else
                    "pip install one of mindformers " + ", ".join(MINDFORMERS_PAIRS)
                    + ", or give a MindFormers source tree as job.mindformers.source")
             return f"{where}: no {name} can be imported (supported: {self.range}); fix: {fix}"
         if self.fit is Fit.UNREADABLE:
-            return f"{where}: {name} reports the version {self.found!r}, which is not a version number"
+            return f"{where}: {name} reports the version {found!r}, which is not a version number"
         pair = ""
         if self.framework is Framework.MINDFORMERS:
             pair = " (with its MindSpore: " + ", ".join(f"{f} -> {m}" for f, m in MINDFORMERS_PAIRS.items()) + ")"
-        return (f"{where}: {name} {self.found} is {'older' if self.fit is Fit.TOO_OLD else 'newer'} than the "
+        return (f"{where}: {name} {found} is {'older' if self.fit is Fit.TOO_OLD else 'newer'} than the "
                 f"supported range {self.range}; fix: install a {name} in that range{pair} on this node, "
                 "or run on nodes that have one (`mindpulse doctor CONFIG` shows every node)")
 
@@ -101,24 +105,25 @@ def _bounds(framework: Framework) -> tuple[str, str]:
     return MINDFORMERS_MIN, MINDFORMERS_BELOW
 
 
-def check_version(framework: Framework, found: str | None, node: str = "") -> VersionCheck:
-    """Judge one version string (None: the framework is missing) against its range.
+def check_version(framework: Framework, found: str | None, node: str = "", origin: str = "") -> VersionCheck:
+    """Judge one version string (None: the framework is missing) against its range; `origin`:
+    where it was found, for the message.
 
     Pre-releases and local builds count by their release number: 2.8.0rc1 and
     2.7.1+ascend are in the 2.7/2.8 range (a CANN-matched build carries such tags)."""
     if found is None:
-        return VersionCheck(framework, None, Fit.MISSING, node)
+        return VersionCheck(framework, None, Fit.MISSING, node, origin)
     try:
         v = Version(found)
     except InvalidVersion:
-        return VersionCheck(framework, found, Fit.UNREADABLE, node)
+        return VersionCheck(framework, found, Fit.UNREADABLE, node, origin)
     lo, hi = (Version(x) for x in _bounds(framework))
     release = Version(".".join(str(p) for p in v.release))
     if release < lo:
-        return VersionCheck(framework, found, Fit.TOO_OLD, node)
+        return VersionCheck(framework, found, Fit.TOO_OLD, node, origin)
     if release >= hi:
-        return VersionCheck(framework, found, Fit.TOO_NEW, node)
-    return VersionCheck(framework, found, Fit.OK, node)
+        return VersionCheck(framework, found, Fit.TOO_NEW, node, origin)
+    return VersionCheck(framework, found, Fit.OK, node, origin)
 
 
 def expected_mindspore(mindformers: str | None) -> str | None:

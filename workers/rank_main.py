@@ -24,7 +24,9 @@ if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` import
     sys.path.pop(0)
 
 from mindpulse.config import from_dict  # noqa: E402
+from mindpulse.framework_support import FrameworkVersionError  # noqa: E402
 from mindpulse.rank_settings import SETTINGS_ENV, RankSettings  # noqa: E402
+from mindpulse.workers import framework_check  # noqa: E402
 from mindpulse.workers.errors import StopTraining  # noqa: E402
 from mindpulse.workers.heartbeat import dump_stacks_on_sigusr1  # noqa: E402
 from mindpulse.workers.settings import SettingsError, node_rank, rank_id, settings_at  # noqa: E402
@@ -41,6 +43,11 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
         if settings is None:
             raise SettingsError(f"{SETTINGS_ENV} names no settings: this process was not launched by mindpulse")
         job = from_dict(settings.config, source="job.json config").job
+        if job.mindformers is not None and job.mindformers.source:
+            framework_check.put_first(job.mindformers.source)
+        # before anything imports either framework: a missing or unsupported one is named here
+        found = framework_check.check(framework_check.needed(job, settings.task))
+        print(f"[rank {rank}] " + "; ".join(f.line() for f in found), flush=True)
         if settings.task == "card_check":  # the pre-flight card check only (launcher/card_check.py)
             from mindpulse.workers.card_check import main as card_check
 
@@ -57,6 +64,9 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
             llama_finetune.main(settings)
     except StopTraining as exc:
         print(f"[rank {rank}] stopped before the next step: {exc}", flush=True)
+    except FrameworkVersionError as exc:  # said in one line, no traceback: the message is the fix
+        code, error = framework_check.REFUSED_EXIT, f"{type(exc).__name__}: {exc}"
+        print(f"[rank {rank}] mindpulse: {exc}", file=sys.stderr, flush=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code:

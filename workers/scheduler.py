@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+from mindpulse.framework_support import Framework, FrameworkVersionError
+from mindpulse.workers import framework_check
 from mindpulse.workers.settings import load_settings
 
 
@@ -18,6 +20,11 @@ def main() -> int:
         print("mindpulse scheduler: MS_ROLE must be MS_SCHED", file=sys.stderr)
         return 2
     settings = load_settings()
+    try:  # a missing or unsupported MindSpore is named in one line, not a traceback from its import
+        framework_check.check((Framework.MINDSPORE,))
+    except FrameworkVersionError as exc:
+        print(f"mindpulse scheduler: {exc}", file=sys.stderr, flush=True)
+        return framework_check.REFUSED_EXIT
     import mindspore as ms
     from mindspore.communication import init
 

@@ -128,6 +128,11 @@ class MindFormersJobConfig:
     """Values merged into the YAML by dotted key, e.g. `{model.model_config.num_layers: 1}`; each key
     must exist in the YAML. mindpulse itself sets the device target, `use_parallel`,
     `parallel_config.data_parallel` (the world size), `output_dir` and the step cap (`train.steps`)."""
+    source: str = ""
+    """A MindFormers source tree (a `git clone` of MindFormers, the folder that holds
+    `mindformers/__init__.py`) that every rank imports MindFormers from, ahead of any installed
+    MindFormers, as run_mindformer.py users work (relative: as `config`; empty: the installed
+    MindFormers). The tree must be at the same path on every node."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ import itertools
 import math
 import re
 import typing
+from pathlib import Path
 from typing import Any
 
 from mindpulse.config.derived import schedule_of
@@ -322,6 +323,24 @@ def _validate_mindformers(mf: MindFormersJobConfig) -> None:
             split_key(key)
         except MindFormersConfigError as exc:
             raise ConfigError(f"job.mindformers.overrides: {exc}") from None
+
+
+def check_mindformers_source(path: str) -> None:
+    """`job.mindformers.source` (resolved by the launch): a folder holding the `mindformers`
+    package, as a MindFormers clone does; ConfigError naming the key otherwise."""
+    p = Path(path)
+    what = f"job.mindformers.source: {path!r}"
+    if not p.exists():
+        raise ConfigError(f"{what} does not exist; give the folder of a MindFormers source tree (the one that "
+                          "holds mindformers/__init__.py), or leave it empty to use the installed MindFormers")
+    if not p.is_dir():
+        raise ConfigError(f"{what} is not a folder; give the folder of a MindFormers source tree (the one that "
+                          "holds mindformers/__init__.py)")
+    if not (p / "mindformers" / "__init__.py").is_file():
+        hint = (f"; it is the package itself: give its parent folder {str(p.parent)!r}"
+                if (p / "__init__.py").is_file() and p.name == "mindformers" else
+                "; give the folder of a MindFormers source tree (a clone of MindFormers holds it)")
+        raise ConfigError(f"{what} is not a MindFormers source tree: it has no mindformers/__init__.py{hint}")
 
 
 def _check_slow_saves(cfg: RunConfig) -> None:
