@@ -66,7 +66,9 @@ class LocalCall:
     """The embedded cluster's call, started now in a thread (it may run while Ray starts)."""
 
     def __init__(self, fn: Callable[[dict[str, Any]], Any], kwargs: dict[str, Any]):
-        self.answer = NodeAnswer(name="local")
+        import socket
+
+        self.answer = NodeAnswer(name=f"{socket.gethostname()} (this machine)")
         self._thread = threading.Thread(target=self._run, args=(fn, kwargs), name="mindpulse-node-probe", daemon=True)
         self._thread.start()
 
