@@ -102,7 +102,10 @@ def call_on_nodes(cfg: RunConfig, fn: Callable[[dict[str, Any]], Any], kwargs: d
     task = ray.remote(fn)
     refs = {task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
         n["NodeID"], soft=False), name="mindpulse-node-probe").remote(kwargs): n for n in nodes}
-    answers = {ref: NodeAnswer(name=node_name(n)) for ref, n in refs.items()}
+    names = [node_name(n) for n in refs.values()]
+    # nodes that share an address (several Ray nodes on one host) are told apart by their id
+    answers = {ref: NodeAnswer(name=name if names.count(name) == 1 else f"{name} [{n['NodeID'][:8]}]")
+               for (ref, n), name in zip(refs.items(), names)}
     deadline = time.time() + timeout
     pending = list(refs)
     while pending and time.time() < deadline:
