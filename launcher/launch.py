@@ -126,6 +126,8 @@ class Launch:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            if framework_probe is not None:
+                framework_probe.cancel()  # a launch that ended before reading its answer leaves no probe running
         status, self.summary = write_summary(self.cfg, self.run_dir, result, snapshot, history, self.pids.pids,
                                              self.started, self.say)
         return int(ExitCode.of(status))

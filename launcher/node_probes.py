@@ -63,14 +63,31 @@ def node_name(node: dict[str, Any]) -> str:
 
 
 class LocalCall:
-    """The embedded cluster's call, started now in a thread (it may run while Ray starts)."""
+    """The embedded cluster's call, started now in a thread (it may run while Ray starts).
+    `fn` is given `on_start` among its keywords: it hands over the process it starts, which
+    `cancel` ends (a launch refused before it waited for the answer leaves nothing running)."""
 
     def __init__(self, fn: Callable[[dict[str, Any]], Any], kwargs: dict[str, Any]):
         import socket
 
         self.answer = NodeAnswer(name=f"{socket.gethostname()} (this machine)")
-        self._thread = threading.Thread(target=self._run, args=(fn, kwargs), name="mindpulse-node-probe", daemon=True)
+        self._procs: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(fn, dict(kwargs, on_start=self._procs.append)),
+                                        name="mindpulse-node-probe", daemon=True)
         self._thread.start()
+
+    def cancel(self) -> None:
+        """End the call's process if it still runs (its process group: the ranks' Python and its children)."""
+        import os
+        import signal
+
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:  # it ended meanwhile
+                    pass
+        self._thread.join(5)
 
     def _run(self, fn: Callable[[dict[str, Any]], Any], kwargs: dict[str, Any]) -> None:
         try:

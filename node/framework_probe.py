@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,15 +211,19 @@ def rank_python(backend: str) -> str:
     return sys.executable
 
 
-def _run_rank_python(python: str, env: dict[str, str], args: dict[str, Any], timeout: float) -> tuple[
-        dict[str, dict[str, Any]], str]:
-    """Run RANK_PYTHON_PROBE; returns its parts and, when it failed as a whole, why."""
+def _run_rank_python(python: str, env: dict[str, str], args: dict[str, Any], timeout: float,
+                     on_start: Callable[[subprocess.Popen], None] | None = None
+                     ) -> tuple[dict[str, dict[str, Any]], str]:
+    """Run RANK_PYTHON_PROBE; returns its parts and, when it failed as a whole, why.
+    `on_start` is given the process (its caller may end it: a launch that stops first)."""
     try:
         proc = subprocess.Popen([python, "-P", "-c", RANK_PYTHON_PROBE, json.dumps(args)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 cwd=env.get("HOME") if env.get("HOME") and os.path.isdir(env["HOME"]) else "/")
     except OSError as exc:
         return {}, f"the ranks' Python {python} cannot be started: {exc}"
+    if on_start is not None:
+        on_start(proc)
     why = ""
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -249,7 +254,8 @@ def _run_rank_python(python: str, env: dict[str, str], args: dict[str, Any], tim
 
 def probe_node(*, env: dict[str, str] | None = None, backend: str = "ray", device_target: str = "CPU",
                smoke: bool = False, mindformers_source: str = "", root: str = "/", python: str | None = None,
-               timeout: float = PROBE_TIMEOUT_S, run_npu_smi: bool = True) -> NodeProbe:
+               timeout: float = PROBE_TIMEOUT_S, run_npu_smi: bool = True,
+               on_start: Callable[[subprocess.Popen], None] | None = None) -> NodeProbe:
     """What the ranks on this node will find (see the module's notes).
 
     `env`: the ranks' environment on top of this process's (the config's `env:` among it);
@@ -261,7 +267,7 @@ def probe_node(*, env: dict[str, str] | None = None, backend: str = "ray", devic
     if mindformers_source:
         full["PYTHONPATH"] = os.pathsep.join(p for p in (mindformers_source, full.get("PYTHONPATH", "")) if p)
     python = python or rank_python(backend)
-    parts, why = _run_rank_python(python, full, {"smoke": smoke, "device_target": device_target}, timeout)
+    parts, why = _run_rank_python(python, full, {"smoke": smoke, "device_target": device_target}, timeout, on_start)
     probe = NodeProbe(host=socket.gethostname(), python=parts.get("python", {}), error=why)
     try:
         import ray

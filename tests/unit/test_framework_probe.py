@@ -95,3 +95,24 @@ def test_the_probe_travels_as_a_dict(tmp_path):
     p = probe(tmp_path, env={"PYTHONPATH": str(fake)})
     back = NodeProbe.from_dict(p.to_dict())
     assert back == p and back.mindspore.version == "2.10.0"
+
+
+def test_a_local_call_that_is_cancelled_leaves_no_process(tmp_path):
+    """A launch refused before it read the probe's answer (Ray did not start) ends the probe."""
+    import time
+
+    from mindpulse.launcher.node_probes import call_local
+    from mindpulse.node.framework_probe import probe_node_dict
+
+    slow = package(tmp_path / "slow", "mindspore", "import time\ntime.sleep(60)\n")
+    call = call_local(probe_node_dict, {"env": {"PYTHONPATH": str(slow)}, "python": sys.executable,
+                                        "root": str(tmp_path), "run_npu_smi": False})
+    deadline = time.time() + 20
+    while not call._procs and time.time() < deadline:
+        time.sleep(0.05)
+    assert call._procs, "the probe's process did not start"
+    proc = call._procs[0]
+    call.cancel()
+    assert proc.poll() is not None, "the probe's process still runs after cancel"
+    [answer] = call.wait(10)
+    assert "killed by signal SIGKILL" in answer.result["error"], answer
