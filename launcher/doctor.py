@@ -44,6 +44,13 @@ def answers(cfg: RunConfig, local: LocalCall | None, smoke: bool = False) -> lis
 
     if local is not None:
         return local.wait()
+    import ray
+
+    from .preflight import check_cluster
+
+    # a cluster without the cards the job needs is refused as the attempt refuses it (naming
+    # the resource and the count), not as nodes without an answer
+    check_cluster(cfg, ray.cluster_resources(), [n for n in ray.nodes() if n.get("Alive")])
     return call_on_nodes(cfg, probe_node_dict, probe_kwargs(cfg, smoke))
 
 
