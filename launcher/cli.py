@@ -42,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="rehearse a slow card: slow_card@1 (repeatable; see docs/faults.md)")
     pf.add_argument("--json", action="store_true", help="print preflight.json's object (messages go to stderr)")
 
+    dp = sub.add_parser("doctor", help="what the ranks on every node will find (Python, mindpulse, MindSpore, "
+                        "MindFormers, CANN, driver, npu-smi, Ray), judged against the supported ranges; exit 2 "
+                        "when something does not fit")
+    dp.add_argument("config", nargs="?", type=Path,
+                    help="cluster config YAML (default: cluster_configs/local_cpu.yaml)")
+    dp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    dp.add_argument("--json", action="store_true", help="every node's probe and verdicts as JSON (messages to stderr)")
+
     cp = sub.add_parser("config", help="print the resolved config (validates it)")
     cp.add_argument("config", nargs="?", type=Path)
     cp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -92,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0) and int(ExitCode.USAGE)
     try:
+        if args.command == "doctor":
+            from .doctor import doctor_command
+
+            cfg, path = load_config(args.config, args.overrides)
+            return doctor_command(cfg, str(args.config or ""), as_json=args.json)
         if args.command in ("launch", "config", "preflight"):
             resume = None
             config_file = args.config

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from mindpulse.config import RunConfig
 
-from . import card_check, mindformers_plan
+from . import card_check, doctor, mindformers_plan
 from .controller import Controller
 from .paths import resolve_input
 from .preflight import LaunchRefused, check_local
@@ -70,6 +70,9 @@ class Launch:
             job.recipe.init_from = resolve_input(job.recipe.init_from, base)
         mindformers_plan.resolve_paths(self.cfg, self.config_path)
 
+    def _config_hint(self) -> str:
+        return str(self.config_path) if self.config_path else "CONFIG"
+
     def _refuse(self, exc: LaunchRefused) -> int:
         """Nothing ran: say why and leave no run directory behind."""
         print(f"mindpulse: {exc}", file=sys.stderr, flush=True)
@@ -88,6 +91,8 @@ class Launch:
         self.say(f"mindpulse: run directory {self.run_dir}")
         for line in self.carried:
             self.say(f"mindpulse: {line}")
+        # the framework check: on the embedded cluster its probe runs while Ray starts
+        framework_probe = doctor.start(self.cfg)
         old = {s: signal.signal(s, self.interrupts.on_signal) for s in HANDLED_SIGNALS}
         result = RunResult(status=RunStatus.FAILED, message="launcher did not start")
         snapshot: dict[str, Any] = {}
@@ -98,6 +103,9 @@ class Launch:
                 # Ray's core installs its own SIGTERM handler at init: ours must come after
                 for sig in HANDLED_SIGNALS:
                     signal.signal(sig, self.interrupts.on_signal)
+                # every node's MindSpore (and MindFormers, CANN, driver) against the supported
+                # ranges: a node that does not fit refuses the launch before any rank starts
+                doctor.gate(self.cfg, framework_probe, self.console, self._config_hint())
                 # the pre-flight card check (preflight.enabled): a refusal ends the launch before training
                 refused = card_check.gate(self.cfg, run_dir=self.run_dir, run_id=self.run_id, session=session,
                                           pids=self.pids, console=self.console, interrupts=self.interrupts) \
@@ -118,6 +126,8 @@ class Launch:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            if framework_probe is not None:
+                framework_probe.cancel()  # a launch that ended before reading its answer leaves no probe running
         status, self.summary = write_summary(self.cfg, self.run_dir, result, snapshot, history, self.pids.pids,
                                              self.started, self.say)
         return int(ExitCode.of(status))

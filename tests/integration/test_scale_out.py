@@ -144,3 +144,35 @@ def test_no_npu_in_the_cluster_is_refused_before_anything_starts(two_node_cluste
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "NPU" in proc.stderr and "needs 2" in proc.stderr
     assert run_dir is None
+
+
+def test_doctor_probes_every_node_through_ray(two_node_cluster, tmp_path):
+    """`mindpulse doctor` on a Ray cluster: one pinned probe task per node that can host a
+    node's ranks, each reading that node's ranks' Python with the real MindSpore; a MindSpore
+    outside the range on the ranks' path is named on every node, with exit 2."""
+    base = mindpulse_cmd() + ["doctor", "--set", f"ray.address={two_node_cluster['address']}",
+                              "--set", "world.nodes=2", "--set", "world.ranks_per_node=1"]
+    proc = subprocess.run(base + ["--json"], cwd=ROOT, env=two_node_cluster["env"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    nodes = doc["nodes"]
+    assert len(nodes) == 2 and len({n["probe"]["node_id"] for n in nodes}) == 2, nodes
+    import importlib.metadata
+
+    for n in nodes:
+        assert n["probe"]["mindspore"]["version"] == importlib.metadata.version("mindspore"), n
+        assert n["probe"]["mindspore"]["smoke"]["ok"] is True, n["probe"]["mindspore"]
+    old = tmp_path / "old" / "mindspore"
+    old.mkdir(parents=True)
+    (old / "__init__.py").write_text('__version__ = "2.6.0"\n')
+    proc = subprocess.run(base + ["--set", f"env.PYTHONPATH={old.parent}"], cwd=ROOT, env=two_node_cluster["env"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.split()[:2] == ["mindspore", "FAIL"]]
+    assert len(rows) == 2 and all("2.6.0" in r for r in rows), proc.stdout
+    # two Ray nodes on one host share its address: each is named with its node id too
+    import re
+
+    heads = re.findall(r"^node \S+ .*\[([0-9a-f]{8})\]$", proc.stdout, re.M)
+    assert len(set(heads)) == 2, proc.stdout
