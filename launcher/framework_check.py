@@ -22,11 +22,11 @@ from mindpulse.framework_support import (
     Framework,
     check_version,
     expected_mindspore,
+    needed,
     supported_range,
 )
 from mindpulse.node.framework_probe import NodeProbe
 
-MINDFORMERS_RECIPES = ("llama_finetune",)
 """Built-in recipes that train a MindFormers model (their ranks import MindFormers)."""
 DEVICE_PLUGIN = {Device.CPU: "CPU", Device.GPU: "GPU", Device.ASCEND: "Ascend"}
 """MindSpore's name of each `world.device` (its device target and plugin)."""
@@ -50,17 +50,6 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(asdict(self), level=self.level.value)
-
-
-def is_mindformers_job(cfg: RunConfig) -> bool:
-    """Do this job's ranks import MindFormers? `job.mindformers`, or a built-in recipe that
-    trains a MindFormers model (with neither recipe nor script: `llama_finetune`)."""
-    job = cfg.job
-    if job.mindformers is not None:
-        return True
-    if job.script:
-        return False
-    return (job.recipe.name if job.recipe else "llama_finetune") in MINDFORMERS_RECIPES
 
 
 def mindformers_source(cfg: RunConfig) -> str:
@@ -94,7 +83,7 @@ def judge(cfg: RunConfig, probe: NodeProbe, node: str) -> list[Verdict]:
             "mindpulse importable (ranks run `python -m mindpulse.workers.rank_main`)",
             "pip install mindpulse into the environment where this node's MindSpore runs")
     out.extend(_mindspore(cfg, probe, node))
-    if is_mindformers_job(cfg):
+    if Framework.MINDFORMERS in needed(cfg.job):
         out.extend(_mindformers(cfg, probe, node))
     out.extend(_ascend(cfg, probe, node, device))
     if cfg.backend is Backend.MSRUN:

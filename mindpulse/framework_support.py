@@ -138,6 +138,25 @@ def expected_mindspore(mindformers: str | None) -> str | None:
     return MINDFORMERS_PAIRS.get(key)
 
 
+MINDFORMERS_RECIPES = ("llama_finetune",)
+"""The built-in recipes that train a MindFormers model (their ranks import MindFormers)."""
+
+
+def needed(job: object, task: str = "train") -> tuple[Framework, ...]:
+    """The frameworks a rank of `job` (a JobConfig) imports for `task`: MindSpore always;
+    MindFormers too for a MindFormers YAML and for a built-in recipe that trains a MindFormers
+    model (with neither recipe nor script: `llama_finetune`), not for the pre-flight card check
+    (MindSpore alone). A user script may import MindFormers itself: that is its own import.
+    One rule for the ranks' own check (workers/framework_check.py) and the driver's
+    (`doctor`, `launch`: launcher/framework_check.py)."""
+    if task == "card_check" or getattr(job, "script", ""):
+        return (Framework.MINDSPORE,)
+    recipe = getattr(job, "recipe", None)
+    mindformers = getattr(job, "mindformers", None) is not None or (
+        getattr(recipe, "name", None) or MINDFORMERS_RECIPES[0]) in MINDFORMERS_RECIPES
+    return (Framework.MINDSPORE, Framework.MINDFORMERS) if mindformers else (Framework.MINDSPORE,)
+
+
 class FrameworkVersionError(MindpulseError, RuntimeError):
     """A node's MindSpore or MindFormers is missing or outside the supported range."""
 

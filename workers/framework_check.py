@@ -55,16 +55,6 @@ class Found:
         return f"{self.framework.value} {self.version} from {self.origin}"
 
 
-def needed(job: object, task: str = "train") -> tuple[Framework, ...]:
-    """The frameworks a rank of `job` (a JobConfig) imports for `task`: MindSpore always;
-    MindFormers too for a MindFormers YAML and for the built-in recipe (it trains MindFormers'
-    LLaMA), not for the pre-flight card check (MindSpore alone). A user script may import
-    MindFormers itself, but that is its own import to make."""
-    mindformers = task != "card_check" and (getattr(job, "mindformers", None) is not None
-                                            or not getattr(job, "script", ""))
-    return (Framework.MINDSPORE, Framework.MINDFORMERS) if mindformers else (Framework.MINDSPORE,)
-
-
 def _version_in(source: str) -> str | None:
     """The string assigned to `__version__` at the top level of a module's source."""
     try:

@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` import
     sys.path.pop(0)
 
 from mindpulse.config import from_dict  # noqa: E402
-from mindpulse.framework_support import FrameworkVersionError  # noqa: E402
+from mindpulse.framework_support import FrameworkVersionError, needed  # noqa: E402
 from mindpulse.rank_settings import SETTINGS_ENV, RankSettings  # noqa: E402
 from mindpulse.workers import framework_check  # noqa: E402
 from mindpulse.workers.errors import StopTraining  # noqa: E402
@@ -46,7 +46,7 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
         if job.mindformers is not None and job.mindformers.source:
             framework_check.put_first(job.mindformers.source)
         # before anything imports either framework: a missing or unsupported one is named here
-        found = framework_check.check(framework_check.needed(job, settings.task))
+        found = framework_check.check(needed(job, settings.task))
         print(f"[rank {rank}] " + "; ".join(f.line() for f in found), flush=True)
         if settings.task == "card_check":  # the pre-flight card check only (launcher/card_check.py)
             from mindpulse.workers.card_check import main as card_check

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mindpulse.config import RunConfig, load_config
-from mindpulse.framework_support import INSTALL_HINT
+from mindpulse.framework_support import INSTALL_HINT, Framework, needed
 from mindpulse.launcher.doctor import refusal, verdicts
-from mindpulse.launcher.framework_check import Level, failures, is_mindformers_job, judge, mindformers_source
+from mindpulse.launcher.framework_check import Level, failures, judge, mindformers_source
 from mindpulse.launcher.node_probes import NodeAnswer
 from mindpulse.node.ascend_versions import CannToolkit, NpuSmi, VersionFile
 from mindpulse.node.framework_probe import MindSporeInfo, NodeProbe, Package
@@ -116,7 +116,7 @@ def test_missing_mindformers_fails_only_for_a_mindformers_job(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     c = cfg(f"job.script={script}", "job.recipe=null")
-    assert not is_mindformers_job(c)
+    assert Framework.MINDFORMERS not in needed(c.job)
     assert not failures(judge(c, p, "n0")) and "mindformers" not in levels(judge(c, p, "n0"))
 
 
@@ -129,7 +129,7 @@ def test_mindformers_source_is_read_when_the_config_has_the_key():
 
     c.job.mindformers = WithSource()  # type: ignore[assignment]
     assert mindformers_source(c) == "/src/mindformers-1.8.0"
-    assert is_mindformers_job(c)
+    assert Framework.MINDFORMERS in needed(c.job)
 
 
 def test_msrun_backend_needs_msrun_beside_the_rank_python():

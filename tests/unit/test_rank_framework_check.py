@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from mindpulse.config import from_dict
-from mindpulse.framework_support import Fit, Framework, FrameworkVersionError
+from mindpulse.framework_support import Fit, Framework, FrameworkVersionError, needed
 from mindpulse.workers import framework_check
-from mindpulse.workers.framework_check import check, find, needed, put_first
+from mindpulse.workers.framework_check import check, find, put_first
 
 MF = Framework.MINDFORMERS
 MS = Framework.MINDSPORE
