@@ -40,6 +40,10 @@ class FailurePolicy:
                resume: dict[str, Any] | None) -> FailureDecision:
         if result.status is not RunStatus.FAILED or attempt >= self.max_restarts or interrupted:
             return FailureDecision(Decision.STOP, resume)
+        from .failures import FailureKind, failure_kind
+
+        if failure_kind(result) is FailureKind.INPUT:  # a file missing on a node stays missing on a restart
+            return FailureDecision(Decision.STOP, resume)
         entry, refused = self._newest_valid()
         if entry is not None:
             resume = {"path": str(self.checkpoints_dir / entry.path), "step": entry.step, "epoch": entry.epoch,
