@@ -51,6 +51,8 @@ class InputPath:
     """The config key that names it, e.g. `job.script`."""
     path: str
     want: Want
+    hint: str = ""
+    """What to do when it is missing (said after the problem)."""
 
 
 def rank_inputs(cfg: RunConfig) -> list[InputPath]:
@@ -61,8 +63,12 @@ def rank_inputs(cfg: RunConfig) -> list[InputPath]:
         out.append(InputPath("job.script", job.script, Want.SCRIPT))
     if job.recipe is not None:
         r = job.recipe
-        out += [InputPath(f"job.recipe.{k}", getattr(r, k), Want.FILE) for k in ("init_from", "train_file")
-                if getattr(r, k)]
+        if r.init_from:
+            out.append(InputPath("job.recipe.init_from", r.init_from, Want.FILE,
+                                 "make it with `mindpulse pretrain --out PATH`, or leave job.recipe.init_from empty "
+                                 "(random weights)"))
+        if r.train_file:
+            out.append(InputPath("job.recipe.train_file", r.train_file, Want.FILE))
         if r.valid_file and (cfg.eval.every_steps or cfg.eval.per_epoch):  # read only when evaluation is on
             out.append(InputPath("job.recipe.valid_file", r.valid_file, Want.FILE))
     if job.mindformers is not None:
@@ -96,4 +102,5 @@ def input_problems(cfg: RunConfig, where: str = "") -> list[str]:
     naming the key and the path (and `where`, e.g. `on node 1 (host-b)`, when given). The
     per-node check: a rank at its start, a probe of each node before the ranks."""
     suffix = f" {where}" if where else ""
-    return [f"{problem}{suffix}" for item in rank_inputs(cfg) if (problem := path_problem(item))]
+    return [f"{problem}{suffix}" + (f"; {item.hint}" if item.hint else "")
+            for item in rank_inputs(cfg) if (problem := path_problem(item))]
