@@ -127,3 +127,13 @@ def test_the_corpus_rule_is_the_data_streams(size, ok):
     else:
         with pytest.raises(ValueError, match="corpus too small: 15 windows of 64 tokens for 2 ranks x batch 8"):
             ByteWindows(tokens, 64, 0, 2, 1, 8)
+
+
+def test_an_msrun_rank_log_gives_the_input_error_as_the_ranks_error(tmp_path, capsys):
+    """With msrun the driver reads each rank's error from its log: the one line the rank printed."""
+    from mindpulse.launcher.msrun_logs import parse_rank_log
+
+    out = run_job(_settings(tmp_path, {"script": str(tmp_path / "train.py")}), rank=2)
+    log = capsys.readouterr()
+    parsed = parse_rank_log(log.out + log.err, 2)
+    assert (parsed.exit_code, parsed.error, parsed.traceback) == (1, out["error"], "")
