@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import Any
 
-from mindpulse.config import Device, RunConfig
+from mindpulse.config import Backend, Device, RunConfig
 from mindpulse.errors import MindpulseError
 
 
@@ -107,11 +107,26 @@ def check_ray_address(cfg: RunConfig, timeout_s: float = RAY_PROBE_TIMEOUT_S) ->
                             "empty (an embedded one-machine cluster)") from None
 
 
+def check_master_addr(cfg: RunConfig) -> None:
+    """`msrun.master_addr` must resolve (checked here, on the head; every node dials it): else
+    the other nodes' ranks wait `msrun.cluster_time_out` seconds for a scheduler they cannot find."""
+    addr = cfg.msrun.master_addr
+    if not addr or cfg.backend is not Backend.MSRUN or cfg.world.nodes < 2:
+        return
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise LaunchRefused(f"msrun.master_addr: {addr!r} does not resolve here ({why}); give node 0's IP "
+                            "address, or leave it empty (node 0's address as Ray sees it)") from None
+
+
 def check_local(cfg: RunConfig) -> None:
     """Checks of the driver's own machine, for an embedded local cluster."""
     check_exporter_port(cfg)
     check_trackers(cfg)
     if cfg.ray.address:
+        check_master_addr(cfg)
         check_ray_address(cfg)
         return
     if cfg.world.device is Device.ASCEND:

@@ -169,6 +169,11 @@ _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]
 """A Ray head's address as `ray start --head` prints it: HOST:PORT ([IPv6]:PORT)."""
 
 
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = re.compile(rf"^({_LABEL}(\.{_LABEL})*|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*)$")
+"""An IP address (v4 or v6) or a host name."""
+
+
 def _validate_ray_address(address: str) -> None:
     """Ray itself refuses any other form only once the launch is under way."""
     if not address or address in ("auto", "local") or address.startswith("ray://"):
@@ -210,6 +215,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         if len(set(cfg.world.devices)) != len(cfg.world.devices) or min(cfg.world.devices) < 0:
             raise ConfigError(f"world.devices: {cfg.world.devices} is not allowed; use distinct ids >= 0")
     _validate_ray_address(cfg.ray.address)
+    if cfg.msrun.master_addr and not _HOST.match(cfg.msrun.master_addr):
+        raise ConfigError(f"msrun.master_addr: {cfg.msrun.master_addr!r} is not allowed; use node 0's IP address or "
+                          "host name alone (no port: msrun.master_port), or empty (node 0's address as Ray sees it)")
     if not 0 <= cfg.msrun.master_port <= 65535 or 0 < cfg.msrun.master_port < 1024:
         raise ConfigError(f"msrun.master_port: {cfg.msrun.master_port} is not allowed; use 0 or 1024-65535")
     for key in cfg.env:
@@ -228,6 +236,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("world.peak_tflops", cfg.world.peak_tflops, allow_zero=True)
     if cfg.profile.steps and (len(cfg.profile.steps) != 2 or not 1 <= cfg.profile.steps[0] <= cfg.profile.steps[1]):
         raise ConfigError(f"profile.steps: {cfg.profile.steps} is not allowed; use [START, END] with 1 <= START <= END")
+    if cfg.profile.steps and 0 < cfg.train.steps < cfg.profile.steps[0]:
+        # the profiler starts at that step, which this run never reaches: no profile, nothing said
+        raise ConfigError(f"profile.steps: {cfg.profile.steps} starts after the run's last step "
+                          f"(train.steps={cfg.train.steps}); profile steps within 1..{cfg.train.steps}")
     bad = [r for r in cfg.profile.ranks if not 0 <= r < cfg.world.world_size]
     if bad:
         raise ConfigError(f"profile.ranks: {bad} are not ranks of this job (0..{cfg.world.world_size - 1})")

@@ -118,11 +118,19 @@ def _bad_input(case: str, tmp: Path) -> tuple[list[str], list[str]]:
         "ray.address malformed": (["ray.address=head-node"], ["ray.address: 'head-node' is not allowed"]),
         "ray.address nothing answers": ([f"ray.address=127.0.0.1:{_free_port()}"],
                                         ["ray.address: nothing answers at"]),
+        "msrun.master_addr malformed": (["backend=msrun", "msrun.master_addr=10.0.0.1:8118"],
+                                        ["msrun.master_addr: '10.0.0.1:8118' is not allowed"]),
+        "msrun.master_addr unknown": (["ray.address=10.0.0.1:6379", "world.nodes=2",
+                                       "backend=msrun", "msrun.master_addr=no-such-host.invalid"],
+                                      ["msrun.master_addr: 'no-such-host.invalid' does not resolve here"]),
         "sinks.swanlab.logdir": (["sinks.swanlab.enabled=true", f"sinks.swanlab.logdir={blocker / 'swanlog'}"],
                                  [f"sinks.swanlab.logdir: {blocker / 'swanlog'} cannot be made: {blocker} is a file"]),
         "sinks.mlflow.tracking_uri": (["sinks.mlflow.enabled=true", f"sinks.mlflow.tracking_uri=file://{blocker}/ml"],
                                       [f"sinks.mlflow.tracking_uri: {blocker / 'ml'} cannot be made"]),
         "profile.steps a scalar": (["profile.steps=5"], ["profile.steps: expected a list, got 5"]),
+        "profile.steps after the last step": (["profile.steps=[5, 8]"],
+                                              ["profile.steps: [5, 8] starts after the run's last step "
+                                               "(train.steps=2)"]),
         "env value a list": (["env.HCCL_CONNECT_TIMEOUT=[1, 2]"], ["env.HCCL_CONNECT_TIMEOUT: [1, 2] is not allowed"]),
     }[case]
 
@@ -131,9 +139,10 @@ BAD_INPUTS = ["job.script missing", "job.script a folder", "job.script does not 
               "job.args item not a string", "job.recipe.init_from missing", "job.recipe.train_file missing",
               "job.recipe.train_file empty", "job.recipe.valid_file missing", "train.batch_size over the corpus",
               "job.mindformers.config missing", "job.mindformers.load_checkpoint missing",
-              "output.root under a file", "monitor.histogram_regex",
-              "ray.address malformed", "ray.address nothing answers", "sinks.swanlab.logdir",
-              "sinks.mlflow.tracking_uri", "profile.steps a scalar", "env value a list"]
+              "output.root under a file", "monitor.histogram_regex", "ray.address malformed",
+              "ray.address nothing answers", "msrun.master_addr malformed", "msrun.master_addr unknown",
+              "sinks.swanlab.logdir", "sinks.mlflow.tracking_uri", "profile.steps a scalar",
+              "profile.steps after the last step", "env value a list"]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
