@@ -42,8 +42,12 @@ class FailurePolicy:
                resume: dict[str, Any] | None) -> FailureDecision:
         if result.status is not RunStatus.FAILED or attempt >= self.max_restarts or interrupted:
             return FailureDecision(Decision.STOP, resume)
-        if any(o.error.startswith(FrameworkVersionError.__name__) for o in result.failures.values()):
-            # a rank refused the MindSpore or MindFormers of its node: a restart would find the same
+        from .failures import FailureKind, failure_kind
+
+        # a rank refused the MindSpore or MindFormers of its node, or a file missing on a node:
+        # a restart would find the same
+        if failure_kind(result) is FailureKind.INPUT or any(
+                o.error.startswith(FrameworkVersionError.__name__) for o in result.failures.values()):
             return FailureDecision(Decision.STOP, resume)
         entry, refused = self._newest_valid()
         if entry is not None:

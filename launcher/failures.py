@@ -11,6 +11,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from mindpulse.input_paths import INPUT_MISSING
+
 from .spec import RankOutcome
 
 LOG_TAIL_LINES = 30
@@ -25,6 +27,9 @@ class FailureKind(str, enum.Enum):
     """A host's processes are gone (its node agent, raylet and ranks): launcher/node_health.py."""
     LINK_LOST = "link_lost"
     """A host stopped answering: a lost link or a network partition."""
+    INPUT = "input"
+    """A file the config names is missing on a rank's node (the rank's start checks them:
+    mindpulse/input_paths.py); a restart would fail the same way."""
 
 
 def failure_kind(result: Any) -> FailureKind:
@@ -36,6 +41,8 @@ def failure_kind(result: Any) -> FailureKind:
         return FailureKind.NODE_LOST if loss_kind(result.lost) is LossKind.NODE else FailureKind.LINK_LOST
     if result.hang:
         return FailureKind.HANG
+    if any(o.error.startswith(INPUT_MISSING) for o in result.outcomes.values()):
+        return FailureKind.INPUT
     return FailureKind.CRASH if result.outcomes else FailureKind.LAUNCHER
 
 
@@ -218,6 +225,10 @@ def format_failure(f: dict[str, Any]) -> str:
 
     if f.get("nodes"):
         return printable("\n".join(_format_loss(f)))
+    if f["kind"] == FailureKind.INPUT.value:  # no crash to trace: the key, path and node are the cause
+        return printable("\n".join([f"FAILED ({f['kind']}): a file the config names is missing where ranks "
+                                     "run; they stopped before training"]
+                                    + [f"  ranks {g['ranks']}: {g['error']}" for g in f.get("errors", [])]))
     lines = [f"FAILED ({f['kind']}): root cause rank {f['root_cause_rank']} at step {f['step']}"
              + (f", exit code {f['exit_code']}" if f.get("exit_code") not in (None,) else "")
              + (f", signal {f['signal']}" if f.get("signal") else "")]

@@ -21,6 +21,7 @@ from mindpulse.config import RunConfig
 
 from . import card_check, doctor, mindformers_plan
 from .controller import Controller
+from .input_checks import check_inputs
 from .paths import resolve_input
 from .preflight import LaunchRefused, check_local
 from .progress import Console
@@ -66,8 +67,13 @@ class Launch:
             if not p.is_absolute():
                 p = (base / p) if (base / p).exists() else (Path.cwd() / p)
             job.script = str(p.resolve())
-        if job.recipe and job.recipe.init_from:
-            job.recipe.init_from = resolve_input(job.recipe.init_from, base)
+        if job.recipe:
+            for key in ("init_from", "train_file", "valid_file"):
+                if getattr(job.recipe, key):
+                    setattr(job.recipe, key, resolve_input(getattr(job.recipe, key), base))
+        swan = self.cfg.sinks.swanlab
+        if swan.logdir:  # the aggregator's working folder is not necessarily this one
+            swan.logdir = str(Path(swan.logdir).expanduser().absolute())
         mindformers_plan.resolve_paths(self.cfg, self.config_path)
 
     def _config_hint(self) -> str:
@@ -84,6 +90,7 @@ class Launch:
         try:
             check_local(self.cfg)
             mindformers_plan.check(self.cfg, str(self.run_dir))  # a MindFormers YAML: read and checked now
+            check_inputs(self.cfg)  # the files the ranks open, a script that would not compile, trackers' folders
             card_check.check_faults(self.cfg, card_check.enabled(self.cfg))
         except LaunchRefused as exc:
             return self._refuse(exc)

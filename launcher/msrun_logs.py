@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mindpulse.input_paths import INPUT_MISSING
 from mindpulse.node.msrun_output import KILLED_OTHERS
 
 from .failures import VICTIM, signal_name, traceback_from_log
@@ -40,6 +41,8 @@ _DIED = re.compile(r"^(?:\[ERROR\] ME\(\d+:\d+,\w+\):(\d{4}-\d\d-\d\d-\d\d:\d\d:
                    r"Worker process (\d+) exit with exception\. Error code: (-?\d+)\.", re.M)
 _PID = r"^\[rank {rank}\] pid (\d+) starting$"
 _FINISHED = r"^\[rank {rank}\] finished with exit code (-?\d+) after [\d.]+s$"
+_INPUT = r"^\[rank {rank}\] (" + INPUT_MISSING + r": .*)$"
+"""A rank that stopped at its start on a missing input says so in one line, without a traceback."""
 
 
 @dataclass
@@ -109,6 +112,8 @@ def parse_rank_log(text: str, rank: int) -> RankLog:
     out.traceback = traceback_from_log(text, first=True)
     if out.traceback:
         out.error = out.traceback.splitlines()[-1].strip()
+    elif m := re.search(_INPUT.format(rank=rank), text, re.M):
+        out.error = m.group(1)
     return out
 
 

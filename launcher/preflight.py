@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import Any
 
-from mindpulse.config import Device, RunConfig
+from mindpulse.config import Backend, Device, RunConfig
 from mindpulse.errors import MindpulseError
 
 
@@ -75,11 +75,59 @@ def check_trackers(cfg: RunConfig) -> None:
                                 f"pip install {install} (or --set {off})")
 
 
+RAY_PROBE_TIMEOUT_S = 5.0
+"""How long the launch waits for the Ray head named by `ray.address` to take a connection
+(ray.init itself retries an address where nothing answers for minutes)."""
+
+
+def check_ray_address(cfg: RunConfig, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+    """The Ray head `ray.address` names must take a TCP connection, at the address Ray itself
+    would dial (`auto` read from the environment, loopback turned into this host's address)."""
+    addr = cfg.ray.address
+    if not addr or addr == "local" or addr.startswith("ray://"):
+        return
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        target = canonicalize_bootstrap_address(addr)
+    except ConnectionError as exc:  # `auto` and no cluster found on this machine
+        raise LaunchRefused(f"ray.address: {addr!r}: {exc}; start the cluster (`ray start --head`) or leave "
+                            "ray.address empty (an embedded one-machine cluster)") from None
+    except Exception:  # Ray's own resolution moved or failed: ray.init will say what is wrong
+        return
+    if not target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise LaunchRefused(f"ray.address: nothing answers at {target} ({addr!r} as Ray resolves it: {why}); "
+                            "start the cluster (`ray start --head`), fix the address, or leave ray.address "
+                            "empty (an embedded one-machine cluster)") from None
+
+
+def check_master_addr(cfg: RunConfig) -> None:
+    """`msrun.master_addr` must resolve (checked here, on the head; every node dials it): else
+    the other nodes' ranks wait `msrun.cluster_time_out` seconds for a scheduler they cannot find."""
+    addr = cfg.msrun.master_addr
+    if not addr or cfg.backend is not Backend.MSRUN or cfg.world.nodes < 2:
+        return
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise LaunchRefused(f"msrun.master_addr: {addr!r} does not resolve here ({why}); give node 0's IP "
+                            "address, or leave it empty (node 0's address as Ray sees it)") from None
+
+
 def check_local(cfg: RunConfig) -> None:
     """Checks of the driver's own machine, for an embedded local cluster."""
     check_exporter_port(cfg)
     check_trackers(cfg)
     if cfg.ray.address:
+        check_master_addr(cfg)
+        check_ray_address(cfg)
         return
     if cfg.world.device is Device.ASCEND:
         missing = _has_ascend_tools()

@@ -26,16 +26,21 @@ def make_run_dir(cfg: RunConfig, base: Path | None = None) -> Path:
     if root not in run_dir.parents:
         raise ConfigError(f"name: {cfg.name!r} would place the run outside output.root ({root})")
     _, dmode = run_modes(cfg)
-    root.mkdir(parents=True, exist_ok=True)
     n = 1
     candidate = run_dir
-    while True:
-        try:
-            candidate.mkdir(mode=dmode)  # never an existing folder: another launch may have made it
-            break
-        except FileExistsError:
-            n += 1
-            candidate = run_dir.with_name(f"{run_dir.name}.{n}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                candidate.mkdir(mode=dmode)  # never an existing folder: another launch may have made it
+                break
+            except FileExistsError:
+                n += 1
+                candidate = run_dir.with_name(f"{run_dir.name}.{n}")
+    except OSError as exc:  # nothing started yet: the key to change, not a traceback
+        raise ConfigError(f"output.root: cannot make the run directory under {root} "
+                          f"({exc.strerror or type(exc).__name__}: {exc.filename or root}); "
+                          "choose a folder this user can write") from None
     os.chmod(candidate, dmode)  # mkdir's mode passes through the umask
     make_dir(candidate / "logs", dmode)
     return candidate

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import runpy
+import socket
 import sys
 import time
 import traceback
@@ -23,8 +24,9 @@ os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` importable the same way
     sys.path.pop(0)
 
-from mindpulse.config import from_dict  # noqa: E402
+from mindpulse.config import RunConfig, from_dict  # noqa: E402
 from mindpulse.framework_support import FrameworkVersionError, needed  # noqa: E402
+from mindpulse.input_paths import INPUT_MISSING, InputMissing, input_problems  # noqa: E402
 from mindpulse.rank_settings import SETTINGS_ENV, RankSettings  # noqa: E402
 from mindpulse.workers import framework_check  # noqa: E402
 from mindpulse.workers.errors import StopTraining  # noqa: E402
@@ -42,12 +44,15 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
     try:
         if settings is None:
             raise SettingsError(f"{SETTINGS_ENV} names no settings: this process was not launched by mindpulse")
-        job = from_dict(settings.config, source="job.json config").job
+        cfg = from_dict(settings.config, source="job.json config")
+        job = cfg.job
         if job.mindformers is not None and job.mindformers.source:
             framework_check.put_first(job.mindformers.source)
         # before anything imports either framework: a missing or unsupported one is named here
         found = framework_check.check(needed(job, settings.task))
         print(f"[rank {rank}] " + "; ".join(f.line() for f in found), flush=True)
+        if settings.task != "card_check":
+            check_inputs(cfg, rank)
         if settings.task == "card_check":  # the pre-flight card check only (launcher/card_check.py)
             from mindpulse.workers.card_check import main as card_check
 
@@ -71,6 +76,9 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code:
             error = f"SystemExit({exc.code!r})"
+    except InputMissing as exc:  # a config key's file missing on this node: the message says all, no traceback
+        code, error = 1, f"{INPUT_MISSING}: {exc}"
+        print(f"[rank {rank}] {error}", file=sys.stderr, flush=True)
     except BaseException as exc:  # report everything; the launcher decides
         code, error, tb = 1, f"{type(exc).__name__}: {exc}", traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
@@ -80,6 +88,17 @@ def run_job(settings: RankSettings | None, rank: int) -> dict[str, Any]:
     sys.stdout.flush()
     sys.stderr.flush()
     return {"rank": rank, "exit_code": code, "error": error, "traceback": tb, "pid": os.getpid()}
+
+
+def check_inputs(cfg: RunConfig, rank: int) -> None:
+    """The files this rank will open, checked before it joins MindSpore's cluster: the driver
+    checked them on the head, but this node may lack one (a path that is not on a filesystem
+    every host shares). Raises `InputMissing` naming the key, the path and the node."""
+    node = rank // cfg.world.ranks_per_node
+    problems = input_problems(cfg, where=f"on node {node} ({socket.gethostname()})")
+    if problems:
+        raise InputMissing("; ".join(problems) + ": every node must see the job's files at the same path "
+                           "(a shared filesystem, or a copy on each host)")
 
 
 def run_script(settings: RankSettings, rank: int, script: str, args: list[str], auto_monitor: bool) -> None:

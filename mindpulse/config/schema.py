@@ -89,9 +89,9 @@ class RecipeConfig:
     intermediate_size: int = 128
     """Feed-forward width."""
     train_file: str = ""
-    """Training text (UTF-8); empty uses the corpus shipped with mindpulse."""
+    """Training text (UTF-8; relative paths as `init_from`'s); empty uses the corpus shipped with mindpulse."""
     valid_file: str = ""
-    """Validation text; empty uses the shipped validation split."""
+    """Validation text (relative paths as `init_from`'s); empty uses the shipped validation split."""
 
 
 @dataclass

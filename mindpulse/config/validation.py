@@ -166,6 +166,26 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{path}: {value!r} is not allowed; use a number {need}")
 
 
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})$")
+"""A Ray head's address as `ray start --head` prints it: HOST:PORT ([IPv6]:PORT)."""
+
+
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = re.compile(rf"^({_LABEL}(\.{_LABEL})*|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*)$")
+"""An IP address (v4 or v6) or a host name."""
+
+
+def _validate_ray_address(address: str) -> None:
+    """Ray itself refuses any other form only once the launch is under way."""
+    if not address or address in ("auto", "local") or address.startswith("ray://"):
+        return
+    m = _HOST_PORT.match(address)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise ConfigError(f"ray.address: {address!r} is not allowed; use empty (an embedded one-machine cluster), "
+                          "auto (the cluster this machine joined), or the head's HOST:PORT as `ray start --head` "
+                          "prints it, e.g. 10.0.0.1:6379")
+
+
 def _validate_exporters(cfg: RunConfig) -> None:
     prom = cfg.exporters.prometheus
     if not 0 <= prom.port <= 65535:
@@ -195,6 +215,10 @@ def validate(cfg: RunConfig) -> RunConfig:
                               f"world.ranks_per_node is {cfg.world.ranks_per_node}: give one id per rank")
         if len(set(cfg.world.devices)) != len(cfg.world.devices) or min(cfg.world.devices) < 0:
             raise ConfigError(f"world.devices: {cfg.world.devices} is not allowed; use distinct ids >= 0")
+    _validate_ray_address(cfg.ray.address)
+    if cfg.msrun.master_addr and not _HOST.match(cfg.msrun.master_addr):
+        raise ConfigError(f"msrun.master_addr: {cfg.msrun.master_addr!r} is not allowed; use node 0's IP address or "
+                          "host name alone (no port: msrun.master_port), or empty (node 0's address as Ray sees it)")
     if not 0 <= cfg.msrun.master_port <= 65535 or 0 < cfg.msrun.master_port < 1024:
         raise ConfigError(f"msrun.master_port: {cfg.msrun.master_port} is not allowed; use 0 or 1024-65535")
     for key in cfg.env:
@@ -213,6 +237,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("world.peak_tflops", cfg.world.peak_tflops, allow_zero=True)
     if cfg.profile.steps and (len(cfg.profile.steps) != 2 or not 1 <= cfg.profile.steps[0] <= cfg.profile.steps[1]):
         raise ConfigError(f"profile.steps: {cfg.profile.steps} is not allowed; use [START, END] with 1 <= START <= END")
+    if cfg.profile.steps and 0 < cfg.train.steps < cfg.profile.steps[0]:
+        # the profiler starts at that step, which this run never reaches: no profile, nothing said
+        raise ConfigError(f"profile.steps: {cfg.profile.steps} starts after the run's last step "
+                          f"(train.steps={cfg.train.steps}); profile steps within 1..{cfg.train.steps}")
     bad = [r for r in cfg.profile.ranks if not 0 <= r < cfg.world.world_size]
     if bad:
         raise ConfigError(f"profile.ranks: {bad} are not ranks of this job (0..{cfg.world.world_size - 1})")
@@ -232,6 +260,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("monitor.telemetry_interval_s", cfg.monitor.telemetry_interval_s, allow_zero=True)
     _positive("monitor.straggler_window", cfg.monitor.straggler_window)
     _positive("monitor.group_size", cfg.monitor.group_size, allow_zero=True)
+    if cfg.monitor.histogram_regex:
+        try:
+            re.compile(cfg.monitor.histogram_regex)
+        except re.error as exc:  # rank 0 compiles it at its first weight statistics, after the start
+            raise ConfigError(f"monitor.histogram_regex: {cfg.monitor.histogram_regex!r} is not a regular "
+                              f"expression ({exc}); e.g. 'embedding|lm_head'") from None
     if not 0 < cfg.monitor.straggler_threshold <= 1:
         raise ConfigError(f"monitor.straggler_threshold: {cfg.monitor.straggler_threshold!r} is not allowed; "
                           "use a number in (0, 1]")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mindpulse.config import RecipeConfig
+from mindpulse.recipe_corpus import TRAIN_NAME, VALID_NAME, steps_per_epoch, too_small
 
 if TYPE_CHECKING:
     from mindpulse.rank_settings import RankSettings
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-TRAIN_FILE = DATA_DIR / "corpus_train.txt"
-VALID_FILE = DATA_DIR / "corpus_valid.txt"
+TRAIN_FILE = DATA_DIR / TRAIN_NAME
+VALID_FILE = DATA_DIR / VALID_NAME
 PRETRAIN_FILE = DATA_DIR / "corpus_pretrain.txt"
 BASE_CKPT = DATA_DIR / "base_llama_tiny.ckpt"
 VOCAB = 256  # byte-level tokens
@@ -86,15 +87,11 @@ class ByteWindows:
         self.seq_length = seq_length
         self.rank, self.world, self.seed = rank, world, seed
         self.batch_size = batch_size
-        n_windows = (len(tokens) - 1) // seq_length
-        per_rank = n_windows // world
-        self.steps_per_epoch = per_rank // batch_size
-        if self.steps_per_epoch < 1:
-            raise ValueError(
-                f"corpus too small: {n_windows} windows of {seq_length} tokens for {world} ranks "
-                f"x batch {batch_size}; use a larger corpus, a smaller train.batch_size or job.recipe.seq_length"
-            )
-        self.n_windows = n_windows
+        small = too_small(len(tokens), seq_length, world, batch_size)
+        if small:
+            raise ValueError(small)
+        self.steps_per_epoch = steps_per_epoch(len(tokens), seq_length, world, batch_size)
+        self.n_windows = (len(tokens) - 1) // seq_length
         self.samples_per_epoch = self.steps_per_epoch * batch_size
         self.start_step = start_step
         self.stop_step = stop_step if stop_step is not None else self.steps_per_epoch
