@@ -252,7 +252,8 @@ def _run_rank_python(python: str, env: dict[str, str], args: dict[str, Any], tim
     return parts, why
 
 
-def probe_node(*, env: dict[str, str] | None = None, backend: str = "ray", device_target: str = "CPU",
+def probe_node(*, env: dict[str, str] | None = None, backend: str = RunConfig.backend.value,
+               device_target: str = "CPU",
                smoke: bool = False, mindformers_source: str = "", root: str = "/", python: str | None = None,
                timeout: float = PROBE_TIMEOUT_S, run_npu_smi: bool = True,
                on_start: Callable[[subprocess.Popen], None] | None = None) -> NodeProbe:
