@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mindpulse.config import RunConfig
+
 from . import ascend_versions
 from .ascend_versions import CannToolkit, NpuSmi, VersionFile
 
