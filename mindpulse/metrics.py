@@ -24,6 +24,7 @@ This module imports nothing of mindpulse but the formatter: the packet codec bui
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -153,11 +154,17 @@ def _per_second(count: Any, seconds: Any) -> float | None:
     return count / seconds if seconds and count is not None else None
 
 
+def rank_mfu(tflops: float | None, peak: float | None) -> float | None:
+    """A rank's MFU: its achieved TFLOPS over the card's peak (None without either). Every view
+    of a rank's MFU (the console, TensorBoard, the trackers, Prometheus) takes it from here."""
+    if tflops is None or not peak:
+        return None
+    return tflops / peak
+
+
 def _mfu(tflops: float | None, peak: float | None) -> str:
     """A rank's MFU (achieved / peak TFLOPS), "-" without a peak or a figure."""
-    if tflops is None or not peak:
-        return "-"
-    return number(tflops / peak, ".3f")
+    return number(rank_mfu(tflops, peak), ".3f")
 
 
 def _cluster_mfu(red: Any) -> str:
@@ -246,7 +253,7 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                                  prom=("tflops", "min")),
                        Reduction("tflops_max", Reduce.MAX, include=lambda p: is_rate(p.tflops), keep=True, rate=True,
                                  prom=("tflops", "max"))),
-               aliases={"tflops": "tflops_mean"}, rank_prom=("tflops", "rank"),
+               aliases={"tflops": "tflops_mean"}, rank_tb="tflops", rank_prom=("tflops", "rank"),
                column=Column("MFU", lambda p, red: _mfu(p.tflops, red.peak_tflops), _cluster_mfu)),
     StepMetric("ts", float, 0.0, unit="s", reduce=(Reduction("ts", Reduce.PEAK),)),
     StepMetric("fingerprint", str, **_OPT, doc="Hash of the parameters, every `collect_freq` steps (and step 0)."),
@@ -350,11 +357,6 @@ def tb_scalars() -> tuple[tuple[str, str, str | None], ...]:
     return tuple(out)
 
 
-def rank_tb_scalars() -> tuple[tuple[str, str], ...]:
-    """(tag suffix, packet field) of each shown rank's own scalars."""
-    return tuple((m.rank_tb, m.name) for m in STEP_METRICS if m.rank_tb)
-
-
 def columns() -> tuple[Column, ...]:
     """The console columns of the per-step table, in declaration order."""
     return tuple(m.column for m in STEP_METRICS if m.column)
@@ -372,9 +374,26 @@ def prom_series() -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def rank_prom_series() -> tuple[tuple[str, str, str], ...]:
-    """(family, `stat` label, packet field) of each shown rank's series for Prometheus."""
-    return tuple((m.rank_prom[0], m.rank_prom[1], m.name) for m in STEP_METRICS if m.rank_prom)
+RANK_MFU_TB = "mfu"
+"""The TensorBoard tag suffix of a rank's MFU (`rank_<r>/mfu`)."""
+RANK_MFU_PROM = ("mfu_ratio", "rank")
+"""The Prometheus series of a rank's MFU (family, `stat` label)."""
+
+
+@functools.cache
+def _rank_values() -> tuple[tuple[str | None, tuple[str, str] | None, str], ...]:
+    return tuple((m.rank_tb, m.rank_prom, m.name) for m in STEP_METRICS if m.rank_tb or m.rank_prom)
+
+
+def rank_scalars(pkt: Any, peak: float | None) -> list[tuple[str | None, tuple[str, str] | None, Any]]:
+    """One rank's own values of a step, for every view that shows a rank (TensorBoard, the
+    trackers, Prometheus): `(TensorBoard tag suffix or None, Prometheus (family, stat) or None,
+    value)`, the registry's `rank_tb`/`rank_prom` metrics and the rank's MFU against `peak`.
+    Values are as the rank sent them (None, NaN included): each view keeps what it can show."""
+    out: list[tuple[str | None, tuple[str, str] | None, Any]] = [
+        (tb, prom, getattr(pkt, name, None)) for tb, prom, name in _rank_values()]
+    out.append((RANK_MFU_TB, RANK_MFU_PROM, rank_mfu(getattr(pkt, "tflops", None), peak)))
+    return out
 
 
 PROM_HELP: dict[str, str] = {
@@ -386,6 +405,7 @@ PROM_HELP: dict[str, str] = {
     "step_duration_seconds": "Step time: shortest and longest over ranks, and each shown rank's.",
     "data_wait_seconds": "The longest data wait of the step over ranks (before the collective).",
     "tflops": "Achieved model TFLOPS per card: mean, min, max over ranks, and each shown rank's.",
+    "mfu_ratio": "Model FLOPs utilisation (achieved / the card's peak TFLOPS), 0-1.",
     "monitor_wait_seconds": "Seconds ranks blocked on the aggregator before the step: the most any rank, the sum.",
     "monitor_self_seconds": "Seconds ranks spent in mindpulse's own code for the step: the most any rank, the sum, "
                             "and each shown rank's.",
@@ -394,7 +414,18 @@ PROM_HELP: dict[str, str] = {
     "samples_per_second": "Cluster throughput: all ranks' samples over the slowest rank's step time.",
     "tokens_per_second": "Cluster token throughput: all ranks' tokens over the slowest rank's step time.",
 }
-"""Each Prometheus family's help text (a family the registry names must be here: tested)."""
+"""Each Prometheus family's help text where one family holds several values (a family the
+registry names must be here or have its metric's `doc`: `prom_help`)."""
+
+
+def prom_help(family: str) -> str:
+    """The help text of a Prometheus family: PROM_HELP's, else the doc of the metric that names it."""
+    if family in PROM_HELP:
+        return PROM_HELP[family]
+    for m, r in reductions():
+        if family in ((r.prom or ("",))[0], (m.rank_prom or ("",))[0]):
+            return r.doc or m.doc or family.replace("_", " ")
+    return family.replace("_", " ")
 
 
 def totals() -> tuple[tuple[str, str], ...]:
