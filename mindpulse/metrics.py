@@ -84,7 +84,8 @@ class Reduction:
     """`summary.json` key that sums this value over the run's steps (RunTotals); the totals
     table shows it as the key in words, `(all ranks)`."""
     total_words: str = ""
-    """The report's words for that total: `ranks <total_words> <seconds> s in all`."""
+    """The report's words for that total: `ranks <total_words> <total> <unit> in all` (the
+    metric's `unit`: `0.180 s`; a count has none: `3`)."""
     prom: tuple[str, str] | None = None
     """The Prometheus series of the cluster's value: (family without the `mindpulse_` prefix, in
     base units; its `stat` label, empty for none) (aggregator/prometheus_exporter.py)."""
@@ -433,6 +434,19 @@ def totals() -> tuple[tuple[str, str], ...]:
     return tuple((r.total, r.name) for _, r in reductions() if r.total)
 
 
-def total_words() -> tuple[tuple[str, str], ...]:
-    """(`summary.json` key, the report's words for it) of every run total."""
-    return tuple((r.total, r.total_words or r.total.replace("_", " ")) for _, r in reductions() if r.total)
+def total_words() -> tuple[tuple[str, str, str], ...]:
+    """(`summary.json` key, the report's words for it, the metric's unit) of every run total."""
+    return tuple((r.total, r.total_words or r.total.replace("_", " "), m.unit)
+                 for m, r in reductions() if r.total)
+
+
+def with_unit(value: Any, unit: str) -> str:
+    """A total in its metric's unit: seconds to the millisecond (`0.180 s`), another unit to four
+    significant digits (`12.5 TFLOPS`), a count (no unit) as it is (`3`); none: `-`."""
+    if value is None:
+        return number(None)
+    if unit == "s":
+        return f"{number(value, '.3f')} s"
+    if unit:
+        return f"{number(value, '.4g')} {unit}"
+    return number(value, ".12g")
