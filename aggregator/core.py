@@ -1,12 +1,14 @@
 """The aggregator's state machine, free of Ray (only the actor below imports it, lazily) so it is tested directly.
 
-Packets in → validated, stored in `metrics.msgpack`, reduced per complete step →
-decisions (directives) and console tables out. `AggregatorCore` composes the parts, each a
-module of its own: `intake.py` (packets and node partials in, reduction driven),
-`decisions.py` (rules, stops and rollbacks, checkpoint decisions, the lease),
-`hang_clocks.py` (start-up and running hang clocks) and `sinks.py` (console, TensorBoard,
-anomalies.jsonl, the trackers), with the shared base's `mindpulse/replay.py` (the state of a
-restarted aggregator rebuilt from metrics.msgpack, the same replay the views run).
+Each step in one pass (`_on_reduced`): intake (packets validated, stored in
+`metrics.msgpack`, reduced per complete step) → reduce (what the aggregator adds: MFU,
+straggler scores, goodput, totals) → decide (a `Verdict`: firings, the directive and the lease)
+→ views (queued behind the step's lease). `AggregatorCore` composes the parts, each a module of
+its own: `intake.py` (packets and node partials in, reduction driven), `decisions.py` (rules,
+stops and rollbacks, checkpoint decisions, the lease), `hang_clocks.py` (start-up and running
+hang clocks) and `sinks.py` (every `Sink`: the console, TensorBoard, the trackers; and
+anomalies.jsonl), with the shared base's `mindpulse/replay.py` (the state of a restarted
+aggregator rebuilt from metrics.msgpack, the same replay the views run).
 `AggregatorActor` (below) wraps it as a Ray actor.
 """
 
@@ -98,7 +100,6 @@ class AggregatorCore:
         self.steps_reduced = 0
         self.last_reduced: ReducedStep | None = None
         self.fingerprint_mismatches: list[dict[str, Any]] = []
-        self.telemetry_latest: dict[tuple[str, Any], dict[str, Any]] = {}
         self.replay_stats: dict[str, int] = {}
         if replay:  # last: every part the packets touch must exist
             self._replay()
@@ -234,9 +235,7 @@ class AggregatorCore:
         cards = []
         for card in pkt.cards:
             if isinstance(card, dict):
-                rec = dict(card, node=pkt.node, ts=pkt.ts)
-                self.telemetry_latest[(pkt.node, card.get("card"))] = rec
-                cards.append(rec)
+                cards.append(dict(card, node=pkt.node, ts=pkt.ts))
         self.compute.on_cards(cards)
         step = self.last_reduced.step if self.last_reduced else 0
         self.sinks.telemetry(pkt.node, cards, pkt.ts, step)

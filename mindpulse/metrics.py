@@ -63,6 +63,22 @@ class Reduce(str, enum.Enum):
     metric's MIN and MAX give its ends."""
 
 
+class Source(str, enum.Enum):
+    """Where a rank's value of a metric comes from (`workers/session.py` builds the packet by it)."""
+
+    CALLER = "caller"
+    """Given to `RankSession.record` by name (by `Monitor.record`, `Monitor.step` or the callback),
+    coerced by the metric's type."""
+    CELL = "cell"
+    """As CALLER, and the monitored train cell's outputs carry it (`workers/monitor.py`'s
+    `STEP_STATS`: what a step's outputs may add to its packet)."""
+    SESSION = "session"
+    """Measured by the rank session itself (its rank and step, the time, fingerprints, TFLOPS,
+    its own counters)."""
+    SINCE = "since"
+    """Seconds since the rank's previous packet, by cause (`SincePacket`)."""
+
+
 @dataclass(frozen=True)
 class Reduction:
     """One reduced value of a metric, by `ReducedStep` field name."""
@@ -139,6 +155,8 @@ class StepMetric:
     the `rank` and `node` labels."""
     column: Column | None = None
     required: bool = False
+    source: Source = Source.SESSION
+    """Where the rank's value comes from (a metric a user's code measures is CALLER)."""
 
 
 def _ms(seconds: Any) -> str:
@@ -199,11 +217,12 @@ def _per_slowest(key: str) -> Callable[[dict[str, Any]], float | None]:
 
 
 _OPT = dict(optional=True)
+_CALLER, _CELL, _SINCE = Source.CALLER, Source.CELL, Source.SINCE
 
 STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("rank", int, required=True),
     StepMetric("step", int, required=True, doc="Steps count from 1 (0: the report before the first step)."),
-    StepMetric("epoch", int, 0, reduce=(Reduction("epoch", Reduce.PEAK, prom=("epoch", "")),)),
+    StepMetric("epoch", int, 0, reduce=(Reduction("epoch", Reduce.PEAK, prom=("epoch", "")),), source=_CALLER),
     StepMetric("loss", float, **_OPT, reduce=(
         Reduction("loss_mean", Reduce.MEAN_ALL, "The mean loss over ranks (NaN when one rank's is not finite).",
                   std="loss_std", tb="loss/mean", prom=("loss", "mean")),
@@ -211,8 +230,10 @@ STEP_METRICS: tuple[StepMetric, ...] = (
         Reduction("loss_max", Reduce.MAX, tb="loss/max", keep=True, prom=("loss", "max")),
         Reduction("loss", Reduce.HIST)), aliases={"loss": "loss_mean"}, rank_tb="loss", rank_prom=("loss", "rank"),
         column=Column("loss", lambda p, red: number(p.loss),
-                      lambda red: f"{number(red.loss_mean)} ({number(red.loss_min)}..{number(red.loss_max)})")),
-    StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr", prom=("learning_rate", "")),)),
+                      lambda red: f"{number(red.loss_mean)} ({number(red.loss_min)}..{number(red.loss_max)})"),
+        source=_CALLER),
+    StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr", prom=("learning_rate", "")),),
+               source=_CALLER),
     StepMetric("grad_norm", float, **_OPT, doc="Global grad norm, after the data-parallel reduction.",
                reduce=(Reduction("grad_norm", Reduce.GLOBAL, "Global (post-reduction) grad norm; the largest "
                                  "report if ranks disagree.", include=_scaled, tb="grad_norm/global",
@@ -220,32 +241,34 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                aliases={"grad_norm_global": "grad_norm"},
                # a rank's row shows its own (local) norm: the one that tells which rank went wrong
                column=Column("grad norm", lambda p, red: number(p.grad_norm_local, ".3f"),
-                             lambda red: number(red.grad_norm, ".3f"))),
+                             lambda red: number(red.grad_norm, ".3f")), source=_CELL),
     StepMetric("grad_norm_local", float, **_OPT, doc="This rank's grad norm before the reduction: tells which "
                "rank produced a NaN.", reduce=(Reduction("grad_norm_local_max", Reduce.MAX, keep=True,
                                                          prom=("grad_norm", "local_max")),),
-               rank_tb="grad_norm_local", rank_prom=("grad_norm", "local")),
-    StepMetric("nan_count", int, 0, reduce=(Reduction("nan_count", Reduce.SUM),)),
-    StepMetric("inf_count", int, 0, reduce=(Reduction("inf_count", Reduce.SUM),)),
+               rank_tb="grad_norm_local", rank_prom=("grad_norm", "local"), source=_CELL),
+    StepMetric("nan_count", int, 0, reduce=(Reduction("nan_count", Reduce.SUM),), source=_CELL),
+    StepMetric("inf_count", int, 0, reduce=(Reduction("inf_count", Reduce.SUM),), source=_CELL),
     StepMetric("step_time_s", float, **_OPT, unit="s", reduce=(
         Reduction("step_time_min", Reduce.MIN, keep=True, prom=("step_duration_seconds", "min")),
         Reduction("step_time_max", Reduce.MAX, tb="step_time/max", keep=True, prom=("step_duration_seconds", "max")),
         Reduction("step_time", Reduce.HIST)), rank_tb="step_time", rank_prom=("step_duration_seconds", "rank"),
-        column=Column("step ms", lambda p, red: millis(p.step_time_s), lambda red: millis(red.step_time_max))),
+        column=Column("step ms", lambda p, red: millis(p.step_time_s), lambda red: millis(red.step_time_max)),
+        source=_CALLER),
     StepMetric("data_wait_s", float, **_OPT, unit="s", doc="Time from the end of the previous step to the start "
                "of this one (fetching the batch, host work): before the collective, so it tells stragglers apart.",
                reduce=(Reduction("data_wait_max", Reduce.PEAK, "The longest data wait of the step over ranks.",
-                                 prom=("data_wait_seconds", "max")),)),
+                                 prom=("data_wait_seconds", "max")),), source=_CALLER),
     StepMetric("compute_s", float, **_OPT, unit="s", doc="PYNATIVE: time from the step's start until the local "
-               "gradients were ready (before the all-reduce); None where the mode does not allow measuring it."),
+               "gradients were ready (before the all-reduce); None where the mode does not allow measuring it.",
+               source=_CALLER),
     StepMetric("samples", int, 0, reduce=(Reduction("samples", Reduce.SUM, internal=True),),
                column=Column("samples/s", lambda p, red: number(_per_second(p.samples, p.step_time_s), ".1f"),
-                             lambda red: number(red.samples_per_s, ".1f"))),
+                             lambda red: number(red.samples_per_s, ".1f")), source=_CALLER),
     StepMetric("tokens", int, 0, doc="Tokens this rank trained on in this step (0: not known).",
                reduce=(Reduction("tokens", Reduce.SUM, "Tokens trained in this step, summed over ranks."),),
                # a rank's 0 tokens: not known (no rate), where 0 samples is a rate of 0
                column=Column("tokens/s", lambda p, red: number(_per_second(p.tokens or None, p.step_time_s), ".0f"),
-                             lambda red: number(red.tokens_per_s, ".0f"))),
+                             lambda red: number(red.tokens_per_s, ".0f")), source=_CALLER),
     StepMetric("tflops", float, **_OPT, unit="TFLOPS", doc="This rank's achieved model TFLOPS in this step.",
                reduce=(Reduction("tflops_mean", Reduce.MEAN, "Achieved TFLOPS per card, mean over ranks.",
                                  include=lambda p: is_rate(p.tflops), tb="compute/tflops/mean",
@@ -266,22 +289,23 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                              prom=("monitor_wait_seconds", "max")),
                    Reduction("monitor_wait_sum", Reduce.SUM, include=lambda p: bool(p.monitor_wait_s),
                              total="monitor_wait_s", total_words="blocked on the monitor",
-                             prom=("monitor_wait_seconds", "sum")))),
+                             prom=("monitor_wait_seconds", "sum"))), source=_SINCE),
     StepMetric("monitor_errors", int, 0, doc="Errors inside this rank's monitor so far (logged and counted).",
                reduce=(Reduction("monitor_errors", Reduce.SUM),)),
-    StepMetric("checkpoint_s", float, 0.0, unit="s", reduce=(Reduction("checkpoint_s_max", Reduce.PEAK),)),
+    StepMetric("checkpoint_s", float, 0.0, unit="s", reduce=(Reduction("checkpoint_s_max", Reduce.PEAK),),
+               source=_SINCE),
     StepMetric("eval_s", float, 0.0, unit="s", reduce=(Reduction("eval_s_max", Reduce.PEAK),)),
-    StepMetric("profile_s", float, 0.0, unit="s", reduce=(Reduction("profile_s_max", Reduce.PEAK),)),
+    StepMetric("profile_s", float, 0.0, unit="s", reduce=(Reduction("profile_s_max", Reduce.PEAK),), source=_SINCE),
     StepMetric("loss_scale", float, **_OPT, doc="The loss scale the step ran with, where a loss-scale cell runs.",
                reduce=(Reduction("loss_scale_min", Reduce.MIN, tb="loss_scale/min", tb_when="loss_scale_min",
                                  prom=("loss_scale", "min")),
                        Reduction("loss_scale_max", Reduce.MAX, tb="loss_scale/max", tb_when="loss_scale_min",
                                  prom=("loss_scale", "max"))),
-               aliases={"loss_scale": "loss_scale_min"}),
+               aliases={"loss_scale": "loss_scale_min"}, source=_CELL),
     StepMetric("overflow", bool, **_OPT, doc="True when the loss-scale cell skipped the update for overflow.",
                reduce=(Reduction("overflow_ranks", Reduce.COUNT, include=lambda p: bool(p.overflow),
                                  tb="overflow/ranks", tb_when="loss_scale_min", prom=("overflow_ranks", "")),),
-               aliases={"overflow": "overflow_ranks"}),
+               aliases={"overflow": "overflow_ranks"}, source=_CELL),
     StepMetric("overflow_steps", int, 0, reduce=(Reduction("overflow_steps", Reduce.PEAK, tb="overflow/steps",
                                                            tb_when="loss_scale_min"),)),
     StepMetric("monitor_self_s", float, 0.0, unit="s", doc=(
@@ -297,8 +321,8 @@ STEP_METRICS: tuple[StepMetric, ...] = (
         aliases={"monitor_self_s": "monitor_self_max"}, rank_tb="monitor_self_s",
         rank_prom=("monitor_self_seconds", "rank"),
         column=Column("self ms", lambda p, red: _ms(p.monitor_self_s),
-                      lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank))),
-    StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss."),
+                      lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank)), source=_SINCE),
+    StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss.", source=_CALLER),
     StepMetric("weights", dict, doc="Every collect_freq steps: per-layer norms, update ratios, histograms."),
 )
 """Every field of the step packet, in wire order."""
@@ -318,6 +342,21 @@ declares them; the MFU is achieved TFLOPS over the card's peak, which the aggreg
 
 OTHER_ALIASES: dict[str, str] = {"throughput": "samples_per_s", "mfu": "mfu_mean"}
 """Rule-metric aliases of values not reduced from one packet field."""
+
+
+def reported() -> tuple[StepMetric, ...]:
+    """The metrics a rank's code gives `RankSession.record` (CALLER and CELL), in wire order."""
+    return tuple(m for m in STEP_METRICS if m.source in (Source.CALLER, Source.CELL))
+
+
+def cell_stats() -> tuple[str, ...]:
+    """The metrics the monitored train cell's outputs may carry (CELL)."""
+    return tuple(m.name for m in STEP_METRICS if m.source is Source.CELL)
+
+
+def since_fields() -> tuple[str, ...]:
+    """The seconds between packets, by cause (SINCE): `SincePacket`'s fields."""
+    return tuple(m.name for m in STEP_METRICS if m.source is Source.SINCE)
 
 
 def by_name() -> dict[str, StepMetric]:
