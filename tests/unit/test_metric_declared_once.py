@@ -1,9 +1,10 @@
 """A step metric is declared once, in the metric registry (mindpulse/metrics.py), and every view
 shows it: a synthetic count, `probe_count`, declared by one `StepMetric` and nothing else, is
-found on the console, in TensorBoard, on `/metrics`, in `summary.json` and in the report (a
-count, not seconds). The registry is read when the packet codec and the views are imported, so
-the metric is declared in a fresh interpreter before anything else of mindpulse is imported;
-the aggregator, its sinks, the summary and the report run there as they do in a launch, without
+reported by the ranks' code to their `RankSession.record` by name, and found on the console,
+in TensorBoard, on `/metrics`, in `summary.json` and in the report (a count, not seconds). The
+registry is read when the packet codec and the views are imported, so the metric is declared in
+a fresh interpreter before anything else of mindpulse is imported; the ranks' sessions, the
+aggregator, its sinks, the summary and the report run there as they do in a launch, without
 Ray."""
 
 from __future__ import annotations
@@ -28,14 +29,31 @@ SCRIPT = textwrap.dedent('''
                             tb="probe/count", total="probe_count", total_words="counted probes",
                             prom=("probe_count", "sum")),),
         rank_tb="probe_count", rank_prom=("probe_count", "rank"),
-        column=m.Column("probes", lambda p, red: str(p.probe_count), lambda red: f"all:{red.probe_count}")),)
+        column=m.Column("probes", lambda p, red: str(p.probe_count), lambda red: f"all:{red.probe_count}"),
+        source=m.Source.CALLER),)
 
     from mindpulse.aggregator.core import AggregatorCore
     from mindpulse.config import from_dict
     from mindpulse.launcher.rundir import write_config
     from mindpulse.launcher.spec import RankOutcome, RunResult, RunStatus
     from mindpulse.launcher.summary import RunHistory, write_summary
-    from mindpulse.protocol import StepPacket
+    from mindpulse.workers.channel import Channel
+    from mindpulse.workers.session import RankSession
+
+
+    class ToCore(Channel):
+        """A rank's channel straight into the aggregator's core (a launch's relay and uplink
+        in between carry the same packets)."""
+
+        def _ship(self, batch, step=None):
+            core.ingest(list(batch))
+
+        def _decide(self, batch, step, expect):
+            core.ingest(list(batch))
+            return core.directive_for(step)
+
+        def _fetch_lease(self, need):
+            return core.lease(), 0.0
 
     root, port = Path(sys.argv[1]), int(sys.argv[2])
     run_dir = root / "run"
@@ -44,9 +62,12 @@ SCRIPT = textwrap.dedent('''
     core = AggregatorCore(run_dir, world_size=2, per_print_step=1, total_steps=3, settings={
         "tensorboard": True, "exporters": {"prometheus": {"port": port}}, "monitor": {"collect_freq": 1}})
     t0 = time.time() - 60
+    ranks = [RankSession(None, rank=r, channel=ToCore(), batch_size=4) for r in range(2)]
     for s in range(1, 4):
-        core.ingest([StepPacket(rank=r, step=s, loss=1.0 / s, step_time_s=0.1, samples=4, ts=t0 + s,
-                                probe_count=s + r).encode() for r in range(2)])
+        for r, rank in enumerate(ranks):
+            rank.record(1.0 / s, step_time_s=0.1, probe_count=s + r)  # the rank's code reports it by name
+    for rank in ranks:
+        rank.channel.flush()
     console = core.drain_console()
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         scraped = resp.read().decode()
