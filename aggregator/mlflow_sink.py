@@ -15,7 +15,7 @@ migrations at each start); the aggregator sets it for a file store it writes to.
 Cost: the aggregator's thread only builds the step's metric list (`log_batch` of a file store
 took ~3 ms for 40 metrics, a server's a round trip): one writer thread sends them in order. A
 write that fails (disk full, a server gone) is raised on the sink's next call, so
-`Sinks.each` counts and says it; the training never waits for MLflow.
+`Sinks` counts and says it; the training never waits for MLflow.
 """
 
 from __future__ import annotations

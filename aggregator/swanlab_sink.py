@@ -20,7 +20,7 @@ cloud run.
 
 SwanLab writes from its own threads and keeps its write errors to its log (`Run.log` never
 raises); what this sink sees — a run SwanLab ended (at exit, on a crash) — it raises, so
-`Sinks.each` counts it. SwanLab keeps one value per key and step: of several card samples
+`Sinks` counts it. SwanLab keeps one value per key and step: of several card samples
 within one training step, the first.
 """
 

@@ -10,9 +10,10 @@ Tags written:
 * cluster scalars: the metric registry's tags (mindpulse/metrics.py, `Reduction.tb`: `loss/mean`,
   `grad_norm/global`, `lr`, `throughput/samples_per_s`, `step_time/max`, `monitor/self_s/max`, ...),
   `compute/mfu/*`, and `extra/<name>` (the ranks' mean);
-* per-rank scalars of the ranks that matter: the registry's `StepMetric.rank_tb` (`rank_<r>/loss`,
-  `rank_<r>/grad_norm_local`, `rank_<r>/step_time`, `rank_<r>/monitor_self_s`), `tflops`, `mfu`
-  and `straggler_score`;
+* per-rank scalars of the ranks that matter: the registry's `rank_scalars` (`StepMetric.rank_tb`:
+  `rank_<r>/loss`, `rank_<r>/grad_norm_local`, `rank_<r>/step_time`, `rank_<r>/tflops`,
+  `rank_<r>/monitor_self_s`; and `rank_<r>/mfu`), and `straggler_score` (`step_items`, which the
+  trackers write too);
 * the histogram `grad_norm_local/ranks` of the ranks' local grad norms;
 * per-card scalars: `card_<node>_<card>/util`, `/memory_used_mb`, `/power_w`, `/temp_c`;
 * text: `anomalies`, `loss/nonfinite` (a marker for each step with a NaN/Inf loss), and

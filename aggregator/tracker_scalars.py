@@ -3,7 +3,7 @@ a reduced step and of a card sample under the names TensorBoard writes them, the
 config as flat parameters, an anomaly as text, and `RUN_DIR/trackers.json`, where each
 tracker's run id waits for a resumed attempt to continue the same tracker run.
 
-The scalar tables are TensorBoard's own (`tb_sink.py`), so a tag in TensorBoard, SwanLab and
+The scalars are TensorBoard's own (`tb_sink.py`'s `step_items`), so a tag in TensorBoard, SwanLab and
 MLflow is one name; per rank, the ranks TensorBoard writes (the ranks that matter, every rank
 on a collect step) and no other, so a step costs the same whatever the world size.
 """
