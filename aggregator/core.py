@@ -1,19 +1,20 @@
 """The aggregator's state machine, free of Ray (only the actor below imports it, lazily) so it is tested directly.
 
-Packets in → validated, stored in `metrics.msgpack`, reduced per complete step →
-decisions (directives) and console tables out. `AggregatorCore` composes the parts, each a
-module of its own: `intake.py` (packets and node partials in, reduction driven),
-`decisions.py` (rules, stops and rollbacks, checkpoint decisions, the lease),
-`hang_clocks.py` (start-up and running hang clocks) and `sinks.py` (console, TensorBoard,
-anomalies.jsonl, the trackers), with the shared base's `mindpulse/replay.py` (the state of a
-restarted aggregator rebuilt from metrics.msgpack, the same replay the views run).
+Each step in one pass (`_on_reduced`): intake (packets validated, stored in
+`metrics.msgpack`, reduced per complete step) → reduce (what the aggregator adds: MFU,
+straggler scores, goodput, totals) → decide (a `Verdict`: firings, the directive and the lease)
+→ views (queued behind the step's lease). `AggregatorCore` composes the parts, each a module of
+its own: `intake.py` (packets and node partials in, reduction driven), `decisions.py` (rules,
+stops and rollbacks, checkpoint decisions, the lease), `hang_clocks.py` (start-up and running
+hang clocks) and `sinks.py` (every `Sink`: the console, TensorBoard, the trackers; and
+anomalies.jsonl), with the shared base's `mindpulse/replay.py` (the state of a restarted
+aggregator rebuilt from metrics.msgpack, the same replay the views run).
 `AggregatorActor` (below) wraps it as a Ray actor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import time
 from collections import Counter, deque
@@ -21,7 +22,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mindpulse import tables
 from mindpulse.card_peaks import peak_dtype
 from mindpulse.config import MonitorConfig
 from mindpulse.directives import Directive, Lease
@@ -37,7 +37,7 @@ from mindpulse.uplink import UplinkServer
 
 from .advice import Advice
 from .compute import ComputeWatch
-from .decisions import Decisions
+from .decisions import Decisions, Verdict
 from .hang_clocks import HangClocks
 from .intake import STEP_WINDOW, Intake
 from .sinks import Sinks
@@ -67,28 +67,30 @@ class AggregatorCore:
         self.collect_freq = cfg.monitor.collect_freq
         self.start_step = settings.start_step
         """The step this attempt starts after (a resumed run): the step window counts from it."""
-        self.sinks = Sinks(self.run_dir, tensorboard=settings.tensorboard, collect_freq=self.collect_freq,
-                           straggler_threshold=self.straggler_threshold, world_size=self.world_size)
-        self.sinks.open_outputs(cfg, run=self.run_dir.name, attempt=settings.attempt)
-        if self.sinks.tb is not None:
-            if settings.config_yaml:
-                self.sinks.tb.on_text("config", "```\n" + settings.config_yaml + "\n```")
-            self.sinks.milestone("start", 0)
-        self.goodput = GoodputClock()
-        self.stragglers = StragglerTracker(cfg.monitor.straggler_window, cfg.world.ranks_per_node)
-        self.compute = ComputeWatch(self.run_dir, cfg.world.peak_tflops, settings.peak_dtype or peak_dtype(),
-                                    compute_drop_window(cfg.anomalies), say=self.sinks.say)
         self.metrics = MetricsWriter.for_run(self.run_dir, cfg, settings.attempt, restart=replay)
         self.reducer = StepReducer(world_size, ranks_per_node=cfg.world.ranks_per_node)
         self.clocks = HangClocks(world_size, self.reducer.ranks_per_node,
                                  float(cfg.monitor.startup_timeout_s or cfg.msrun.cluster_time_out),
                                  cfg.world.device.value)
-        self.sinks.each("watch_progress", self.clocks)  # the endpoint's last-step times per rank and node
-        self.decisions = Decisions(self.run_dir, settings, self.sinks, replay=replay,
-                                   next_step=lambda: self.reducer.reduced_through + 1)
         self.intake = Intake(self.reducer, self.metrics, self.clocks, world_size=world_size,
                              start_step=self.start_step, on_event=self._on_event,
                              on_telemetry=self._on_telemetry)
+        self.sinks = Sinks(self.run_dir, tensorboard=settings.tensorboard, collect_freq=self.collect_freq,
+                           straggler_threshold=self.straggler_threshold, world_size=self.world_size,
+                           per_print_step=self.per_print_step, total_steps=total_steps,
+                           card_tflops=lambda card: self.compute.card_tflops(card), errors=self.intake.rejected)
+        self.sinks.open_outputs(cfg, run=self.run_dir.name, attempt=settings.attempt)
+        if settings.config_yaml:
+            self.sinks.text("config", "```\n" + settings.config_yaml + "\n```")
+        self.sinks.milestone("start", 0)
+        self.goodput = GoodputClock()
+        self.stragglers = StragglerTracker(cfg.monitor.straggler_window, cfg.world.ranks_per_node)
+        self.compute = ComputeWatch(self.run_dir, cfg.world.peak_tflops, settings.peak_dtype or peak_dtype(),
+                                    compute_drop_window(cfg.anomalies), say=self.sinks.say)
+        self.sinks.watch_progress(self.clocks)  # the endpoint's last-step times per rank and node
+        self.decisions = Decisions(self.run_dir, settings, replay=replay, say=self.sinks.say,
+                                   milestone=self.sinks.milestone,
+                                   next_step=lambda: self.reducer.reduced_through + 1)
         self.advice = Advice(world_size)
         """Ranks without a Monitor, callbacks of several ranks writing one directory (advice.py)."""
         self.rank_info: dict[int, dict[str, Any]] = {}
@@ -98,7 +100,6 @@ class AggregatorCore:
         self.steps_reduced = 0
         self.last_reduced: ReducedStep | None = None
         self.fingerprint_mismatches: list[dict[str, Any]] = []
-        self.telemetry_latest: dict[tuple[str, Any], dict[str, Any]] = {}
         self.replay_stats: dict[str, int] = {}
         if replay:  # last: every part the packets touch must exist
             self._replay()
@@ -205,16 +206,14 @@ class AggregatorCore:
         if pkt.kind == EventKind.START:
             info.update(pid=pkt.pid, host=pkt.host, started=pkt.ts)
         elif pkt.kind == EventKind.CHECKPOINT:
-            refused = self.decisions.on_checkpoint(pkt)
-            if self.sinks.outputs and not self.replaying:
-                self.sinks.each("on_checkpoint", pkt.step)
+            entries, refused = self.decisions.on_checkpoint(pkt)
+            self.sinks.checkpoint(pkt.step, entries)
             if refused is not None:
                 self.goodput.checkpoint_at(pkt.step)
                 if refused:
                     self.rejected["bad_checkpoint_entry"] += refused
         elif pkt.kind == EventKind.STRUCTURE:
-            if self.tb is not None and not self.replaying:
-                self.tb.on_text("model/structure", pkt.message, 0)
+            self.sinks.text("model/structure", pkt.message, 0)
         elif pkt.kind == EventKind.HEARTBEAT:
             self.clocks.on_heartbeat(pkt.rank, pkt.step, pkt.rank_state, pkt.state_step)
             info.setdefault("pid", pkt.pid)
@@ -227,10 +226,7 @@ class AggregatorCore:
         elif pkt.kind == EventKind.ERROR:
             if len(self.rank_errors) < 100:
                 self.rank_errors.append({"rank": pkt.rank, "step": pkt.step, "message": pkt.message})
-            if self.sinks.outputs:  # the endpoint keeps a failed rank's series (a replay rebuilds them too)
-                self.sinks.each("on_rank_error", pkt.rank, pkt.step, pkt.message)
-            if not self.replaying:
-                self.console.append(f"rank {pkt.rank}: {pkt.message}")
+            self.sinks.rank_error(pkt.rank, pkt.step, pkt.message)  # a replay rebuilds the endpoint's series too
             self.decisions.on_rank_error(pkt)
         else:
             info[pkt.kind] = pkt.message or True
@@ -239,22 +235,29 @@ class AggregatorCore:
         cards = []
         for card in pkt.cards:
             if isinstance(card, dict):
-                rec = dict(card, node=pkt.node, ts=pkt.ts)
-                self.telemetry_latest[(pkt.node, card.get("card"))] = rec
-                cards.append(rec)
+                cards.append(dict(card, node=pkt.node, ts=pkt.ts))
         self.compute.on_cards(cards)
         step = self.last_reduced.step if self.last_reduced else 0
-        if self.tb is not None and not self.replaying:
-            self.tb.on_telemetry(pkt.node, cards, pkt.ts, step)
-        if self.sinks.outputs and not self.replaying:
-            self.sinks.each("on_telemetry", pkt.node, cards, pkt.ts, step)
-        self.decisions.on_telemetry(cards, time.time(), step)
+        self.sinks.telemetry(pkt.node, cards, pkt.ts, step)
+        verdict = self.decisions.on_telemetry(cards, time.time(), step)
+        self._record(verdict)
+        self.sinks.decided(verdict)
 
     def milestone(self, text: str, step: int) -> None:
         self.sinks.milestone(text, step)
 
-    # ---- reduction → decisions ------------------------------------------------------
+    # ---- one step's pipeline: reduce → decide → views -------------------------------------
     def _on_reduced(self, red: ReducedStep) -> None:
+        """Settle one reduced step: its bookkeeping, its decisions (recorded in anomalies.jsonl as
+        they fire), then its views, queued until its lease is out (`Sinks.defer`)."""
+        also = self._reduce(red)
+        verdict = self.decisions.on_reduced(red, self.replaying)
+        self._record(verdict)
+        self.sinks.reduced(red, also, verdict)
+
+    def _reduce(self, red: ReducedStep) -> list[tuple[str, Any]]:
+        """What the aggregator adds to a reduced step (MFU, straggler scores, goodput, the run's
+        totals) and keeps of it (metrics.msgpack). Returns the scalars only the aggregator knows."""
         if self.steps_reduced == 1:
             self.milestone("first step", red.step)
         self.steps_reduced += 1
@@ -267,8 +270,6 @@ class AggregatorCore:
         if launch and red.ts > launch:
             ettr = (self.settings.productive_before_s + self.goodput.cum["productive"]) / (red.ts - launch)
             also.append(("goodput/ettr", ettr))
-        if self.tb is not None and not self.replaying:
-            self.sinks.view(functools.partial(self._tb_step, red, also))
         self.totals.add(red)
         self._check_fingerprints(red)
         if red.straggler_inputs:  # merged node partials: the nodes scored their ranks
@@ -277,33 +278,17 @@ class AggregatorCore:
         else:
             self.stragglers.update(red)
         self.metrics.append_reduced(red)
-        if self.sinks.outputs and not self.replaying:  # after the straggler scores, like the table
-            self.sinks.view(functools.partial(self.sinks.each, "on_reduced", red, also))
-        directive = self.decisions.on_reduced(red, self.replaying)
-        if (red.step % self.per_print_step == 0 or (self.total_steps and red.step == self.total_steps)
-                or any(k.startswith("eval_") for k in red.extra) or directive.action.stops):
-            self.sinks.view(functools.partial(self._table, red))
+        return also
 
-    # ---- the views of a reduced step: after its lease and directive (see Sinks.defer) ---------
+    def _record(self, verdict: Verdict) -> None:
+        """anomalies.jsonl, as the rules fire (a replay's were recorded before the restart)."""
+        if not self.replaying:
+            for rec in verdict.records:
+                self.anomalies.append(rec)
+
     def run_sinks(self) -> None:
         """Draw the views the reduced steps left waiting, oldest first."""
         self.sinks.run()
-
-    def _tb_step(self, red: ReducedStep, also: list[tuple[str, Any]]) -> None:
-        self.tb.on_reduced(red, also)  # one event holds the step's scalars and histograms
-        w = next((p.weights for p in red.per_rank.values() if p.weights), None)
-        if w:
-            self.tb.on_weights(red.step, w)
-
-    def _table(self, red: ReducedStep) -> None:
-        try:  # a table is a view: it must never cost a stop or a save decided above
-            text = tables.cluster_table(red, self.total_steps, self.straggler_threshold)
-            if self.telemetry_latest:
-                text += "\n" + tables.card_table(self.telemetry_latest.values(), self.compute.card_tflops)
-        except Exception as exc:  # a sink's failure must not stop the aggregator: counted, said in its place
-            self.rejected["table_error"] += 1
-            text = f"step {red.step}: the cluster table could not be drawn ({type(exc).__name__}: {exc})"
-        self.console.append(text)
 
     def _check_fingerprints(self, red: ReducedStep) -> None:
         fps = red.fingerprints
@@ -414,14 +399,11 @@ class AggregatorCore:
 
     def close(self) -> None:
         self.run_sinks()
-        self.sinks.close_outputs()
         self.metrics.close()
         self.anomalies.close()
-        if self.tb is not None:
-            last = self.last_reduced.step if self.last_reduced else 0
-            stop = self.decisions.stop
-            self.milestone("end" + (f" (stopped: {stop.message})" if stop else ""), last)
-            self.tb.close()
+        last = self.last_reduced.step if self.last_reduced else 0
+        stop = self.decisions.stop
+        self.sinks.close("end" + (f" (stopped: {stop.message})" if stop else ""), last)
 
 
 # The aggregator as a Ray actor: one per run, named, async so decisions can wait. Node

@@ -14,7 +14,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from mindpulse.stop_decision import RollbackDecision, StopDecision
 
 from .policies import Firing, PolicyEngine, build_rules, rule_config
 from .rule_changes import LiveRules
-from .sinks import Sinks
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +34,33 @@ KEEP_DIRECTIVES = 1024
 """Directives kept for rank 0 to ask (it asks within a few steps)."""
 
 
+@dataclass
+class Verdict:
+    """What the decisions found, for the pipeline to record and hand to the sinks (no decision
+    writes to a view): the firings, the rules that raised, the lines to say, and at a reduced
+    step its directive."""
+
+    directive: Directive | None = None
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
+    """The firings reported (anomalies.jsonl's records; a firing repeated while its stop is under
+    way is only counted)."""
+    rule_errors: list[dict[str, Any]] = field(default_factory=list)
+    """anomalies.jsonl's records of the rules that raised (each rule and cause once)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """What anomalies.jsonl gets, in order."""
+        return self.anomalies + self.rule_errors
+
+
 class Decisions:
-    def __init__(self, run_dir: Path, settings: AggregatorSettings, sinks: Sinks, *, next_step: Callable[[], int],
-                 replay: bool = False):
+    def __init__(self, run_dir: Path, settings: AggregatorSettings, *, next_step: Callable[[], int],
+                 say: Callable[[str], None], milestone: Callable[[str, int], None], replay: bool = False):
+        """`say`, `milestone`: where the live rule changes (`LiveRules`) tell what they applied."""
         cfg = settings.config
         self.ckpt: CheckpointConfig = cfg.checkpoint
         self.max_lag = cfg.monitor.max_lag_steps
-        self.sinks = sinks
         self.rollbacks_done: dict[str, int] = dict(settings.rollbacks)
         """Rollbacks each rule has made in this launch (the launcher's count, per attempt)."""
         self.policies = PolicyEngine(build_rules(cfg.anomalies, extra_kinds=settings.extra_rules,
@@ -63,8 +82,8 @@ class Decisions:
             self.best_checkpoint = {"path": seed.path, "step": seed.step, "metric": seed.metric,
                                     "metric_name": seed.metric_name}
         # rules changed on the running job (`mindpulse rules`), kept across restarts: rule_changes.py
-        self.live_rules = LiveRules(run_dir, self.policies, settings, replay=replay, say=sinks.say,
-                                    next_step=next_step, milestone=sinks.milestone)
+        self.live_rules = LiveRules(run_dir, self.policies, settings, replay=replay, say=say,
+                                    next_step=next_step, milestone=milestone)
 
     # ---- requests
     def request_stop(self, reason: str, rule: str = "interrupt", rank: int | None = None,
@@ -84,14 +103,15 @@ class Decisions:
             self.request_stop(f"{pkt.message} (checkpoint.on_save_error: stop)", rule="checkpoint_save",
                               rank=pkt.rank)
 
-    def on_checkpoint(self, pkt: EventPacket) -> int | None:
-        """Rank 0's checkpoint event: the entries it wrote. Returns how many entries were
-        refused (malformed: checked before they reach a table); None when the event is no list."""
+    def on_checkpoint(self, pkt: EventPacket) -> tuple[list[dict[str, Any]], int | None]:
+        """Rank 0's checkpoint event: the entries it wrote. Returns them with how many entries
+        were refused (malformed: checked before they reach a table; None when the event is no list)."""
         try:
             entries = json.loads(pkt.message)
         except ValueError:
-            return None
+            return [], None
         refused = 0
+        kept: list[dict[str, Any]] = []
         for e in entries if isinstance(entries, list) else []:
             step = e.get("step") if isinstance(e, dict) else None
             if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step
@@ -99,35 +119,34 @@ class Decisions:
                 refused += 1
                 continue
             self.checkpoints.append(e)
+            kept.append(e)
             if e.get("kind") == CheckpointKind.BEST:
                 self.best_checkpoint = {"path": e.get("path"), "step": e.get("step"), "metric": e.get("metric"),
                                         "metric_name": e.get("metric_name")}
-            self.sinks.say(f"checkpoint ({e.get('kind')}) step {e.get('step')}: {e.get('path')}")
-            self.sinks.milestone(f"checkpoint {e.get('kind')} {e.get('path')}", step)
         del self.checkpoints[:-200]
-        return refused
+        return kept, refused
 
     # ---- the rules
-    def on_telemetry(self, cards: list[dict[str, Any]], now: float, step: int) -> None:
+    def on_telemetry(self, cards: list[dict[str, Any]], now: float, step: int) -> Verdict:
+        verdict = Verdict()
         for f in self.policies.on_telemetry(cards, now, step):
-            self._on_firing(f)
-        self._on_rule_errors(step)
+            self._on_firing(f, verdict)
+        self._on_rule_errors(step, verdict)
+        return verdict
 
-    def _on_rule_errors(self, step: int) -> None:
+    def _on_rule_errors(self, step: int, verdict: Verdict) -> None:
         """A rule that raised is reported once per rule and cause (it would never fire)."""
         for err in self.policies.take_errors():
             if len(self.rule_errors) < 100:
                 self.rule_errors.append(dict(err, step=step))
-            if self.sinks.replaying:
-                continue
-            self.sinks.anomalies.append({"rule": err["rule"], "kind": "rule_error", "step": step, "rank": None,
-                                         "value": None, "threshold": None, "action": "none",
-                                         "message": f"rule {err['rule']} failed and is not checking: {err['error']}"})
-            self.sinks.say(f"RULE ERROR {err['rule']} at step {step}: {err['error']} (the rule cannot fire)")
+            verdict.rule_errors.append({"rule": err["rule"], "kind": "rule_error", "step": step, "rank": None,
+                                        "value": None, "threshold": None, "action": "none",
+                                        "message": f"rule {err['rule']} failed and is not checking: {err['error']}"})
+            verdict.notes.append(f"RULE ERROR {err['rule']} at step {step}: {err['error']} (the rule cannot fire)")
             log.error("rule %s raised at step %d: %s", err["rule"], step, err["error"])
 
-    def _on_firing(self, f: Firing) -> None:
-        """Record once (anomalies.jsonl), print once, and stop every rank if the rule says so."""
+    def _on_firing(self, f: Firing, verdict: Verdict) -> None:
+        """Report once (the verdict's anomalies), and stop every rank if the rule says so."""
         stop = self.stop
         if stop is not None and f.rule == stop.rule and f.step > (stop.decided_at if stop.decided_at is not None
                                                                    else f.step):
@@ -135,22 +154,14 @@ class Decisions:
             # in the weights stays there): reported once, counted
             self.repeats_while_stopping += 1
             return
-        rec = f.to_record()
         self.anomalies_total += 1
-        if not self.sinks.replaying:  # else recorded before the restart (anomalies.json was reloaded)
-            self.sinks.anomalies.append(rec)
-            where = f" (rank {f.rank})" if f.rank is not None else ""
-            self.sinks.say(f"ANOMALY {f.rule}{where} -> {f.action.value}: {f.message}")
-            self.sinks.each("on_anomaly", rec)
-            if self.sinks.tb is not None:
-                self.sinks.tb.on_anomaly(rec)
-                self.sinks.milestone(f"anomaly {f.rule}: {f.message}", f.step)
+        verdict.anomalies.append(f.to_record())
         if f.action.stops:
             self.request_stop(f.message, rule=f.rule, rank=f.rank, value=f.value,
                               save=f.action is Action.SAVE_AND_STOP, threshold=f.threshold,
-                              rollback=self._rollback_of(f))
+                              rollback=self._rollback_of(f, verdict))
 
-    def _rollback_of(self, f: Firing) -> RollbackDecision | None:
+    def _rollback_of(self, f: Firing, verdict: Verdict) -> RollbackDecision | None:
         """What the launcher needs to roll back after `f` (a rollback rule with rollbacks
         left), else None: the rule then stops the job as `stop` does, and says why."""
         if f.action is not Action.ROLLBACK:
@@ -162,27 +173,28 @@ class Decisions:
             cfg = rule.config
         done = int(self.rollbacks_done.get(f.rule, 0))
         if done >= cfg.max_rollbacks:
-            self.sinks.say(f"ANOMALY {f.rule}: {done} rollback(s) made, max_rollbacks {cfg.max_rollbacks}: "
-                           "stopping the job")
+            verdict.notes.append(f"ANOMALY {f.rule}: {done} rollback(s) made, max_rollbacks {cfg.max_rollbacks}: "
+                                 "stopping the job")
             return None
         return RollbackDecision(rule=f.rule, anomaly_step=f.step, skip_batches=bool(cfg.skip_batches),
                                 lr_factor=float(cfg.lr_factor), lr_steps=int(cfg.lr_steps))
 
     # ---- a reduced step
-    def on_reduced(self, red: ReducedStep, replaying: bool) -> Directive:
+    def on_reduced(self, red: ReducedStep, replaying: bool) -> Verdict:
         """The rules judge the step, a requested stop is decided, and the step's directive is made."""
         self.live_rules.before_step(red.step, replaying)  # changes apply between steps
+        verdict = Verdict()
         for f in self.policies.on_step(red):
-            self._on_firing(f)
-        self._on_rule_errors(red.step)
+            self._on_firing(f, verdict)
+        self._on_rule_errors(red.step, verdict)
         if self.stop_request is not None and self.stop is None:
             # decided now, at step S; ranks may already be running up to S+max_lag (their
             # lease allowed it): every rank stops after that same step
             req = self.stop_request
             self.stop = replace(req, save=False, step=red.step + self.max_lag, decided_at=red.step,
                                 save_last=bool(req.save and self.ckpt.save_last))
-            self.sinks.say(f"stopping every rank after step {self.stop.step}: {req.message}"
-                           + (f" (decided at step {red.step})" if self.max_lag else ""))
+            verdict.notes.append(f"stopping every rank after step {self.stop.step}: {req.message}"
+                                 + (f" (decided at step {red.step})" if self.max_lag else ""))
         kinds: set[CheckpointKind] = set()
         metric: float | None = None
         metric_name = ""
@@ -198,7 +210,8 @@ class Decisions:
         self.directives[red.step] = directive
         while len(self.directives) > KEEP_DIRECTIVES:
             self.directives.popitem(last=False)
-        return directive
+        verdict.directive = directive
+        return verdict
 
     def _save_decision(self, red: ReducedStep) -> tuple[set[CheckpointKind], float | None, str]:
         """Which checkpoints rank 0 writes after this step (periodic and/or best), and the
@@ -236,4 +249,4 @@ class Decisions:
         return self.stop.to_dict() if self.stop is not None else None
 
 
-__all__ = ["KEEP_DIRECTIVES", "Decisions", "RollbackDecision", "StopDecision"]
+__all__ = ["KEEP_DIRECTIVES", "Decisions", "RollbackDecision", "StopDecision", "Verdict"]

@@ -15,7 +15,7 @@ migrations at each start); the aggregator sets it for a file store it writes to.
 Cost: the aggregator's thread only builds the step's metric list (`log_batch` of a file store
 took ~3 ms for 40 metrics, a server's a round trip): one writer thread sends them in order. A
 write that fails (disk full, a server gone) is raised on the sink's next call, so
-`Sinks.each` counts and says it; the training never waits for MLflow.
+`Sinks` counts and says it; the training never waits for MLflow.
 """
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from mindpulse.config import MlflowConfig, RunConfig
+from mindpulse.directives import Directive
 from mindpulse.reducer import ReducedStep
 
+from .sink import Sink
 from .tracker_scalars import (
     TrackerFailed,
     TrackerIds,
@@ -114,7 +116,7 @@ class _Writer:
         return not self._thread.is_alive()
 
 
-class MlflowSink:
+class MlflowSink(Sink):
     """`on_reduced`, `on_telemetry`, `on_anomaly`, `on_checkpoint`, `close` of one MLflow run."""
 
     def __init__(self, cfg: MlflowConfig, *, run_dir: Path, config: RunConfig, attempt: int):
@@ -220,7 +222,8 @@ class MlflowSink:
             self._writer.put(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
         self._writer.check()
 
-    def on_reduced(self, red: ReducedStep, also: list[tuple[str, Any]] | None = None) -> None:
+    def on_reduced(self, red: ReducedStep, also: Sequence[tuple[str, Any]] | None = (),
+                   directive: Directive | None = None) -> None:
         self._metrics(step_scalars(red, also, collect_freq=self.collect_freq,
                                    straggler_threshold=self.straggler_threshold), int(red.step), red.ts)
 
@@ -239,7 +242,7 @@ class MlflowSink:
         self._writer.put(lambda: self.client.set_tag(self.run_id, "mindpulse.last_anomaly", short))
         self._writer.check()
 
-    def on_checkpoint(self, step: int) -> None:
+    def on_checkpoint(self, step: int, entries: Sequence[dict[str, Any]] = ()) -> None:
         if self.closed:
             return
         self._writer.put(lambda: self.client.set_tag(self.run_id, "mindpulse.last_checkpoint_step", str(step)))

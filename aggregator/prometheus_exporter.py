@@ -21,14 +21,17 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mindpulse.config import MonitorConfig, PrometheusConfig
-from mindpulse.metrics import PROM_HELP, prom_series, rank_prom_series
+from mindpulse.directives import Directive
+from mindpulse.metrics import prom_help, prom_series, rank_scalars
 from mindpulse.reducer import ReducedStep
 from mindpulse.tables import CARD_EXTREMES
+
+from .sink import Sink
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,6 @@ STALE_RANKS_S = 600.0
 """A rank's series that no reduced step refreshed for this long (it no longer matters) is dropped."""
 
 _SERIES = prom_series()
-_RANK_SERIES = rank_prom_series()
 _CARD_SERIES: tuple[tuple[str, str, float, str], ...] = (
     ("card_utilization_ratio", "util_pct", 0.01, "Card (AI core / SM) utilisation, 0-1."),
     ("card_memory_used_bytes", "memory_used_mb", 1024.0 * 1024.0, "Card memory in use."),
@@ -83,7 +85,6 @@ class _Snapshot:
     ranks: dict[int, dict[tuple[str, str], float]] = field(default_factory=dict)
     straggler: dict[int, float] = field(default_factory=dict)
     mfu: dict[str, float] = field(default_factory=dict)
-    rank_mfu: dict[int, float] = field(default_factory=dict)
     step: int = 0
     steps_total: int = 0
     nonfinite_total: int = 0
@@ -94,7 +95,7 @@ class _Snapshot:
     goodput: float | None = None
 
 
-class PrometheusExporter:
+class PrometheusExporter(Sink):
     """A sink of the aggregator (aggregator/sinks.py) that serves the newest values."""
 
     def __init__(self, cfg: PrometheusConfig, *, run: str, world_size: int, ranks_per_node: int,
@@ -161,7 +162,8 @@ class PrometheusExporter:
                 out[r] = t
         return out, nodes
 
-    def on_reduced(self, red: ReducedStep, also: Iterable[tuple[str, Any]] = ()) -> None:
+    def on_reduced(self, red: ReducedStep, also: Iterable[tuple[str, Any]] = (),
+                   directive: Directive | None = None) -> None:
         with self._lock:
             old = self._snap
             snap = _Snapshot(**{**old.__dict__})
@@ -174,19 +176,15 @@ class PrometheusExporter:
             now = time.time()
             shown = self._shown_ranks(red)
             ranks = {r: v for r, v in old.ranks.items() if now - self._seen.get(r, 0) < STALE_RANKS_S}
-            rank_mfu = dict(old.rank_mfu)
             for r, p in red.per_rank.items():
                 if r not in shown:
                     continue
-                ranks[r] = {(fam, stat): v for fam, stat, name in _RANK_SERIES
-                            if (v := _finite(getattr(p, name, None))) is not None}
-                if red.peak_tflops and p.tflops is not None:
-                    rank_mfu[r] = p.tflops / red.peak_tflops
+                ranks[r] = {prom: v for _, prom, value in rank_scalars(p, red.peak_tflops)
+                            if prom and (v := _finite(value)) is not None}
                 self._seen[r] = now
             if self.world_size > MAX_RANK_SERIES:  # only the ranks that still matter keep their series
                 ranks = {r: v for r, v in ranks.items() if r in shown or now - self._seen.get(r, 0) < 60.0}
             snap.ranks = ranks
-            snap.rank_mfu = {r: v for r, v in rank_mfu.items() if r in ranks}
             scores = dict(old.straggler)
             scores.update(red.straggler_scores)
             snap.straggler = scores if self.world_size <= MAX_RANK_SERIES else \
@@ -220,12 +218,9 @@ class PrometheusExporter:
             self._anomalies[(str(rec.get("rule") or ""), str(rec.get("action") or ""))] += 1
             self._snap = _Snapshot(**{**self._snap.__dict__, "anomalies": dict(self._anomalies)})
 
-    def on_checkpoint(self, step: int, seconds: float | None = None) -> None:
+    def on_checkpoint(self, step: int, entries: Sequence[Mapping[str, Any]] = ()) -> None:
         with self._lock:
-            changes: dict[str, Any] = {"checkpoint_last_step": float(step)}
-            if seconds:
-                changes["checkpoint_seconds"] = float(seconds)
-            self._snap = _Snapshot(**{**self._snap.__dict__, **changes})
+            self._snap = _Snapshot(**{**self._snap.__dict__, "checkpoint_last_step": float(step)})
 
     def on_telemetry(self, node: str, cards: list[dict[str, Any]], ts: float = 0.0, step: int = 0) -> None:
         """A node's card sample: its cards' values and their spread, kept per node (the work is
@@ -263,16 +258,14 @@ class PrometheusExporter:
             return fam
 
         for (fam, stat), v in snap.cluster.items():
-            gauge(fam, PROM_HELP[fam]).add_metric([run, stat, "", ""], v)
+            gauge(fam, prom_help(fam)).add_metric([run, stat, "", ""], v)
         for r, values in snap.ranks.items():
             node = str(r // self.ranks_per_node)
             for (fam, stat), v in values.items():
-                gauge(fam, PROM_HELP[fam]).add_metric([run, stat, str(r), node], v)
-        mfu = gauge("mfu_ratio", "Model FLOPs utilisation (achieved / the card's peak TFLOPS), 0-1.")
+                gauge(fam, prom_help(fam)).add_metric([run, stat, str(r), node], v)
+        mfu = gauge("mfu_ratio", prom_help("mfu_ratio"))
         for stat, v in snap.mfu.items():
             mfu.add_metric([run, stat, "", ""], v)
-        for r, v in snap.rank_mfu.items():
-            mfu.add_metric([run, "rank", str(r), str(r // self.ranks_per_node)], v)
         yield from fams.values()
 
         rank_labels = ["run", "rank", "node"]

@@ -20,18 +20,21 @@ cloud run.
 
 SwanLab writes from its own threads and keeps its write errors to its log (`Run.log` never
 raises); what this sink sees — a run SwanLab ended (at exit, on a crash) — it raises, so
-`Sinks.each` counts it. SwanLab keeps one value per key and step: of several card samples
+`Sinks` counts it. SwanLab keeps one value per key and step: of several card samples
 within one training step, the first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig, SwanLabConfig, SwanLabMode
+from mindpulse.directives import Directive
 from mindpulse.reducer import ReducedStep
 
+from .sink import Sink
 from .tracker_scalars import (
     TrackerFailed,
     TrackerIds,
@@ -52,7 +55,7 @@ def default_logdir(run_dir: Path) -> Path:
     return Path(run_dir) / "swanlab"
 
 
-class SwanLabSink:
+class SwanLabSink(Sink):
     """`on_reduced`, `on_telemetry`, `on_anomaly`, `on_checkpoint`, `close` of one SwanLab run."""
 
     def __init__(self, cfg: SwanLabConfig, *, run_dir: Path, config: RunConfig, attempt: int):
@@ -111,7 +114,8 @@ class SwanLabSink:
         return True
 
     # ---- inputs ------------------------------------------------------------------------------
-    def on_reduced(self, red: ReducedStep, also: list[tuple[str, Any]] | None = None) -> None:
+    def on_reduced(self, red: ReducedStep, also: Sequence[tuple[str, Any]] | None = (),
+                   directive: Directive | None = None) -> None:
         items = step_scalars(red, also, collect_freq=self.collect_freq, straggler_threshold=self.straggler_threshold)
         if items and self._alive():
             self.run.log(dict(items), step=int(red.step))
@@ -127,7 +131,7 @@ class SwanLabSink:
             key = "anomalies/" + ("".join(c if c.isalnum() or c in "-_" else "_" for c in rule) or "anomaly")
             self.run.log_text(key=key, data=anomaly_text(record), step=anomaly_step(record))
 
-    def on_checkpoint(self, step: int) -> None:
+    def on_checkpoint(self, step: int, entries: Sequence[dict[str, Any]] = ()) -> None:
         if self._alive():
             self.run.log({"checkpoint/step": int(step)}, step=int(step))
 

@@ -10,9 +10,10 @@ Tags written:
 * cluster scalars: the metric registry's tags (mindpulse/metrics.py, `Reduction.tb`: `loss/mean`,
   `grad_norm/global`, `lr`, `throughput/samples_per_s`, `step_time/max`, `monitor/self_s/max`, ...),
   `compute/mfu/*`, and `extra/<name>` (the ranks' mean);
-* per-rank scalars of the ranks that matter: the registry's `StepMetric.rank_tb` (`rank_<r>/loss`,
-  `rank_<r>/grad_norm_local`, `rank_<r>/step_time`, `rank_<r>/monitor_self_s`), `tflops`, `mfu`
-  and `straggler_score`;
+* per-rank scalars of the ranks that matter: the registry's `rank_scalars` (`StepMetric.rank_tb`:
+  `rank_<r>/loss`, `rank_<r>/grad_norm_local`, `rank_<r>/step_time`, `rank_<r>/tflops`,
+  `rank_<r>/monitor_self_s`; and `rank_<r>/mfu`), and `straggler_score` (`step_items`, which the
+  trackers write too);
 * the histogram `grad_norm_local/ranks` of the ranks' local grad norms;
 * per-card scalars: `card_<node>_<card>/util`, `/memory_used_mb`, `/power_w`, `/temp_c`;
 * text: `anomalies`, `loss/nonfinite` (a marker for each step with a NaN/Inf loss), and
@@ -30,16 +31,19 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mindpulse.config import MonitorConfig
+from mindpulse.directives import Directive
 from mindpulse.formatting import cell, finite_float
-from mindpulse.metrics import rank_tb_scalars, tb_scalars
+from mindpulse.metrics import rank_scalars, tb_scalars
 from mindpulse.partial import collect_ranks
 from mindpulse.reducer import ReducedStep
 from mindpulse.tables import CARD_EXTREMES
+
+from .sink import Sink
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +55,6 @@ _CLUSTER_SCALARS: tuple[tuple[str, str, str | None], ...] = (
 )
 """(tag, ReducedStep field, written only when this field is not None): the metric registry's
 (mindpulse/metrics.py: `Reduction.tb`), and the MFU against the card's peak."""
-_RANK_SCALARS: tuple[tuple[str, str], ...] = rank_tb_scalars()
-"""(`rank_<r>/` tag suffix, packet field) of each shown rank (the registry's `StepMetric.rank_tb`)."""
 _CARD_SCALARS: tuple[tuple[str, str], ...] = (
     ("util", "util_pct"),
     ("memory_used_mb", "memory_used_mb"),
@@ -162,7 +164,7 @@ def summary_writer(logdir: Path, flush_secs: float, suffix: str,
     return Writer(logdir=str(logdir), flush_secs=flush_secs, filename_suffix=suffix)
 
 
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
 
     def __init__(self, run_dir: Path, flush_secs: float = 10.0, collect_freq: int = MonitorConfig.collect_freq,
@@ -234,46 +236,31 @@ class TensorBoardSink:
         self._writer.add_text(tag, text, global_step=step, walltime=walltime)
 
     # ---- inputs ------------------------------------------------------------------------
-    def on_reduced(self, red: ReducedStep, also: list[tuple[str, Any]] | None = None) -> None:
+    def on_reduced(self, red: ReducedStep, also: Sequence[tuple[str, Any]] | None = (),
+                   directive: Directive | None = None) -> None:
         """Cluster, per-rank, histogram and extra scalars of one reduced step (and `also`,
-        more scalars of that step), as one event."""
+        more scalars of that step), as one event; then the weight statistics a rank sent with it."""
         if not self.enabled:
             return
         try:
             with self._lock:
-                self._write_reduced(red, also or [])
+                self._write_reduced(red, list(also or ()))
+            weights = next((p.weights for p in (red.per_rank or {}).values() if getattr(p, "weights", None)), None)
         except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("reduced", exc)
+            return
+        if weights:
+            self.on_weights(red.step, weights)
 
     def _write_reduced(self, red: ReducedStep, also: list[tuple[str, Any]]) -> None:
         step = int(red.step)
         if step == 0 and red.loss_mean is None:
             return  # the step-0 report only carries fingerprints
         wt = red.ts if _number(red.ts) and red.ts > 0 else None
-        scalars = [(tag, getattr(red, attr, None)) for tag, attr, when in _CLUSTER_SCALARS
-                   if when is None or getattr(red, when, None) is not None]
-        scalars += [(f"extra/{_tag_part(name)}", value) for name, value in (red.extra or {}).items()]
-        window = collect_ranks(step, red.world_size, self.collect_freq)
-        every_rank = bool(window)
-        matter = red.ranks_that_matter(self.straggler_threshold) | set(window)
-        local_norms: list[float] = []
-        per_rank = red.per_rank or {}
-        for rank in sorted(matter):
-            pkt = per_rank.get(rank)
-            if pkt is None:
-                continue
-            scalars += [(f"rank_{rank}/{suffix}", getattr(pkt, attr, None)) for suffix, attr in _RANK_SCALARS]
-            tf = _number(getattr(pkt, "tflops", None))
-            if tf is not None:
-                scalars.append((f"rank_{rank}/tflops", tf))
-                peak = _number(getattr(red, "peak_tflops", None))
-                if peak:
-                    scalars.append((f"rank_{rank}/mfu", tf / peak))
-            g = _number(getattr(pkt, "grad_norm_local", None))
-            if g is not None:
-                local_norms.append(g)
-        scalars += [(f"rank_{rank}/straggler_score", score)
-                    for rank, score in (getattr(red, "straggler_scores", None) or {}).items() if rank in matter]
+        scalars, shown = step_items(red, self.collect_freq, self.straggler_threshold)
+        every_rank = bool(collect_ranks(step, red.world_size, self.collect_freq))
+        local_norms = [g for r in shown if (g := _number(getattr(red.per_rank[r], "grad_norm_local", None)))
+                       is not None]
         from tensorboardX.summary import histogram_raw
 
         # the histograms over every rank (every step) travel in the same event as the scalars
@@ -368,6 +355,9 @@ class TensorBoardSink:
         except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("anomaly", exc)
 
+    def on_milestone(self, text: str, step: int) -> None:
+        self.on_text("milestones", text, step)
+
     def on_text(self, tag: str, text: str, step: int = 0) -> None:
         """A free text event (`config` is the resolved config YAML, `milestones` run events)."""
         if not self.enabled:
@@ -411,6 +401,26 @@ class TensorBoardSink:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+
+def step_items(red: ReducedStep, collect_freq: int, straggler_threshold: float
+               ) -> tuple[list[tuple[str, Any]], list[int]]:
+    """The scalars of one reduced step, by their TensorBoard tags (TensorBoard and the trackers
+    write these): the cluster's, `extra/<name>`, and each shown rank's (the ranks that matter,
+    every rank on a collect step: `rank_scalars`, its straggler score); with the shown ranks."""
+    items: list[tuple[str, Any]] = [(tag, getattr(red, attr, None)) for tag, attr, when in _CLUSTER_SCALARS
+                                    if when is None or getattr(red, when, None) is not None]
+    items += [(f"extra/{_tag_part(name)}", value) for name, value in (red.extra or {}).items()]
+    matter = red.ranks_that_matter(straggler_threshold) | set(collect_ranks(int(red.step), red.world_size,
+                                                                            collect_freq))
+    per_rank = red.per_rank or {}
+    peak = _number(getattr(red, "peak_tflops", None))
+    shown = [r for r in sorted(matter) if r in per_rank]
+    for rank in shown:
+        items += [(f"rank_{rank}/{tb}", v) for tb, _, v in rank_scalars(per_rank[rank], peak) if tb]
+    items += [(f"rank_{rank}/straggler_score", score)
+              for rank, score in (getattr(red, "straggler_scores", None) or {}).items() if rank in matter]
+    return items, shown
 
 
 def _node_extremes(node: str, cards: list[dict]) -> list[tuple[str, Any]]:

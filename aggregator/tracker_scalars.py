@@ -3,7 +3,7 @@ a reduced step and of a card sample under the names TensorBoard writes them, the
 config as flat parameters, an anomaly as text, and `RUN_DIR/trackers.json`, where each
 tracker's run id waits for a resumed attempt to continue the same tracker run.
 
-The scalar tables are TensorBoard's own (`tb_sink.py`), so a tag in TensorBoard, SwanLab and
+The scalars are TensorBoard's own (`tb_sink.py`'s `step_items`), so a tag in TensorBoard, SwanLab and
 MLflow is one name; per rank, the ranks TensorBoard writes (the ranks that matter, every rank
 on a collect step) and no other, so a step costs the same whatever the world size.
 """
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from mindpulse.config import RunConfig
 from mindpulse.errors import MindpulseError
 from mindpulse.formatting import finite_float
-from mindpulse.partial import collect_ranks
 from mindpulse.reducer import ReducedStep
 from mindpulse.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
-from .tb_sink import _CARD_SCALARS, _CLUSTER_SCALARS, _RANK_SCALARS, MAX_CARD_TAGS, _node_extremes, _tag_part
+from .tb_sink import _CARD_SCALARS, MAX_CARD_TAGS, _node_extremes, _tag_part, step_items
 
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.\-/]+")
 
@@ -33,34 +33,15 @@ class TrackerMissing(MindpulseError, ImportError):
         super().__init__(f"{section} is on but the {package} package is not installed here: pip install {install}")
 
 
-def step_scalars(red: ReducedStep, also: list[tuple[str, Any]] | None, *, collect_freq: int,
+def step_scalars(red: ReducedStep, also: Sequence[tuple[str, Any]] | None, *, collect_freq: int,
                  straggler_threshold: float) -> list[tuple[str, float]]:
     """The finite scalars TensorBoard writes for one reduced step (`TensorBoardSink._write_reduced`):
     the cluster's, `extra/<name>`, the per-rank ones of the ranks it shows, and `also`. Empty for
     the step-0 report (fingerprints only)."""
-    step = int(red.step)
-    if step == 0 and red.loss_mean is None:
+    if int(red.step) == 0 and red.loss_mean is None:
         return []
-    items: list[tuple[str, Any]] = [(tag, getattr(red, attr, None)) for tag, attr, when in _CLUSTER_SCALARS
-                                    if when is None or getattr(red, when, None) is not None]
-    items += [(f"extra/{_tag_part(name)}", value) for name, value in (red.extra or {}).items()]
-    matter = red.ranks_that_matter(straggler_threshold) | set(collect_ranks(step, red.world_size, collect_freq))
-    per_rank = red.per_rank or {}
-    peak = finite_float(getattr(red, "peak_tflops", None))
-    for rank in sorted(matter):
-        pkt = per_rank.get(rank)
-        if pkt is None:
-            continue
-        items += [(f"rank_{rank}/{suffix}", getattr(pkt, attr, None)) for suffix, attr in _RANK_SCALARS]
-        tf = finite_float(getattr(pkt, "tflops", None))
-        if tf is not None:
-            items.append((f"rank_{rank}/tflops", tf))
-            if peak:
-                items.append((f"rank_{rank}/mfu", tf / peak))
-    items += [(f"rank_{rank}/straggler_score", score)
-              for rank, score in (getattr(red, "straggler_scores", None) or {}).items() if rank in matter]
-    items += list(also or [])
-    return _finite(items)
+    items, _ = step_items(red, collect_freq, straggler_threshold)
+    return _finite(items + list(also or []))
 
 
 def card_scalars(node: str, cards: list[dict], *, per_card: bool = True) -> list[tuple[str, float]]:

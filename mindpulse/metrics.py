@@ -24,6 +24,7 @@ This module imports nothing of mindpulse but the formatter: the packet codec bui
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,22 @@ class Reduce(str, enum.Enum):
     metric's MIN and MAX give its ends."""
 
 
+class Source(str, enum.Enum):
+    """Where a rank's value of a metric comes from (`workers/session.py` builds the packet by it)."""
+
+    CALLER = "caller"
+    """Given to `RankSession.record` by name (by `Monitor.record`, `Monitor.step` or the callback),
+    coerced by the metric's type."""
+    CELL = "cell"
+    """As CALLER, and the monitored train cell's outputs carry it (`workers/monitor.py`'s
+    `STEP_STATS`: what a step's outputs may add to its packet)."""
+    SESSION = "session"
+    """Measured by the rank session itself (its rank and step, the time, fingerprints, TFLOPS,
+    its own counters)."""
+    SINCE = "since"
+    """Seconds since the rank's previous packet, by cause (`SincePacket`)."""
+
+
 @dataclass(frozen=True)
 class Reduction:
     """One reduced value of a metric, by `ReducedStep` field name."""
@@ -83,7 +100,8 @@ class Reduction:
     """`summary.json` key that sums this value over the run's steps (RunTotals); the totals
     table shows it as the key in words, `(all ranks)`."""
     total_words: str = ""
-    """The report's words for that total: `ranks <total_words> <seconds> s in all`."""
+    """The report's words for that total: `ranks <total_words> <total> <unit> in all` (the
+    metric's `unit`: `0.180 s`; a count has none: `3`)."""
     prom: tuple[str, str] | None = None
     """The Prometheus series of the cluster's value: (family without the `mindpulse_` prefix, in
     base units; its `stat` label, empty for none) (aggregator/prometheus_exporter.py)."""
@@ -137,6 +155,8 @@ class StepMetric:
     the `rank` and `node` labels."""
     column: Column | None = None
     required: bool = False
+    source: Source = Source.SESSION
+    """Where the rank's value comes from (a metric a user's code measures is CALLER)."""
 
 
 def _ms(seconds: Any) -> str:
@@ -153,11 +173,17 @@ def _per_second(count: Any, seconds: Any) -> float | None:
     return count / seconds if seconds and count is not None else None
 
 
+def rank_mfu(tflops: float | None, peak: float | None) -> float | None:
+    """A rank's MFU: its achieved TFLOPS over the card's peak (None without either). Every view
+    of a rank's MFU (the console, TensorBoard, the trackers, Prometheus) takes it from here."""
+    if tflops is None or not peak:
+        return None
+    return tflops / peak
+
+
 def _mfu(tflops: float | None, peak: float | None) -> str:
     """A rank's MFU (achieved / peak TFLOPS), "-" without a peak or a figure."""
-    if tflops is None or not peak:
-        return "-"
-    return number(tflops / peak, ".3f")
+    return number(rank_mfu(tflops, peak), ".3f")
 
 
 def _cluster_mfu(red: Any) -> str:
@@ -191,11 +217,12 @@ def _per_slowest(key: str) -> Callable[[dict[str, Any]], float | None]:
 
 
 _OPT = dict(optional=True)
+_CALLER, _CELL, _SINCE = Source.CALLER, Source.CELL, Source.SINCE
 
 STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("rank", int, required=True),
     StepMetric("step", int, required=True, doc="Steps count from 1 (0: the report before the first step)."),
-    StepMetric("epoch", int, 0, reduce=(Reduction("epoch", Reduce.PEAK, prom=("epoch", "")),)),
+    StepMetric("epoch", int, 0, reduce=(Reduction("epoch", Reduce.PEAK, prom=("epoch", "")),), source=_CALLER),
     StepMetric("loss", float, **_OPT, reduce=(
         Reduction("loss_mean", Reduce.MEAN_ALL, "The mean loss over ranks (NaN when one rank's is not finite).",
                   std="loss_std", tb="loss/mean", prom=("loss", "mean")),
@@ -203,8 +230,10 @@ STEP_METRICS: tuple[StepMetric, ...] = (
         Reduction("loss_max", Reduce.MAX, tb="loss/max", keep=True, prom=("loss", "max")),
         Reduction("loss", Reduce.HIST)), aliases={"loss": "loss_mean"}, rank_tb="loss", rank_prom=("loss", "rank"),
         column=Column("loss", lambda p, red: number(p.loss),
-                      lambda red: f"{number(red.loss_mean)} ({number(red.loss_min)}..{number(red.loss_max)})")),
-    StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr", prom=("learning_rate", "")),)),
+                      lambda red: f"{number(red.loss_mean)} ({number(red.loss_min)}..{number(red.loss_max)})"),
+        source=_CALLER),
+    StepMetric("lr", float, **_OPT, reduce=(Reduction("lr", Reduce.FIRST, tb="lr", prom=("learning_rate", "")),),
+               source=_CALLER),
     StepMetric("grad_norm", float, **_OPT, doc="Global grad norm, after the data-parallel reduction.",
                reduce=(Reduction("grad_norm", Reduce.GLOBAL, "Global (post-reduction) grad norm; the largest "
                                  "report if ranks disagree.", include=_scaled, tb="grad_norm/global",
@@ -212,32 +241,34 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                aliases={"grad_norm_global": "grad_norm"},
                # a rank's row shows its own (local) norm: the one that tells which rank went wrong
                column=Column("grad norm", lambda p, red: number(p.grad_norm_local, ".3f"),
-                             lambda red: number(red.grad_norm, ".3f"))),
+                             lambda red: number(red.grad_norm, ".3f")), source=_CELL),
     StepMetric("grad_norm_local", float, **_OPT, doc="This rank's grad norm before the reduction: tells which "
                "rank produced a NaN.", reduce=(Reduction("grad_norm_local_max", Reduce.MAX, keep=True,
                                                          prom=("grad_norm", "local_max")),),
-               rank_tb="grad_norm_local", rank_prom=("grad_norm", "local")),
-    StepMetric("nan_count", int, 0, reduce=(Reduction("nan_count", Reduce.SUM),)),
-    StepMetric("inf_count", int, 0, reduce=(Reduction("inf_count", Reduce.SUM),)),
+               rank_tb="grad_norm_local", rank_prom=("grad_norm", "local"), source=_CELL),
+    StepMetric("nan_count", int, 0, reduce=(Reduction("nan_count", Reduce.SUM),), source=_CELL),
+    StepMetric("inf_count", int, 0, reduce=(Reduction("inf_count", Reduce.SUM),), source=_CELL),
     StepMetric("step_time_s", float, **_OPT, unit="s", reduce=(
         Reduction("step_time_min", Reduce.MIN, keep=True, prom=("step_duration_seconds", "min")),
         Reduction("step_time_max", Reduce.MAX, tb="step_time/max", keep=True, prom=("step_duration_seconds", "max")),
         Reduction("step_time", Reduce.HIST)), rank_tb="step_time", rank_prom=("step_duration_seconds", "rank"),
-        column=Column("step ms", lambda p, red: millis(p.step_time_s), lambda red: millis(red.step_time_max))),
+        column=Column("step ms", lambda p, red: millis(p.step_time_s), lambda red: millis(red.step_time_max)),
+        source=_CALLER),
     StepMetric("data_wait_s", float, **_OPT, unit="s", doc="Time from the end of the previous step to the start "
                "of this one (fetching the batch, host work): before the collective, so it tells stragglers apart.",
                reduce=(Reduction("data_wait_max", Reduce.PEAK, "The longest data wait of the step over ranks.",
-                                 prom=("data_wait_seconds", "max")),)),
+                                 prom=("data_wait_seconds", "max")),), source=_CALLER),
     StepMetric("compute_s", float, **_OPT, unit="s", doc="PYNATIVE: time from the step's start until the local "
-               "gradients were ready (before the all-reduce); None where the mode does not allow measuring it."),
+               "gradients were ready (before the all-reduce); None where the mode does not allow measuring it.",
+               source=_CALLER),
     StepMetric("samples", int, 0, reduce=(Reduction("samples", Reduce.SUM, internal=True),),
                column=Column("samples/s", lambda p, red: number(_per_second(p.samples, p.step_time_s), ".1f"),
-                             lambda red: number(red.samples_per_s, ".1f"))),
+                             lambda red: number(red.samples_per_s, ".1f")), source=_CALLER),
     StepMetric("tokens", int, 0, doc="Tokens this rank trained on in this step (0: not known).",
                reduce=(Reduction("tokens", Reduce.SUM, "Tokens trained in this step, summed over ranks."),),
                # a rank's 0 tokens: not known (no rate), where 0 samples is a rate of 0
                column=Column("tokens/s", lambda p, red: number(_per_second(p.tokens or None, p.step_time_s), ".0f"),
-                             lambda red: number(red.tokens_per_s, ".0f"))),
+                             lambda red: number(red.tokens_per_s, ".0f")), source=_CALLER),
     StepMetric("tflops", float, **_OPT, unit="TFLOPS", doc="This rank's achieved model TFLOPS in this step.",
                reduce=(Reduction("tflops_mean", Reduce.MEAN, "Achieved TFLOPS per card, mean over ranks.",
                                  include=lambda p: is_rate(p.tflops), tb="compute/tflops/mean",
@@ -246,7 +277,7 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                                  prom=("tflops", "min")),
                        Reduction("tflops_max", Reduce.MAX, include=lambda p: is_rate(p.tflops), keep=True, rate=True,
                                  prom=("tflops", "max"))),
-               aliases={"tflops": "tflops_mean"}, rank_prom=("tflops", "rank"),
+               aliases={"tflops": "tflops_mean"}, rank_tb="tflops", rank_prom=("tflops", "rank"),
                column=Column("MFU", lambda p, red: _mfu(p.tflops, red.peak_tflops), _cluster_mfu)),
     StepMetric("ts", float, 0.0, unit="s", reduce=(Reduction("ts", Reduce.PEAK),)),
     StepMetric("fingerprint", str, **_OPT, doc="Hash of the parameters, every `collect_freq` steps (and step 0)."),
@@ -258,22 +289,23 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                              prom=("monitor_wait_seconds", "max")),
                    Reduction("monitor_wait_sum", Reduce.SUM, include=lambda p: bool(p.monitor_wait_s),
                              total="monitor_wait_s", total_words="blocked on the monitor",
-                             prom=("monitor_wait_seconds", "sum")))),
+                             prom=("monitor_wait_seconds", "sum"))), source=_SINCE),
     StepMetric("monitor_errors", int, 0, doc="Errors inside this rank's monitor so far (logged and counted).",
                reduce=(Reduction("monitor_errors", Reduce.SUM),)),
-    StepMetric("checkpoint_s", float, 0.0, unit="s", reduce=(Reduction("checkpoint_s_max", Reduce.PEAK),)),
+    StepMetric("checkpoint_s", float, 0.0, unit="s", reduce=(Reduction("checkpoint_s_max", Reduce.PEAK),),
+               source=_SINCE),
     StepMetric("eval_s", float, 0.0, unit="s", reduce=(Reduction("eval_s_max", Reduce.PEAK),)),
-    StepMetric("profile_s", float, 0.0, unit="s", reduce=(Reduction("profile_s_max", Reduce.PEAK),)),
+    StepMetric("profile_s", float, 0.0, unit="s", reduce=(Reduction("profile_s_max", Reduce.PEAK),), source=_SINCE),
     StepMetric("loss_scale", float, **_OPT, doc="The loss scale the step ran with, where a loss-scale cell runs.",
                reduce=(Reduction("loss_scale_min", Reduce.MIN, tb="loss_scale/min", tb_when="loss_scale_min",
                                  prom=("loss_scale", "min")),
                        Reduction("loss_scale_max", Reduce.MAX, tb="loss_scale/max", tb_when="loss_scale_min",
                                  prom=("loss_scale", "max"))),
-               aliases={"loss_scale": "loss_scale_min"}),
+               aliases={"loss_scale": "loss_scale_min"}, source=_CELL),
     StepMetric("overflow", bool, **_OPT, doc="True when the loss-scale cell skipped the update for overflow.",
                reduce=(Reduction("overflow_ranks", Reduce.COUNT, include=lambda p: bool(p.overflow),
                                  tb="overflow/ranks", tb_when="loss_scale_min", prom=("overflow_ranks", "")),),
-               aliases={"overflow": "overflow_ranks"}),
+               aliases={"overflow": "overflow_ranks"}, source=_CELL),
     StepMetric("overflow_steps", int, 0, reduce=(Reduction("overflow_steps", Reduce.PEAK, tb="overflow/steps",
                                                            tb_when="loss_scale_min"),)),
     StepMetric("monitor_self_s", float, 0.0, unit="s", doc=(
@@ -289,8 +321,8 @@ STEP_METRICS: tuple[StepMetric, ...] = (
         aliases={"monitor_self_s": "monitor_self_max"}, rank_tb="monitor_self_s",
         rank_prom=("monitor_self_seconds", "rank"),
         column=Column("self ms", lambda p, red: _ms(p.monitor_self_s),
-                      lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank))),
-    StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss."),
+                      lambda red: _ms_with_rank(red.monitor_self_max, red.monitor_self_max_rank)), source=_SINCE),
+    StepMetric("extra", dict, doc="Additional named scalars (user metrics); reduced like the loss.", source=_CALLER),
     StepMetric("weights", dict, doc="Every collect_freq steps: per-layer norms, update ratios, histograms."),
 )
 """Every field of the step packet, in wire order."""
@@ -310,6 +342,21 @@ declares them; the MFU is achieved TFLOPS over the card's peak, which the aggreg
 
 OTHER_ALIASES: dict[str, str] = {"throughput": "samples_per_s", "mfu": "mfu_mean"}
 """Rule-metric aliases of values not reduced from one packet field."""
+
+
+def reported() -> tuple[StepMetric, ...]:
+    """The metrics a rank's code gives `RankSession.record` (CALLER and CELL), in wire order."""
+    return tuple(m for m in STEP_METRICS if m.source in (Source.CALLER, Source.CELL))
+
+
+def cell_stats() -> tuple[str, ...]:
+    """The metrics the monitored train cell's outputs may carry (CELL)."""
+    return tuple(m.name for m in STEP_METRICS if m.source is Source.CELL)
+
+
+def since_fields() -> tuple[str, ...]:
+    """The seconds between packets, by cause (SINCE): `SincePacket`'s fields."""
+    return tuple(m.name for m in STEP_METRICS if m.source is Source.SINCE)
 
 
 def by_name() -> dict[str, StepMetric]:
@@ -350,11 +397,6 @@ def tb_scalars() -> tuple[tuple[str, str, str | None], ...]:
     return tuple(out)
 
 
-def rank_tb_scalars() -> tuple[tuple[str, str], ...]:
-    """(tag suffix, packet field) of each shown rank's own scalars."""
-    return tuple((m.rank_tb, m.name) for m in STEP_METRICS if m.rank_tb)
-
-
 def columns() -> tuple[Column, ...]:
     """The console columns of the per-step table, in declaration order."""
     return tuple(m.column for m in STEP_METRICS if m.column)
@@ -372,9 +414,26 @@ def prom_series() -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def rank_prom_series() -> tuple[tuple[str, str, str], ...]:
-    """(family, `stat` label, packet field) of each shown rank's series for Prometheus."""
-    return tuple((m.rank_prom[0], m.rank_prom[1], m.name) for m in STEP_METRICS if m.rank_prom)
+RANK_MFU_TB = "mfu"
+"""The TensorBoard tag suffix of a rank's MFU (`rank_<r>/mfu`)."""
+RANK_MFU_PROM = ("mfu_ratio", "rank")
+"""The Prometheus series of a rank's MFU (family, `stat` label)."""
+
+
+@functools.cache
+def _rank_values() -> tuple[tuple[str | None, tuple[str, str] | None, str], ...]:
+    return tuple((m.rank_tb, m.rank_prom, m.name) for m in STEP_METRICS if m.rank_tb or m.rank_prom)
+
+
+def rank_scalars(pkt: Any, peak: float | None) -> list[tuple[str | None, tuple[str, str] | None, Any]]:
+    """One rank's own values of a step, for every view that shows a rank (TensorBoard, the
+    trackers, Prometheus): `(TensorBoard tag suffix or None, Prometheus (family, stat) or None,
+    value)`, the registry's `rank_tb`/`rank_prom` metrics and the rank's MFU against `peak`.
+    Values are as the rank sent them (None, NaN included): each view keeps what it can show."""
+    out: list[tuple[str | None, tuple[str, str] | None, Any]] = [
+        (tb, prom, getattr(pkt, name, None)) for tb, prom, name in _rank_values()]
+    out.append((RANK_MFU_TB, RANK_MFU_PROM, rank_mfu(getattr(pkt, "tflops", None), peak)))
+    return out
 
 
 PROM_HELP: dict[str, str] = {
@@ -386,6 +445,7 @@ PROM_HELP: dict[str, str] = {
     "step_duration_seconds": "Step time: shortest and longest over ranks, and each shown rank's.",
     "data_wait_seconds": "The longest data wait of the step over ranks (before the collective).",
     "tflops": "Achieved model TFLOPS per card: mean, min, max over ranks, and each shown rank's.",
+    "mfu_ratio": "Model FLOPs utilisation (achieved / the card's peak TFLOPS), 0-1.",
     "monitor_wait_seconds": "Seconds ranks blocked on the aggregator before the step: the most any rank, the sum.",
     "monitor_self_seconds": "Seconds ranks spent in mindpulse's own code for the step: the most any rank, the sum, "
                             "and each shown rank's.",
@@ -394,7 +454,18 @@ PROM_HELP: dict[str, str] = {
     "samples_per_second": "Cluster throughput: all ranks' samples over the slowest rank's step time.",
     "tokens_per_second": "Cluster token throughput: all ranks' tokens over the slowest rank's step time.",
 }
-"""Each Prometheus family's help text (a family the registry names must be here: tested)."""
+"""Each Prometheus family's help text where one family holds several values (a family the
+registry names must be here or have its metric's `doc`: `prom_help`)."""
+
+
+def prom_help(family: str) -> str:
+    """The help text of a Prometheus family: PROM_HELP's, else the doc of the metric that names it."""
+    if family in PROM_HELP:
+        return PROM_HELP[family]
+    for m, r in reductions():
+        if family in ((r.prom or ("",))[0], (m.rank_prom or ("",))[0]):
+            return r.doc or m.doc or family.replace("_", " ")
+    return family.replace("_", " ")
 
 
 def totals() -> tuple[tuple[str, str], ...]:
@@ -402,6 +473,19 @@ def totals() -> tuple[tuple[str, str], ...]:
     return tuple((r.total, r.name) for _, r in reductions() if r.total)
 
 
-def total_words() -> tuple[tuple[str, str], ...]:
-    """(`summary.json` key, the report's words for it) of every run total."""
-    return tuple((r.total, r.total_words or r.total.replace("_", " ")) for _, r in reductions() if r.total)
+def total_words() -> tuple[tuple[str, str, str], ...]:
+    """(`summary.json` key, the report's words for it, the metric's unit) of every run total."""
+    return tuple((r.total, r.total_words or r.total.replace("_", " "), m.unit)
+                 for m, r in reductions() if r.total)
+
+
+def with_unit(value: Any, unit: str) -> str:
+    """A total in its metric's unit: seconds to the millisecond (`0.180 s`), another unit to four
+    significant digits (`12.5 TFLOPS`), a count (no unit) as it is (`3`); none: `-`."""
+    if value is None:
+        return number(None)
+    if unit == "s":
+        return f"{number(value, '.3f')} s"
+    if unit:
+        return f"{number(value, '.4g')} {unit}"
+    return number(value, ".12g")

@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from mindpulse.config import MonitorConfig
 from mindpulse.formatting import finite_float, number
-from mindpulse.metrics import columns, totals
+from mindpulse.metrics import columns, total_words, with_unit
 from mindpulse.reducer import ReducedStep
 
 MAX_TABLE_RANKS = 16
@@ -98,7 +98,9 @@ def totals_table(summary: dict[str, Any]) -> str:
         ["fingerprints equal", summary.get("fingerprints_equal")],
         ["packets accepted", summary.get("packets", {}).get("accepted")],
         ["packets rejected", summary.get("packets", {}).get("rejected")],
-        *([f"{key.replace('_', ' ')} (all ranks)", number(summary.get(key), ".3f")] for key, _ in totals()),
+        # the registry's run totals: a key in seconds says so (`monitor_wait_s`), another its unit
+        *([f"{key.replace('_', ' ')} (all ranks)", number(summary.get(key), ".3f") if unit == "s"
+           else with_unit(summary.get(key), unit)] for key, _, unit in total_words()),
         ["wall time s", number(summary.get("wall_time_s"), ".1f")],
     ]
     if summary.get("stop"):

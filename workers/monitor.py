@@ -20,6 +20,7 @@ from mindspore import Tensor, nn
 from mindspore.train.callback import Callback
 
 from mindpulse.directives import Directive
+from mindpulse.metrics import cell_stats
 from mindpulse.rank_settings import RankSettings
 
 from .channel import Channel
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Monitor", "StepOutcome", "lr_of_step"]
 
-STEP_STATS = ("grad_norm", "grad_norm_local", "nan_count", "inf_count", "loss_scale", "overflow")
-"""What a step's outputs (or the statistics wrapper) may add to its packet."""
+STEP_STATS = cell_stats()
+"""What a step's outputs (or the statistics wrapper) may add to its packet: the registry's CELL
+metrics (mindpulse/metrics.py)."""
 
 
 def lr_of_step(optimizer: Any, step_index: int) -> float | None:
@@ -231,8 +233,9 @@ class Monitor(Callback):
 
     def record(self, loss: Any, **fields: Any) -> StepOutcome:
         """Report one step's numbers directly (the next step unless `step=` is given): the
-        fields of `RankSession.record` (step, epoch, lr, grad_norm, grad_norm_local,
-        nan_count, inf_count, step_time_s, samples, extra, data_wait_s, compute_s, tokens); numbers
+        fields of `RankSession.record` (`step`, and the registry's metrics a rank reports:
+        `mindpulse.metrics.reported()`: epoch, lr, grad_norm, grad_norm_local, nan_count, inf_count,
+        step_time_s, data_wait_s, compute_s, samples, tokens, loss_scale, overflow, extra); numbers
         may be Python numbers, numpy scalars or MindSpore tensors."""
         return self.session.record(loss, **fields)
 

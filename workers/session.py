@@ -28,12 +28,13 @@ from typing import Any
 
 from mindpulse.config import RunConfig, monitor_settings_of, schedule_of
 from mindpulse.directives import Directive
+from mindpulse.metrics import reported
 from mindpulse.protocol import Action, CheckpointKind, EventKind, EventPacket, RankState, StepPacket
 from mindpulse.rank_settings import RankSettings, Schedule
 
 from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
-from .coerce import as_count, as_number
+from .coerce import as_count, as_extra, as_flag, as_number
 from .faults import FaultInjector, faults_for
 from .fingerprint import HostViews, fingerprint_of, param_sums
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
@@ -110,6 +111,12 @@ class SincePacket:
             setattr(self, name, 0.0)
         return out
 
+
+_COERCE: dict[type, Callable[[Any], Any]] = {float: as_number, int: as_count, bool: as_flag, dict: as_extra}
+_REPORTED = tuple((m.name, _COERCE[m.type], m.default) for m in reported())
+"""(name, coercion by type, default) of each step metric a rank's code reports (the registry's
+CALLER and CELL metrics): `_record` builds the packet's share of them from these."""
+_REPORTED_NAMES = frozenset(name for name, _, _ in _REPORTED)
 
 _created = 0
 """RankSessions (Monitors) created in this process: a script that trains without one is
@@ -296,26 +303,12 @@ class RankSession:
         self._self_from = (now, self.since_packet.outside())
         return spent
 
-    def _record(
-        self,
-        loss: Any,
-        *,
-        step: int | None = None,
-        epoch: int = 0,
-        lr: float | None = None,
-        grad_norm: float | None = None,
-        grad_norm_local: float | None = None,
-        nan_count: int = 0,
-        inf_count: int = 0,
-        step_time_s: float | None = None,
-        samples: int | None = None,
-        extra: dict[str, float] | None = None,
-        data_wait_s: float | None = None,
-        compute_s: float | None = None,
-        tokens: int | None = None,
-        loss_scale: float | None = None,
-        overflow: bool | None = None,
-    ) -> StepOutcome:
+    def _record(self, loss: Any, *, step: int | None = None, **fields: Any) -> StepOutcome:
+        unknown = set(fields) - _REPORTED_NAMES
+        if unknown:
+            raise TypeError(f"{sorted(unknown)}: not a step metric a rank reports (those are "
+                            f"{', '.join(sorted(_REPORTED_NAMES))}; a new one is declared in mindpulse/metrics.py)")
+        overflow = as_flag(fields.get("overflow"))
         self.step = s = step if step is not None else self.step + 1
         if overflow:
             self.overflow_steps += 1
@@ -343,39 +336,32 @@ class RankSession:
                     self.monitor_error(f"evaluating at step {s}", ValueError(
                         f"evaluate() reported {undeclared}, not among the declared metrics {sorted(self.metrics)}; "
                         "add them to Monitor(metrics=[...]) and eval.metrics"))
-                extra = dict(extra or {}, **results)
+                fields["extra"] = dict(fields.get("extra") or {}, **results)
             except Exception as exc:  # the user's evaluate() failing must not end training: logged
                 log.error("[rank %d] evaluation at step %d failed: %s", self.rank, s, exc)
             finally:
                 self.busy = None
             eval_s = time.perf_counter() - t_eval
         self._count_self_time(excluded=eval_s)
+        # what the rank's code reported (the registry's CALLER and CELL metrics, each coerced by
+        # its type), then what this session measures (SESSION) and the seconds between packets (SINCE)
+        given = {name: coerce(fields.get(name, default)) for name, coerce, default in _REPORTED}
+        given["loss"] = as_number(loss)
+        given["samples"] = as_count(fields.get("samples") or self.batch_size or 0)
+        tokens = fields.get("tokens")
+        given["tokens"] = as_count(tokens if tokens is not None else self.tokens_per_step or 0)
         pkt = StepPacket(
+            **given,
             rank=self.rank,
             step=s,
-            epoch=epoch,
-            loss=as_number(loss),
-            lr=as_number(lr),
-            grad_norm=as_number(grad_norm),
-            grad_norm_local=as_number(grad_norm_local),
-            nan_count=as_count(nan_count),
-            inf_count=as_count(inf_count),
-            step_time_s=as_number(step_time_s),
-            data_wait_s=as_number(data_wait_s),
-            compute_s=as_number(compute_s),
-            samples=as_count(samples or self.batch_size or 0),
-            tokens=(tok := as_count(tokens if tokens is not None else self.tokens_per_step or 0)),
-            tflops=self._tflops(tok, step_time_s, data_wait_s, compute_s),
+            tflops=self._tflops(given["tokens"], given["step_time_s"], given["data_wait_s"], given["compute_s"]),
             ts=time.time(),
             fingerprint=fp,
             param_norm=norm,
             decision=bool(decision),
             eval_s=eval_s,
-            extra={str(k): float(as_number(v)) for k, v in (extra or {}).items() if as_number(v) is not None},
             monitor_errors=self.errors,
             weights=weights,
-            loss_scale=as_number(loss_scale),
-            overflow=None if overflow is None else bool(overflow),
             overflow_steps=self.overflow_steps,
             **self.since_packet.take(),
         )

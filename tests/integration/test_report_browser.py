@@ -68,6 +68,7 @@ def _stream(steps: int = STEPS) -> list:
                                   grad_norm_local=1.0 + r + 0.05 * s, step_time_s=0.2 + 0.03 * r + 0.01 * (s % 3),
                                   samples=16, tokens=16 * 64, ts=T0 + s,
                                   tflops=40.0 + 5 * r - (15.0 if (s, r) == (11, 1) else 0.0),
+                                  loss_scale=1024.0 * 2.0 ** (s // 5), overflow=s == 12, overflow_steps=int(s >= 12),
                                   fingerprint=f"fp-{s}" if s % 10 == 0 else None))
         if s % 2 == 0:
             out.append(TelemetryPacket(node="node-a", ts=T0 + s + 0.5, source="npu-smi", cards=[

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
+from mindpulse.aggregator.sink import Sink
 from mindpulse.metrics_store import read_packets, read_wire
 from mindpulse.protocol import Action, EventPacket, StepPacket
 
@@ -82,7 +85,7 @@ def test_deferred_views_come_after_the_decision_and_are_all_drawn(tmp_path):
     core = AggregatorCore(tmp_path, world_size=2, per_print_step=2)
     core.defer_sinks = True
     drawn = []
-    core.tb.on_reduced = lambda red, also: drawn.append(red.step)
+    core.tb.on_reduced = lambda red, also, directive=None: drawn.append(red.step)
     for s in (1, 2):
         core.ingest([step(0, s), step(1, s)])
         assert core.directive_for(s) is not None and core.lease().reduced_through == s
@@ -97,6 +100,67 @@ def test_deferred_views_come_after_the_decision_and_are_all_drawn(tmp_path):
     core.ingest([step(0, 5), step(1, 5)])
     core.close()
     assert drawn == [1, 2, 3, 4, 5], "the close draws the last views"
+
+
+class RecordingSink(Sink):
+    """A sink of its own: the base's hooks it overrides, each call written down in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_reduced(self, red, also=(), directive=None):
+        self.calls.append(("reduced", red.step, directive.action.value if directive else None))
+
+    def on_anomaly(self, record):
+        self.calls.append(("anomaly", record["step"], record["rule"]))
+
+    def on_note(self, text):
+        self.calls.append(("note", text.split(":")[0]))
+
+
+def test_a_firing_is_recorded_at_once_and_drawn_by_every_sink_after_the_lease(tmp_path):
+    """One pass: the step is reduced and decided (its lease and directive ready, the firing in
+    anomalies.jsonl), and only when the views are drawn does every sink (one added here, the
+    base's no-op hooks for the rest) get the anomaly, the stop note, then the step."""
+    core = AggregatorCore(tmp_path, world_size=2, settings={
+        "tensorboard": False, "monitor": {"max_lag_steps": 0},
+        "anomalies": [{"rule": "threshold", "name": "loss_high", "metric": "loss", "threshold": 5.0,
+                       "action": "stop"}]})
+    core.defer_sinks = True
+    mine = RecordingSink()
+    core.sinks.outputs.append(mine)
+    core.ingest([step(0, 1, loss=9.0), step(1, 1, loss=9.0)])
+    recorded = [json.loads(x) for x in (tmp_path / "anomalies.jsonl").read_text().splitlines()]
+    assert [(r["rule"], r["step"]) for r in recorded] == [("loss_high", 1)], recorded
+    assert core.lease().stopping and core.directive_for(1).action is Action.STOP
+    assert mine.calls == [] and list(core.console) == [], "a view was drawn before the lease went out"
+    core.run_sinks()
+    assert mine.calls == [("anomaly", 1, "loss_high"), ("note", "stopping every rank after step 1"),
+                          ("reduced", 1, "stop")], mine.calls
+    lines = core.drain_console()
+    assert lines[0].startswith("ANOMALY loss_high -> stop") and lines[1].startswith("stopping every rank"), lines
+    assert lines[2].startswith("step 1"), "the table of the stop step is drawn (a stop prints it)"
+    core.close()
+
+
+def test_the_decisions_return_their_findings_and_write_to_no_view(tmp_path):
+    """`Decisions` gives its firings, rule errors and notes back in a `Verdict`; it holds no sink."""
+    import inspect
+
+    from mindpulse.aggregator import decisions
+
+    source = inspect.getsource(decisions)
+    assert "sinks" not in source.replace("to the sinks", ""), "decisions.py reaches a sink"
+    core = AggregatorCore(tmp_path, world_size=1, settings={
+        "tensorboard": False, "anomalies": [{"rule": "threshold", "name": "loss_high", "metric": "loss",
+                                             "threshold": 5.0, "action": "warn"}]})
+    core.ingest([step(0, 1, loss=1.0)])
+    from mindpulse.reducer import reduce_step
+
+    verdict = core.decisions.on_reduced(reduce_step(2, {0: StepPacket(rank=0, step=2, loss=7.0)}, 1), False)
+    assert [a["rule"] for a in verdict.anomalies] == ["loss_high"] and verdict.directive.step == 2
+    assert not (tmp_path / "anomalies.jsonl").exists(), "the decision wrote anomalies.jsonl itself"
+    core.close()
 
 
 def test_snapshot_fingerprints_losses_and_rank_info(tmp_path):

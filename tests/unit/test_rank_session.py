@@ -409,3 +409,32 @@ def test_monitor_self_s_shows_in_the_table_tensorboard_and_rules(tmp_path):
     from_dict({"anomalies": [{"rule": "threshold", "metric": "monitor_self_s", "op": ">", "threshold": 0.05}]})
     with pytest.raises(ConfigError, match="monitor_self_z"):
         from_dict({"anomalies": [{"rule": "threshold", "metric": "monitor_self_z", "op": ">", "threshold": 0.05}]})
+
+
+def test_the_packet_takes_the_registry_metrics_a_rank_reports(tmp_path):
+    """`RankSession.record` fills the packet from the registry (mindpulse/metrics.py): each
+    metric a rank reports, coerced by its type; the seconds between packets are `SincePacket`'s,
+    the monitor's `STEP_STATS` the registry's cell metrics; a field no metric declares is a
+    monitor error (counted), never an exception in the training loop."""
+    import numpy as np
+
+    from mindpulse.metrics import Source, cell_stats, reported, since_fields
+    from mindpulse.workers.monitor import STEP_STATS
+    from mindpulse.workers.session import RankSession, SincePacket
+
+    assert tuple(f.name for f in dataclasses.fields(SincePacket)) == since_fields()
+    assert STEP_STATS == cell_stats() and "loss_scale" in STEP_STATS
+    assert {m.name for m in reported()} >= set(STEP_STATS) | {"loss", "lr", "tokens", "extra"}
+    assert all(m.source in (Source.CALLER, Source.CELL) for m in reported())
+    ch = Recording()
+    s = RankSession(settings(tmp_path), rank=1, channel=ch)
+    s.record(np.float32(2.5), lr=np.float64(1e-4), grad_norm=3, nan_count=np.int64(2), loss_scale=1024,
+             overflow=np.bool_(True), epoch=np.int32(1), step_time_s=0.5, tokens=64, extra={"acc": np.float32(0.5)})
+    (pkt,) = [p for p in ch.packets if isinstance(p, StepPacket)]
+    assert (pkt.loss, pkt.lr, pkt.grad_norm, pkt.nan_count, pkt.loss_scale, pkt.overflow, pkt.epoch) == (
+        2.5, 1e-4, 3.0, 2, 1024.0, True, 1), pkt
+    assert type(pkt.grad_norm) is float and type(pkt.nan_count) is int and type(pkt.overflow) is bool
+    assert pkt.samples == 8 and pkt.tokens == 64 and pkt.extra == {"acc": 0.5} and pkt.overflow_steps == 1
+    assert s.errors == 0
+    s.record(1.0, probe=3)
+    assert s.errors == 1, "a field no metric declares is counted as the monitor's error"

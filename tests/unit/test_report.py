@@ -609,3 +609,31 @@ def test_damaged_bytes_are_skipped_and_noted(tmp_path):
     page = _page(result)
     assert re.search(r"metrics.msgpack: \d+ damaged byte\(s\) skipped in 1 stretch\(es\)", page)
     assert "1 stretch(es)" in final_tables(run_dir)
+
+
+def test_the_loss_scale_is_plotted(tmp_path):
+    """A dynamic loss scale that grew from 1024 to ~7e16 (as a held-out MindFormers run's did),
+    with a step an overflow skipped, is a figure of the report; a run whose ranks ran no
+    loss-scale cell gets the figure's one-line reason instead."""
+    from mindpulse.views.report.plots import draw_plots
+
+    def scale(s: int) -> float:
+        return 1024.0 * 2.0 ** (46 * (s - 1) / (STEPS - 1))
+
+    packets = [_step(r, s, loss_scale=scale(s), overflow=s == 7, overflow_steps=int(s >= 7))
+               for s in range(1, STEPS + 1) for r in range(WORLD)]
+    run_dir = tmp_path / "run"
+    _write_metrics(run_dir, packets)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out2").mkdir()
+    plots = {p.path.name: p for p in draw_plots(load_run(run_dir), tmp_path / "out")}
+    plot = plots["loss_scale.png"]
+    assert plot.drawn, plot.message
+    assert (tmp_path / "out" / "loss_scale.png").read_bytes().startswith(PNG_SIGNATURE)
+    red = load_run(run_dir).reduced
+    assert red[-1].loss_scale_min == pytest.approx(scale(STEPS)) and scale(STEPS) > 7e16, "the scale reduced"
+
+    plain = tmp_path / "plain"
+    _write_metrics(plain, [_step(r, s) for s in range(1, 4) for r in range(WORLD)])
+    none = {p.path.name: p for p in draw_plots(load_run(plain), tmp_path / "out2")}["loss_scale.png"]
+    assert not none.drawn and "no loss scale reported" in none.message, none

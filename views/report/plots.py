@@ -1,5 +1,6 @@
 """The report's figures, drawn with matplotlib's Agg canvas directly (no pyplot, no display
-needed): loss, gradient norm, step time, throughput, card telemetry, straggler score, MFU.
+needed): loss, gradient norm, loss scale, step time, throughput, card telemetry, straggler
+score, MFU.
 
 A figure shows only what was measured: a card metric no card reported is named under the
 figure ("not reported by this device"), never drawn as an empty panel; a figure with nothing
@@ -210,6 +211,31 @@ def _plot_grad_norm(data: RunData, path: Path, marks: Markers) -> Plot:
                          + ("largest local" if _many_ranks(data) else "per-rank local"))
 
 
+def _plot_loss_scale(data: RunData, path: Path, marks: Markers) -> Plot:
+    """The loss scale over steps (the reduced lowest and highest over ranks: one line while the
+    ranks agree), on a log axis (a dynamic scale grows by powers of two), and the steps a rank's
+    loss-scale cell skipped for overflow."""
+    red = [x for x in data.reduced if x.loss_scale_min is not None]
+    if not red:
+        return placeholder(path, "loss scale", "no data" if not data.has_steps else
+                           "no loss scale reported (no loss-scale cell ran)")
+    fig, axes, ax = _step_axes()
+    steps = [x.step for x in red]
+    drawn = _plot(ax, steps, _clean(x.loss_scale_min for x in red), "loss scale", color="tab:blue", linewidth=1.5)
+    if any(x.loss_scale_max != x.loss_scale_min for x in red):
+        drawn |= _plot(ax, steps, _clean(x.loss_scale_max for x in red), "highest over ranks", color="tab:orange",
+                       linewidth=1.0)
+    skipped = [x for x in red if x.overflow_ranks]
+    if skipped:
+        ax.scatter([x.step for x in skipped], _clean(x.loss_scale_min for x in skipped), color=ANOMALY_COLOR,
+                   marker="v", s=18, zorder=3, label="overflow (step skipped)")
+    if not drawn:
+        return placeholder(path, "loss scale", "no finite loss scale reported")
+    if all(y > 0 for y in _clean(x.loss_scale_min for x in red) if fmt.is_number(y)):
+        ax.set_yscale("log", base=2)
+    return _finish_steps(fig, axes, path, marks, "loss scale", "loss scale (and the steps skipped for overflow)")
+
+
 def _plot_step_time(data: RunData, path: Path, marks: Markers) -> Plot:
     if not data.has_steps and not data.reduced:
         return placeholder(path, "step time", "no data")
@@ -404,6 +430,7 @@ def _plot_telemetry(data: RunData, path: Path, marks: Markers) -> Plot:
 PLOTTERS: dict[str, tuple[str, Callable[[RunData, Path, Markers], Plot]]] = {
     "loss.png": ("Loss", _plot_loss),
     "grad_norm.png": ("Gradient norm", _plot_grad_norm),
+    "loss_scale.png": ("Loss scale", _plot_loss_scale),
     "step_time.png": ("Step time", _plot_step_time),
     "throughput.png": ("Throughput", _plot_throughput),
     "telemetry.png": ("Card telemetry", _plot_telemetry),

@@ -13,7 +13,7 @@ from typing import Any
 from tabulate import tabulate
 
 from mindpulse import formatting as fmt
-from mindpulse.metrics import total_words
+from mindpulse.metrics import total_words, with_unit
 
 from .data import RunData, load_run
 from .headline import Headline, compute_text, goodput_text, headline
@@ -114,9 +114,9 @@ def final_tables(run: Path | str | RunData) -> str:
     if pk:
         mon.append(f"{pk.get('accepted', 0)} packets accepted, {pk.get('rejected', 0)} rejected"
                    + (f", {pk['dropped']} dropped" if pk.get("dropped") else ""))
-    for key, words in total_words():  # the registry's run totals (Reduction.total)
+    for key, words, unit in total_words():  # the registry's run totals (Reduction.total), in their unit
         if fmt.is_number(tot.get(key)):
-            mon.append(f"ranks {words} {tot[key]:.3f} s in all")
+            mon.append(f"ranks {words} {with_unit(tot[key], unit)} in all")
     if tot.get("fingerprints_equal") is not None:
         mon.append("parameters equal on every rank" if tot["fingerprints_equal"] else
                    "PARAMETERS DIFFER between ranks")
