@@ -218,8 +218,15 @@ class NodeComputeDrops:
         out: list[list[Any]] = []
         for r in sorted(packets):
             p = packets[r]
-            v = p.tflops if isinstance(p, StepPacket) else (p.get("tflops") if isinstance(p, dict) else None)
-            if step == 0 or not is_rate(v):
+            if isinstance(p, StepPacket):
+                v, comp = p.tflops, p.compute_s
+            else:
+                v, comp = (p.get("tflops"), p.get("compute_s")) if isinstance(p, dict) else (None, None)
+            # only where the rank's own compute was measured (PYNATIVE): in GRAPH mode, or with
+            # dataset sinking, its TFLOPS come from its step time, which the all-reduce makes
+            # every rank's (a card that slows slows them all), so they name no card, and on
+            # millisecond steps they move with the host's jitter alone
+            if step == 0 or not is_rate(v) or comp is None:
                 continue
             v = float(v)
             b = self.history.get(r)

@@ -65,8 +65,10 @@ def test_the_rank_ships_tokens_and_tflops_over_its_own_time(tmp_path):
 
 
 # ---- reduction -----------------------------------------------------------------------------------
-def _pk(rank, step, tflops, tokens=512, st=1.0):
-    return StepPacket(rank=rank, step=step, loss=1.0, step_time_s=st, samples=8, tokens=tokens, tflops=tflops)
+def _pk(rank, step, tflops, tokens=512, st=1.0, compute_s=0.5):
+    """compute_s: measured (PYNATIVE), so compute_drop judges the rank."""
+    return StepPacket(rank=rank, step=step, loss=1.0, step_time_s=st, samples=8, tokens=tokens, tflops=tflops,
+                      compute_s=compute_s)
 
 
 def test_tokens_and_tflops_reduce_exactly_with_their_ranks():
@@ -248,6 +250,13 @@ def test_a_drop_within_the_windows_noise_is_not_flagged():
     assert [noisy.update(s, {0: _pk(0, s, 0.65)}) for s in (13, 14, 15)] == [[], [], []]
     assert steady.update(13, {0: _pk(0, 13, 0.65)}) == [], "one slow step"
     assert steady.update(14, {0: _pk(0, 14, 0.65)})[0][:2] == [0, 0.65]
+
+
+def test_a_rank_whose_compute_is_not_measured_is_not_judged():
+    """GRAPH mode (or dataset sinking): TFLOPS from the step time the all-reduce makes everyone's."""
+    drops = NodeComputeDrops(window=4, warmup=0)
+    flagged = [drops.update(s, {0: _pk(0, s, 1.0 if s < 10 else 0.1, compute_s=None)}) for s in range(1, 16)]
+    assert flagged == [[]] * 15 and not drops.history
 
 
 def test_a_drop_every_rank_shares_is_not_one_cards_fault():

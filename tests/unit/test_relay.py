@@ -81,16 +81,14 @@ def test_decisions_of_a_nodes_ranks_go_up_as_one_call_and_fan_out():
     srv = RelayServer(up.send, up.decide, local_ranks=4)
     port = srv.start()
     clients = [RelayClient("127.0.0.1", port) for _ in range(4)]
-    results: dict[int, Directive] = {}
-
-    def rank(r):
-        results[r] = clients[r].decide(pkt(r, 3, decision=True), 3)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    for c in clients:
+        c._connect()
+    # the four ranks' decide frames arrive together, as after the step's all-reduce (written
+    # back to back from one thread: started in four threads, a loaded machine can spread them
+    # past the relay's 20 ms grouping window, which made this test flaky)
+    for r, c in enumerate(clients):
+        assert c._write({"op": "decide", "packets": [pkt(r, 3, decision=True)], "step": 3, "timeout": 10.0})
+    results = {r: Directive.decode(c._reply()["directive"]) for r, c in enumerate(clients)}
     assert {r: d.action for r, d in results.items()} == {r: Action.STOP for r in range(4)}
     assert up.decides == [(3, 4)], "the node's four decide calls were not grouped into one"
     assert srv.stats["decide_calls"] == 1
