@@ -59,6 +59,13 @@ def render(results: dict) -> str:
         title = _pair_title(r["pair"]) + (" (trial, see below)" if r["pair"].get("partial") else "")
         out.append(f"| {title} | " + " | ".join(cells) + f" | {built} |")
     out.append("")
+    kept = [r for r in rows if r.get("kept")]
+    if kept:
+        out.append("Where the framework installed a package at a version outside mindpulse's own requirement, the "
+                   "framework's version was kept and mindpulse ran beside it (what `pip install mindpulse` must "
+                   "not change): " + "; ".join(f"{_pair_title(r['pair'])}: " + ", ".join(f"`{k}`" for k in r["kept"])
+                                               for r in kept) + ".")
+        out.append("")
     out.append("— : not in that pair (MindSpore releases without a MindFormers of their own run the script paths).")
     out.append("")
     if notes:

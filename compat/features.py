@@ -108,8 +108,8 @@ def _last_error(run_dir: Path | None, output: str, summary: dict) -> str:
 
 
 @contextlib.contextmanager
-def _held(lock: Path | None):
-    """An exclusive flock on `lock` while a launch runs (launches on a shared machine take
+def held(lock: Path | None):
+    """An exclusive flock on `lock` while launches run (launches on a shared machine take
     every core: one at a time)."""
     if lock is None:
         yield
@@ -126,7 +126,7 @@ def cli(venv: Venv) -> list[str]:
     return [str(venv.python), "-m", "mindpulse.launcher.cli"]
 
 
-def run(venv: Venv, feature: Feature, steps: int, lock: Path | None = None, keep: Path | None = None) -> Cell:
+def run(venv: Venv, feature: Feature, steps: int, keep: Path | None = None) -> Cell:
     """Launch `feature` in `venv` and judge it. The run directory goes under `keep` when given
     (for the failing cells' logs), else a temporary folder."""
     with tempfile.TemporaryDirectory(prefix=f"compat-{venv.pair.name}-") as tmp:
@@ -135,19 +135,18 @@ def run(venv: Venv, feature: Feature, steps: int, lock: Path | None = None, keep
         args = launch_args(feature, steps, work) + ["--set", f"output.root={out_root}"]
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
         env["PATH"] = f"{venv.python.parent}{os.pathsep}{env.get('PATH', '')}"
-        with _held(lock):
-            started = time.monotonic()
-            try:
-                proc = subprocess.run(cli(venv) + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                                      timeout=LAUNCH_TIMEOUT_S)
-                code, output = proc.returncode, proc.stdout + proc.stderr
-            except subprocess.TimeoutExpired as exc:
-                code, output = 124, f"timed out after {LAUNCH_TIMEOUT_S} s: {exc.stdout or ''}{exc.stderr or ''}"
-            seconds = round(time.monotonic() - started, 1)
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(cli(venv) + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=LAUNCH_TIMEOUT_S)
+            code, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, output = 124, f"timed out after {LAUNCH_TIMEOUT_S} s: {exc.stdout or ''}{exc.stderr or ''}"
+        seconds = round(time.monotonic() - started, 1)
         dirs = sorted(d for d in out_root.iterdir() if d.is_dir()) if out_root.exists() else []
         run_dir = dirs[-1] if dirs else None
         passed, reason = judge(feature, code, run_dir, steps, output)
-        summary = json.loads((run_dir / "summary.json").read_text()) if run_dir and (run_dir / "summary.json").exists() \
-            else {}
+        path = run_dir / "summary.json" if run_dir else None
+        summary = json.loads(path.read_text()) if path and path.exists() else {}
         return Cell(feature, passed, seconds, reason, summary.get("steps_completed") or 0,
                     summary.get("first_loss"), summary.get("last_loss"))

@@ -31,15 +31,39 @@ class ReleaseCheck:
     error: str = ""
 
 
-def used_names(workers: Path = WORKERS) -> dict[str, set[str]]:
-    """MindFormers module → names mindpulse's rank code imports from it (`from mindformers.X
-    import a, b`), read from the source."""
-    used: dict[str, set[str]] = {}
+Need = tuple[tuple[str, str], ...]
+"""One name mindpulse imports from MindFormers: its (module, name) places, any one of which will do
+(a shim's `try: from A import x / except ImportError: from B import x` gives two)."""
+
+
+def _mf_imports(nodes) -> list[tuple[str, str]]:
+    return [(n.module, a.name) for n in nodes if isinstance(n, ast.ImportFrom) and n.module
+            and n.module.split(".")[0] == "mindformers" for a in n.names]
+
+
+def used_names(workers: Path = WORKERS) -> list[Need]:
+    """Every MindFormers name mindpulse's rank code imports (`from mindformers.X import a`),
+    read from the source; a name imported again in an `except ImportError` branch has both places."""
+    needs: dict[Need, None] = {}
     for path in sorted(workers.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mindformers":
-                used.setdefault(node.module, set()).update(a.name for a in node.names)
-    return used
+        tree = ast.parse(path.read_text())
+        done: set[int] = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Try):
+                continue
+            fallback = [imp for h in node.handlers for imp in _mf_imports(h.body)]
+            for module, name in _mf_imports(node.body):
+                needs[((module, name),) + tuple(f for f in fallback if f[1] == name)] = None
+            done.update(id(n) for n in node.body + [b for h in node.handlers for b in h.body])
+        for node in ast.walk(tree):
+            if id(node) not in done:
+                for place in _mf_imports([node]):
+                    needs[(place,)] = None
+    return sorted(needs)
+
+
+def need_label(need: Need) -> str:
+    return " or ".join(f"{m}.{n}" for m, n in need)
 
 
 def _defines(tree: ast.Module, name: str) -> bool:
@@ -54,20 +78,25 @@ def _defines(tree: ast.Module, name: str) -> bool:
     return False
 
 
-def check_api(root: Path, used: dict[str, set[str]]) -> dict[str, str]:
-    """Each used `module.name` against the unpacked release in `root`."""
+def _has(root: Path, module: str, name: str) -> str:
+    """"ok", or what the release in `root` lacks."""
+    base = root.joinpath(*module.split("."))
+    path = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
+    if not path.exists():
+        return f"no module {module}"
+    tree = ast.parse(path.read_text(errors="replace"))
+    if _defines(tree, name) or (base / f"{name}.py").exists() or (base / name / "__init__.py").exists():
+        return "ok"
+    return f"{module} has no {name}"
+
+
+def check_api(root: Path, needs: list[Need]) -> dict[str, str]:
+    """Each needed name against the unpacked release in `root`: "ok" when one of its places
+    has it, else what each place lacks."""
     result = {}
-    for module, names in sorted(used.items()):
-        base = root.joinpath(*module.split("."))
-        path = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
-        for name in sorted(names):
-            key = f"{module}.{name}"
-            if not path.exists():
-                result[key] = f"no module {module}"
-                continue
-            tree = ast.parse(path.read_text(errors="replace"))
-            result[key] = "ok" if _defines(tree, name) or (base / f"{name}.py").exists() \
-                or (base / name / "__init__.py").exists() else f"{module} has no {name}"
+    for need in needs:
+        found = [_has(root, module, name) for module, name in need]
+        result[need_label(need)] = "ok" if "ok" in found else "; ".join(found)
     return result
 
 

@@ -3,8 +3,8 @@ has, each feature a real short launch in the pair's own cached venv; then rewrit
 docs/compat.md with the table (compat/doc.py).
 
 Venvs are built first (downloads: IO-bound), then the launches run one at a time (each takes
-every core). `--lock FILE` holds an flock on FILE around each launch, for a machine where
-others launch too. Results land in compat/results/matrix.json; run directories of failing
+every core). `--lock FILE` holds an flock on FILE around each pair's launches, for a machine
+where others launch too. Results land in compat/results/matrix.json; run directories of failing
 cells in compat/results/runs/ (not kept in git).
 
 Usage: .venv/bin/python compat/run_matrix.py [--pairs ms2.7.1-mf1.7.0,ms2.10.0] [--steps 4]
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/compat.md")
     ap.add_argument("--no-trials", action="store_true", help="skip the MindFormers 2.x trial and checks")
-    ap.add_argument("--lock", type=Path, default=None, help="flock this file around each launch")
+    ap.add_argument("--lock", type=Path, default=None, help="flock this file around each pair's launches")
     ap.add_argument("--cache", type=Path, default=venvs.CACHE)
     args = ap.parse_args(argv)
 
@@ -99,18 +99,19 @@ def main(argv: list[str] | None = None) -> int:
             row["build_error"] = venv
             out_rows.append(row)
             continue
-        row.update(built_s=venv.built_s, installed=venv.installed, missing=venv.missing)
-        for feat in feats:
-            if only and feat.value not in only:
-                continue
-            log(f"{pair.name}: {feat.value} ...")
-            cell = features.run(venv, feat, args.steps, args.lock, keep)
-            log(f"{pair.name}: {feat.value}: {'pass' if cell.passed else 'FAIL: ' + cell.reason} "
-                f"({cell.seconds:.0f} s)")
-            row["cells"][feat.value] = {k: (v.value if isinstance(v, matrix.Feature) else v)
-                                        for k, v in asdict(cell).items()}
-            if cell.passed:
-                shutil.rmtree(keep / pair.name / feat.value, ignore_errors=True)
+        row.update(built_s=venv.built_s, installed=venv.installed, missing=venv.missing, kept=venv.kept)
+        with features.held(args.lock):
+            for feat in feats:
+                if only and feat.value not in only:
+                    continue
+                log(f"{pair.name}: {feat.value} ...")
+                cell = features.run(venv, feat, args.steps, keep)
+                log(f"{pair.name}: {feat.value}: {'pass' if cell.passed else 'FAIL: ' + cell.reason} "
+                    f"({cell.seconds:.0f} s)")
+                row["cells"][feat.value] = {k: (v.value if isinstance(v, matrix.Feature) else v)
+                                            for k, v in asdict(cell).items()}
+                if cell.passed:
+                    shutil.rmtree(keep / pair.name / feat.value, ignore_errors=True)
         out_rows.append(row)
     checks = []
     if not args.no_trials:

@@ -69,6 +69,9 @@ class Venv:
     """The framework's packages as the build found them (mindspore, mindformers, numpy, ...)."""
     missing: list[str] = field(default_factory=list)
     """MindFormers requirements the index does not have (a partial pair)."""
+    kept: list[str] = field(default_factory=list)
+    """mindpulse's requirements the framework's own install does not meet, left to the framework
+    (e.g. `numpy>=1.26,<2 (numpy 2.4.6 kept)`): what `pip install mindpulse` would change there."""
 
     @property
     def python(self) -> Path:
@@ -80,6 +83,20 @@ def core_dependencies(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     the user's environment."""
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     return [d for d in deps if Requirement(d).name.lower() not in FRAMEWORKS]
+
+
+def requirements_beside(framework: dict[str, str], deps: list[str]) -> tuple[list[str], list[str]]:
+    """(to install, kept): `deps` without those naming a package the framework installed at a
+    version outside their specifier (the framework's version stays; each is reported as kept)."""
+    install, kept = [], []
+    for dep in deps:
+        req = Requirement(dep)
+        have = framework.get(req.name.lower())
+        if have is not None and not req.specifier.contains(have, prereleases=True):
+            kept.append(f"{dep} ({req.name} {have} kept)")
+        else:
+            install.append(dep)
+    return install, kept
 
 
 def _pip(python: Path, *args: str, timeout: float = PIP_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -161,14 +178,17 @@ def _build(pair: Pair, path: Path, log) -> Venv:
     constraints = path / "framework-constraints.txt"
     constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(framework.items())))
     log(f"{pair.name}: installing mindpulse's dependencies beside the framework (held at its versions)")
-    proc = _pip(venv.python, "install", "-c", str(constraints), *core_dependencies())
+    install, venv.kept = requirements_beside(framework, core_dependencies())
+    if venv.kept:
+        log(f"{pair.name}: the framework's versions kept against mindpulse's requirements: {venv.kept}")
+    proc = _pip(venv.python, "install", "-c", str(constraints), *install)
     if proc.returncode != 0:
         raise _pip_failure("mindpulse's dependencies conflict with the framework's", proc)
     venv.installed = {k: v for k, v in framework.items()
                       if k in ("mindspore", "mindformers", "numpy", "protobuf", "transformers")}
     venv.built_s = round(time.monotonic() - started, 1)
     (path / STAMP).write_text(json.dumps({"pair": asdict(pair), "deps": core_dependencies(),
-                                          "installed": venv.installed, "missing": venv.missing,
+                                          "installed": venv.installed, "missing": venv.missing, "kept": venv.kept,
                                           "built_s": venv.built_s, "python": sys.version.split()[0]}, indent=1))
     return venv
 
@@ -182,7 +202,7 @@ def _cached(pair: Pair, path: Path) -> Venv | None:
         return None
     if not (path / "bin" / "python").exists():
         return None
-    return Venv(pair, path, None, stamp.get("installed", {}), stamp.get("missing", []))
+    return Venv(pair, path, None, stamp.get("installed", {}), stamp.get("missing", []), stamp.get("kept", []))
 
 
 def ensure(pair: Pair, cache: Path = CACHE, log=print) -> Venv:

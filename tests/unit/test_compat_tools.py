@@ -93,10 +93,22 @@ def test_no_run_directory_is_a_failure():
 
 
 def test_the_used_mindformers_names_are_read_from_the_rank_code():
-    used = mindformers_next.used_names()
-    assert "Trainer" in used["mindformers.trainer"]
-    assert {"MindFormerModuleType", "MindFormerRegister"} <= used["mindformers.tools.register"]
-    assert all(m.startswith("mindformers") for m in used)
+    needs = mindformers_next.used_names()
+    labels = [mindformers_next.need_label(n) for n in needs]
+    assert "mindformers.trainer.Trainer" in labels, labels
+    assert {"mindformers.tools.register.MindFormerModuleType", "mindformers.tools.register.MindFormerRegister"} \
+        <= set(labels)
+    # the shim for MindFormers 1.7.0: either place will do
+    assert ((("mindformers.utils.file_utils", "set_output_path"), ("mindformers.tools.utils", "set_output_path"))
+            in needs), needs
+
+
+def test_a_fallback_import_is_one_need_with_two_places(tmp_path):
+    (tmp_path / "w.py").write_text(
+        "try:\n    from mindformers.a import f\nexcept ImportError:\n    from mindformers.b import f\n"
+        "from mindformers.c import g, h\nfrom os import path\n")
+    assert mindformers_next.used_names(tmp_path) == [
+        (("mindformers.a", "f"), ("mindformers.b", "f")), (("mindformers.c", "g"),), (("mindformers.c", "h"),)]
 
 
 def test_the_api_check_finds_a_missing_name(tmp_path):
@@ -104,11 +116,15 @@ def test_the_api_check_finds_a_missing_name(tmp_path):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .trainer import Trainer\nVALUE = 1\n")
     (tmp_path / "mindformers" / "__init__.py").write_text("")
-    used = {"mindformers.trainer": {"Trainer", "VALUE", "Gone"}, "mindformers.core.context": {"build_context"}}
-    assert mindformers_next.check_api(tmp_path, used) == {
+    (tmp_path / "mindformers" / "old.py").write_text("def moved():\n    pass\n")
+    needs = [(("mindformers.trainer", "Trainer"),), (("mindformers.trainer", "VALUE"),),
+             (("mindformers.trainer", "Gone"),), (("mindformers.core.context", "build_context"),),
+             (("mindformers.new", "moved"), ("mindformers.old", "moved"))]
+    assert mindformers_next.check_api(tmp_path, needs) == {
         "mindformers.trainer.Trainer": "ok", "mindformers.trainer.VALUE": "ok",
         "mindformers.trainer.Gone": "mindformers.trainer has no Gone",
-        "mindformers.core.context.build_context": "no module mindformers.core.context"}
+        "mindformers.core.context.build_context": "no module mindformers.core.context",
+        "mindformers.new.moved or mindformers.old.moved": "ok"}
 
 
 def test_the_table_links_each_failing_cell_to_its_reason():
@@ -120,7 +136,8 @@ def test_the_table_links_each_failing_cell_to_its_reason():
                    {"name": "ms2.8.0", "pair": {"mindspore": "2.8.0", "mindformers": None, "partial": False},
                     "built_s": None, "cells": {
                         "script_model_train": {"passed": True, "seconds": 41.2, "reason": ""},
-                        "script_hand_loop": {"passed": False, "seconds": 12.0, "reason": "exit code 1; KeyError: 'x'"}}},
+                        "script_hand_loop": {"passed": False, "seconds": 12.0, "reason": "exit code 1; KeyError: 'x'"},
+                    }},
                    {"name": "ms2.9.0-mf1.9.0", "pair": {"mindspore": "2.9.0", "mindformers": "1.9.0", "partial": False},
                     "built_s": 200.0, "build_error": "pip said no", "cells": {}}]}
     text = doc.render(results)
