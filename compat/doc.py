@@ -28,7 +28,8 @@ def render(results: dict) -> str:
         f"**MindFormers >={MINDFORMERS_MIN},<{MINDFORMERS_BELOW}**, each MindFormers release with the MindSpore "
         "its `VERSION_MAP.json` names.",
         "",
-        f"Run {results['date']} on {results['machine']}, Python {results['python']}: each cell is a real launch "
+        f"Run on {results['machine']}, Python {results['python']} (each row's date in its last column): each cell "
+        "is a real launch "
         f"through the CLI (`mindpulse launch`, {results['ranks']} ranks on CPU, {results['steps']} steps) in a "
         "virtual environment holding only that pair, mindpulse installed into it with `--no-deps` beside its "
         "own dependencies, which may not change any package the framework installed. A cell passes when the "
@@ -36,8 +37,8 @@ def render(results: dict) -> str:
         "the monitor saw both ranks at the last step, no monitor error (and, for the `Model.train` script, "
         "auto-attach added the Monitor on both ranks). Seconds are the launch's wall time on this machine.",
         "",
-        "| pair | " + " | ".join(f.title for f in features) + " | venv |",
-        "| --- | " + " | ".join("---" for _ in features) + " | --- |",
+        "| pair | " + " | ".join(f.title for f in features) + " | venv | run |",
+        "| --- | " + " | ".join("---" for _ in features) + " | --- | --- |",
     ]
     for r in rows:
         cells = []
@@ -57,7 +58,7 @@ def render(results: dict) -> str:
             cells = [f"[**not built**](#{r['name']}-build)" for _ in features]
         built = "cached" if r.get("built_s") is None else f"built in {r['built_s']:.0f} s"
         title = _pair_title(r["pair"]) + (" (trial, see below)" if r["pair"].get("partial") else "")
-        out.append(f"| {title} | " + " | ".join(cells) + f" | {built} |")
+        out.append(f"| {title} | " + " | ".join(cells) + f" | {built} | {r.get('date', results['date'])} |")
     out.append("")
     kept = [r for r in rows if r.get("kept")]
     if kept:

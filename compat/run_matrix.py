@@ -90,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             built[pair.name] = str(exc)
             log(f"{pair.name}: not built: {exc}")
     keep = RESULTS / "runs"
-    shutil.rmtree(keep, ignore_errors=True)
+    for pair, _ in rows:
+        shutil.rmtree(keep / pair.name, ignore_errors=True)
     out_rows = []
     for pair, feats in rows:
         venv = built[pair.name]
-        row = {"name": pair.name, "pair": asdict(pair), "cells": {}}
+        row = {"name": pair.name, "pair": asdict(pair), "cells": {},
+               "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
         if isinstance(venv, str):
             row["build_error"] = venv
             out_rows.append(row)
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         for version in mindformers_next.releases_to_check(matrix.MINDFORMERS_CHECKED):
             log(f"mindformers {version}: reading its requirements and source")
             checks.append(asdict(mindformers_next.check_release(version)))
+    if wanted or only:  # a subset: the other pairs' rows (and cells) stay as the last run left them
+        out_rows = _merged(out_rows, [p.name for p, _ in matrix.supported_pairs() + matrix.tried_pairs()])
+        if args.no_trials and (RESULTS / "matrix.json").exists():
+            checks = json.loads((RESULTS / "matrix.json").read_text()).get("mindformers_next", [])
     results = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
                "python": platform.python_version(), "steps": args.steps, "ranks": features.RANKS,
                "wall_s": round(time.monotonic() - started), "pairs": out_rows, "mindformers_next": checks}
@@ -131,6 +137,21 @@ def main(argv: list[str] | None = None) -> int:
              [r["name"] for r in out_rows if r.get("build_error") and not r["pair"]["partial"]]
     log(f"matrix done in {results['wall_s']} s; " + (f"failed: {failed}" if failed else "every supported cell passed"))
     return 1 if failed else 0
+
+
+def _merged(rows: list[dict], order: list[str]) -> list[dict]:
+    """This run's rows over the last run's (compat/results/matrix.json): a cell run now replaces
+    the same cell, the others stay; rows in the matrix's order."""
+    try:
+        last = {r["name"]: r for r in json.loads((RESULTS / "matrix.json").read_text())["pairs"]}
+    except (OSError, ValueError, KeyError):
+        last = {}
+    for row in rows:
+        old = last.get(row["name"])
+        if old and not row.get("build_error"):
+            row["cells"] = {**old.get("cells", {}), **row["cells"]}
+        last[row["name"]] = row
+    return [last[n] for n in order if n in last]
 
 
 if __name__ == "__main__":
