@@ -27,7 +27,8 @@ class ReleaseCheck:
     missing: list[str] = field(default_factory=list)
     """Requirements (as the release states them) the index has no distribution for."""
     api: dict[str, str] = field(default_factory=dict)
-    """`module.name` mindpulse imports → "ok" or what is wrong in this release."""
+    """`module.name` mindpulse imports → "ok" or what is wrong in this release; and the two
+    shapes mindpulse relies on beyond names (`CELL_OUTPUTS`, `CALLBACK_TYPE`)."""
     error: str = ""
 
 
@@ -66,7 +67,7 @@ def need_label(need: Need) -> str:
     return " or ".join(f"{m}.{n}" for m, n in need)
 
 
-def _defines(tree: ast.Module, name: str) -> bool:
+def _defines(tree: ast.Module | ast.ClassDef, name: str) -> bool:
     for node in tree.body:
         if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
             return True
@@ -100,6 +101,40 @@ def check_api(root: Path, needs: list[Need]) -> dict[str, str]:
     return result
 
 
+CELL_OUTPUTS = ("loss", "overflow", "scaling_sens", "learning_rate", "global_norm")
+"""What `MFTrainOneStepCell.construct` returns first, in this order: the MindFormers callback reads
+them by position (workers/train_cell.py `_loss_scale_outputs`)."""
+CALLBACK_TYPE = "MindFormerModuleType.CALLBACK"
+"""The registry slot MindPulseMonitor registers in (workers/mindformers_monitor.py)."""
+
+
+def check_shapes(root: Path) -> dict[str, str]:
+    """The train cell's outputs and the callback registry slot in the release in `root`."""
+    out = {}
+    wrapper = root / "mindformers" / "wrapper" / "wrapper.py"
+    got = "no mindformers/wrapper/wrapper.py"
+    if wrapper.exists():
+        got = "no MFTrainOneStepCell.construct"
+        for cls in ast.parse(wrapper.read_text(errors="replace")).body:
+            if isinstance(cls, ast.ClassDef) and cls.name == "MFTrainOneStepCell":
+                for fn in cls.body:
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "construct":
+                        rets = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return)
+                                and isinstance(n.value, ast.Tuple)]
+                        heads = {tuple(ast.unparse(e) for e in r.elts[:len(CELL_OUTPUTS)]) for r in rets}
+                        got = "ok" if heads == {CELL_OUTPUTS} else f"returns {sorted(heads)}"
+    out["MFTrainOneStepCell outputs " + ", ".join(CELL_OUTPUTS)] = got
+    register = root / "mindformers" / "tools" / "register" / "register.py"
+    slot = "no mindformers/tools/register/register.py"
+    if register.exists():
+        slot = f"{CALLBACK_TYPE} missing"
+        for cls in ast.parse(register.read_text(errors="replace")).body:
+            if isinstance(cls, ast.ClassDef) and cls.name == "MindFormerModuleType" and _defines(cls, "CALLBACK"):
+                slot = "ok"
+    out[CALLBACK_TYPE] = slot
+    return out
+
+
 def check_release(version: str, python: Path = Path(sys.executable)) -> ReleaseCheck:
     """Download the release's wheel (no dependencies), read its requirements and its source."""
     check = ReleaseCheck(version)
@@ -118,7 +153,7 @@ def check_release(version: str, python: Path = Path(sys.executable)) -> ReleaseC
                     if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
         check.requires_mindspore = next((r[len("mindspore"):].strip() for r in reqs if r.startswith("mindspore")), "")
         check.missing = unpublished_requirements(python, reqs)
-        check.api = check_api(unpacked, used_names())
+        check.api = check_api(unpacked, used_names()) | check_shapes(unpacked)
     return check
 
 

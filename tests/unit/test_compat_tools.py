@@ -147,3 +147,22 @@ def test_the_table_links_each_failing_cell_to_its_reason():
     assert "[**not built**](#ms2.9.0-mf1.9.0-build)" in text and "pip said no" in text
     assert "| 2.0.0 | `~=2.10.0` | `hyper-parallel~=1.0.0` | all 1 present |" in text
     assert "2026-01-01 00:00 UTC" in text and "2 cores" in text
+
+
+def test_the_train_cell_outputs_and_callback_slot_are_checked(tmp_path):
+    wrapper = tmp_path / "mindformers" / "wrapper"
+    register = tmp_path / "mindformers" / "tools" / "register"
+    wrapper.mkdir(parents=True)
+    register.mkdir(parents=True)
+    (register / "register.py").write_text("class MindFormerModuleType:\n    CALLBACK = 'callback'\n")
+    body = ("class MFTrainOneStepCell:\n    def construct(self, x):\n        if x:\n"
+            "            return loss, overflow, scaling_sens, learning_rate, global_norm, local_norm, size\n"
+            "        return {ret}\n")
+    (wrapper / "wrapper.py").write_text(body.format(ret="loss, overflow, scaling_sens, learning_rate, global_norm"))
+    key = "MFTrainOneStepCell outputs loss, overflow, scaling_sens, learning_rate, global_norm"
+    assert mindformers_next.check_shapes(tmp_path) == {key: "ok", "MindFormerModuleType.CALLBACK": "ok"}
+    (wrapper / "wrapper.py").write_text(body.format(ret="loss, learning_rate"))
+    (register / "register.py").write_text("class MindFormerModuleType:\n    CALLBACKS = 'callback'\n")
+    got = mindformers_next.check_shapes(tmp_path)
+    assert got[key].startswith("returns ") and "('loss', 'learning_rate')" in got[key], got
+    assert got["MindFormerModuleType.CALLBACK"] == "MindFormerModuleType.CALLBACK missing"
