@@ -93,10 +93,12 @@ def _mindformers_next(results: dict) -> list[str]:
         "",
         "Not in the supported range. Each release's wheel was downloaded from PyPI and read: its "
         "requirements were resolved against the index (the ones it has no distribution for are listed), and "
-        "each MindFormers name that mindpulse's rank code imports (workers/) was looked up in the release's "
-        "own source.",
+        "what mindpulse's rank code uses of MindFormers was looked up in the release's own source: each name "
+        "it imports (workers/; a shim's fallback import counts as the same name), the outputs of "
+        "`MFTrainOneStepCell` that the Monitor reads by position, and the callback registry slot "
+        "`MindPulseMonitor` registers in.",
         "",
-        "| release | needs MindSpore | requirements not on PyPI | MindFormers names mindpulse imports |",
+        "| release | needs MindSpore | requirements not on PyPI | MindFormers APIs mindpulse uses |",
         "| --- | --- | --- | --- |",
     ]
     for c in checks:
@@ -108,7 +110,7 @@ def _mindformers_next(results: dict) -> list[str]:
         missing = ", ".join(f"`{m}`" for m in c["missing"]) or "none"
         out.append(f"| {c['version']} | `{c['requires_mindspore']}` | {missing} | {api} |")
     names = sorted({k for c in checks for k in c.get("api", {})})
-    out += ["", "The names checked: " + ", ".join(f"`{n}`" for n in names) + ".", ""]
+    out += ["", "Checked: " + ", ".join(f"`{n}`" for n in names) + ".", ""]
     tried = [r for r in results["pairs"] if r["pair"].get("partial")]
     for r in tried:
         out.append(f"The trial row above, {_pair_title(r['pair'])}: MindFormers installed with `--no-deps`, then "

@@ -10,8 +10,8 @@ stamp says it was built for that pair with the same mindpulse dependencies. The 
    frameworks left out, under a constraints file that holds every package step 1 installed at
    the version it installed: mindpulse changes nothing the framework brought (a conflict fails
    the build and says which package);
-3. on every use (not cached): `pip install --no-deps -e <checkout>`, so each launch runs the
-   checkout's current code.
+3. `pip install --no-deps -e <checkout>` (again whenever the checkout or its pyproject.toml
+   differs from the last one installed there), so each launch runs the checkout's current code.
 
 A pair whose MindFormers cannot be installed whole (a requirement is not published) is built
 `partial`: MindFormers with `--no-deps`, then each of its requirements that the index has; the
@@ -20,6 +20,7 @@ missing ones are recorded (`missing`) and the features run to show what works wi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -215,12 +216,22 @@ def ensure(pair: Pair, cache: Path = CACHE, log=print) -> Venv:
         log(f"{pair.name}: built in {venv.built_s:.0f} s")
     else:
         log(f"{pair.name}: reusing {path}")
-    before = _freeze(venv.python)
-    proc = _pip(venv.python, "install", "--no-deps", "-e", str(ROOT), timeout=600)
-    if proc.returncode != 0:
-        raise _pip_failure("pip install --no-deps -e <checkout>", proc)
-    after = _freeze(venv.python)
-    changed = {k: (before.get(k), v) for k, v in after.items() if k != "mindpulse" and before.get(k) != v}
-    if changed:
-        raise BuildError(f"installing mindpulse changed the environment: {changed}")
+    # editable: the checkout's code is read at each import; reinstalled only for another
+    # checkout or another pyproject.toml (packages, entry points)
+    marker = path / "compat-mindpulse.json"
+    want = {"checkout": str(ROOT), "pyproject": hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()}
+    try:
+        current = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        current = None
+    if current != want:
+        before = _freeze(venv.python)
+        proc = _pip(venv.python, "install", "--no-deps", "-e", str(ROOT), timeout=600)
+        if proc.returncode != 0:
+            raise _pip_failure("pip install --no-deps -e <checkout>", proc)
+        after = _freeze(venv.python)
+        changed = {k: (before.get(k), v) for k, v in after.items() if k != "mindpulse" and before.get(k) != v}
+        if changed:
+            raise BuildError(f"installing mindpulse changed the environment: {changed}")
+        marker.write_text(json.dumps(want))
     return venv
