@@ -7,8 +7,8 @@ every core). `--lock FILE` holds an flock on FILE around each pair's launches, f
 where others launch too. Results land in compat/results/matrix.json; run directories of failing
 cells in compat/results/runs/ (not kept in git).
 
-Usage: .venv/bin/python compat/run_matrix.py [--pairs ms2.7.1-mf1.7.0,ms2.10.0] [--steps 4]
-       [--features recipe,...] [--no-docs] [--no-trials] [--lock FILE]
+Usage: .venv/bin/python compat/run_matrix.py [--pairs ms2.7.1-mf1.7.0,ms2.10.0 | --ci-pairs] [--steps 4]
+       [--features recipe,...] [--no-docs] [--no-trials] [--lock FILE] [--build-only]
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trials", action="store_true", help="skip the MindFormers 2.x trial and checks")
     ap.add_argument("--lock", type=Path, default=None, help="flock this file around each pair's launches")
     ap.add_argument("--cache", type=Path, default=venvs.CACHE)
+    ap.add_argument("--build-only", action="store_true",
+                    help="build (or check) the pairs' venvs and launch nothing (e.g. beside other work)")
+    ap.add_argument("--ci-pairs", action="store_true",
+                    help="the pairs the test suite runs: the oldest and the newest (compat/matrix.py)")
     args = ap.parse_args(argv)
 
     rows = matrix.supported_pairs() + ([] if args.no_trials else matrix.tried_pairs())
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--pairs: unknown {sorted(unknown)}; the pairs are {[p.name for p, _ in rows]}", file=sys.stderr)
         return 2
+    if args.ci_pairs:
+        wanted |= {p.name for p, _ in matrix.oldest_and_newest()}
     rows = [(p, f) for p, f in rows if not wanted or p.name in wanted]
     only = {f for f in args.features.split(",") if f}
     if only - {f.value for f in matrix.Feature}:
@@ -89,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         except (venvs.BuildError, OSError, TimeoutError) as exc:
             built[pair.name] = str(exc)
             log(f"{pair.name}: not built: {exc}")
+    if args.build_only:
+        failed = [n for n, v in built.items() if isinstance(v, str)]
+        log(f"venvs ready in {time.monotonic() - started:.0f} s" + (f"; not built: {failed}" if failed else ""))
+        return 1 if failed else 0
     keep = RESULTS / "runs"
     for pair, _ in rows:
         shutil.rmtree(keep / pair.name, ignore_errors=True)
