@@ -35,7 +35,8 @@ def render(results: dict) -> str:
         "own dependencies, which may not change any package the framework installed. A cell passes when the "
         "launch exits 0 and its summary.json says: succeeded, every step completed, a first and a last loss, "
         "the monitor saw both ranks at the last step, no monitor error (and, for the `Model.train` script, "
-        "auto-attach added the Monitor on both ranks). Seconds are the launch's wall time on this machine.",
+        "auto-attach added the Monitor on both ranks). Seconds are each launch's wall time; a venv's build time "
+        "(a cold cache: the downloads and the installs) is in the venv column.",
         "",
         "| pair | " + " | ".join(f.title for f in features) + " | venv | run |",
         "| --- | " + " | ".join("---" for _ in features) + " | --- | --- |",
@@ -56,11 +57,13 @@ def render(results: dict) -> str:
             notes.append(f"<a id=\"{r['name']}-build\"></a>**{_pair_title(r['pair'])}**: the environment could not "
                          f"be built: {r['build_error']}")
             cells = [f"[**not built**](#{r['name']}-build)" for _ in features]
-        built = "cached" if r.get("built_s") is None else f"built in {r['built_s']:.0f} s"
+        took = f"built in {r['built_s']:.0f} s" if r.get("built_s") is not None else "built"
+        built = f"cached ({took})" if r.get("reused", r.get("built_s") is None) else took
         title = _pair_title(r["pair"]) + (" (trial, see below)" if r["pair"].get("partial") else "")
         out.append(f"| {title} | " + " | ".join(cells) + f" | {built} | {r.get('date', results['date'])} |")
     out.append("")
-    kept = [r for r in rows if r.get("kept")]
+    kept = [dict(r, kept=[k for k in r["kept"] if not k.startswith("mindformers: ")]) for r in rows if r.get("kept")]
+    kept = [r for r in kept if r["kept"]]
     if kept:
         out.append("Where the framework installed a package at a version outside mindpulse's own requirement, the "
                    "framework's version was kept and mindpulse ran beside it (what `pip install mindpulse` must "
@@ -115,7 +118,10 @@ def _mindformers_next(results: dict) -> list[str]:
     for r in tried:
         out.append(f"The trial row above, {_pair_title(r['pair'])}: MindFormers installed with `--no-deps`, then "
                    "each of its requirements the index has; missing: "
-                   + (", ".join(f"`{m}`" for m in r.get("missing", [])) or "none") + ". It shows what runs "
-                   "without them; it is not a supported pair.")
+                   + (", ".join(f"`{m}`" for m in r.get("missing", [])) or "none") + "; held at MindSpore's "
+                   "version instead of MindFormers' requirement: "
+                   + (", ".join(f"`{k.removeprefix('mindformers: ')}`" for k in r.get("kept", [])
+                                if k.startswith("mindformers: ")) or "none")
+                   + ". It shows what runs without them; it is not a supported pair.")
     out.append("")
     return out

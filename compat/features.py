@@ -146,6 +146,9 @@ def run(venv: Venv, feature: Feature, steps: int, keep: Path | None = None) -> C
         dirs = sorted(d for d in out_root.iterdir() if d.is_dir()) if out_root.exists() else []
         run_dir = dirs[-1] if dirs else None
         passed, reason = judge(feature, code, run_dir, steps, output)
+        if keep and not passed:
+            out_root.mkdir(parents=True, exist_ok=True)
+            (out_root / "launcher.log").write_text(output)
         path = run_dir / "summary.json" if run_dir else None
         summary = json.loads(path.read_text()) if path and path.exists() else {}
         return Cell(feature, passed, seconds, reason, summary.get("steps_completed") or 0,

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             row["build_error"] = venv
             out_rows.append(row)
             continue
-        row.update(built_s=venv.built_s, installed=venv.installed, missing=venv.missing, kept=venv.kept)
+        row.update(built_s=venv.built_s, reused=venv.reused, installed=venv.installed, missing=venv.missing,
+                   kept=venv.kept)
         with features.held(args.lock):
             for feat in feats:
                 if only and feat.value not in only:

@@ -14,8 +14,9 @@ stamp says it was built for that pair with the same mindpulse dependencies. The 
    differs from the last one installed there), so each launch runs the checkout's current code.
 
 A pair whose MindFormers cannot be installed whole (a requirement is not published) is built
-`partial`: MindFormers with `--no-deps`, then each of its requirements that the index has; the
-missing ones are recorded (`missing`) and the features run to show what works without them.
+`partial`: MindFormers with `--no-deps`, then each of its requirements that the index has, none
+changing what MindSpore installed; the missing ones are recorded (`missing`), those held at
+MindSpore's version too (`kept`), and the features run to show what works without them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MINDPULSE_COMPAT_CACHE", "~/.cache/mindpulse/compat")).expanduser()
 FRAMEWORKS = ("mindspore", "mindformers")
 STAMP = "compat-venv.json"
+BUILD = 2
+"""The build recipe's version in the stamp: a venv built by another recipe is built again."""
 PIP_TIMEOUT_S = 1800
 """A cold build downloads MindSpore (~300 MB) and, for a MindFormers pair, ~100 packages."""
 
@@ -65,7 +68,8 @@ class Venv:
     pair: Pair
     path: Path
     built_s: float | None = None
-    """Seconds the build took (None: reused from the cache)."""
+    """Seconds the build took (for a venv reused from the cache: when it was built)."""
+    reused: bool = False
     installed: dict[str, str] = field(default_factory=dict)
     """The framework's packages as the build found them (mindspore, mindformers, numpy, ...)."""
     missing: list[str] = field(default_factory=list)
@@ -169,9 +173,13 @@ def _build(pair: Pair, path: Path, log) -> Venv:
         venv.missing = unpublished_requirements(venv.python, reqs)
         have = [r for r in reqs if r not in venv.missing]
         log(f"{pair.name}: mindformers' requirements not on the index: {venv.missing or 'none'}")
-        # the installed MindSpore stays: a MindFormers built for another one is the trial
+        # MindSpore's environment stays as it installed it (numpy among them): a requirement of
+        # MindFormers that would change it is kept at MindSpore's version and listed
+        ms_env = _freeze(venv.python)
+        have, kept = requirements_beside(ms_env, have)
+        venv.kept = [f"mindformers: {k}" for k in kept]
         constraints = path / "framework-constraints.txt"
-        constraints.write_text(f"mindspore=={pair.mindspore}\n")
+        constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(ms_env.items()) if n != "mindformers"))
         proc = _pip(venv.python, "install", "-c", str(constraints), *have)
         if proc.returncode != 0:
             raise _pip_failure("pip install mindformers' published requirements", proc)
@@ -179,7 +187,8 @@ def _build(pair: Pair, path: Path, log) -> Venv:
     constraints = path / "framework-constraints.txt"
     constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(framework.items())))
     log(f"{pair.name}: installing mindpulse's dependencies beside the framework (held at its versions)")
-    install, venv.kept = requirements_beside(framework, core_dependencies())
+    install, kept = requirements_beside(framework, core_dependencies())
+    venv.kept += kept
     if venv.kept:
         log(f"{pair.name}: the framework's versions kept against mindpulse's requirements: {venv.kept}")
     proc = _pip(venv.python, "install", "-c", str(constraints), *install)
@@ -188,7 +197,7 @@ def _build(pair: Pair, path: Path, log) -> Venv:
     venv.installed = {k: v for k, v in framework.items()
                       if k in ("mindspore", "mindformers", "numpy", "protobuf", "transformers")}
     venv.built_s = round(time.monotonic() - started, 1)
-    (path / STAMP).write_text(json.dumps({"pair": asdict(pair), "deps": core_dependencies(),
+    (path / STAMP).write_text(json.dumps({"build": BUILD, "pair": asdict(pair), "deps": core_dependencies(),
                                           "installed": venv.installed, "missing": venv.missing, "kept": venv.kept,
                                           "built_s": venv.built_s, "python": sys.version.split()[0]}, indent=1))
     return venv
@@ -199,11 +208,12 @@ def _cached(pair: Pair, path: Path) -> Venv | None:
         stamp = json.loads((path / STAMP).read_text())
     except (OSError, ValueError):
         return None
-    if stamp.get("pair") != asdict(pair) or stamp.get("deps") != core_dependencies():
+    if stamp.get("build") != BUILD or stamp.get("pair") != asdict(pair) or stamp.get("deps") != core_dependencies():
         return None
     if not (path / "bin" / "python").exists():
         return None
-    return Venv(pair, path, None, stamp.get("installed", {}), stamp.get("missing", []), stamp.get("kept", []))
+    return Venv(pair, path, stamp.get("built_s"), stamp.get("installed", {}), stamp.get("missing", []),
+                stamp.get("kept", []), reused=True)
 
 
 def ensure(pair: Pair, cache: Path = CACHE, log=print) -> Venv:

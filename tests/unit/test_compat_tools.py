@@ -141,7 +141,8 @@ def test_the_table_links_each_failing_cell_to_its_reason():
                    {"name": "ms2.9.0-mf1.9.0", "pair": {"mindspore": "2.9.0", "mindformers": "1.9.0", "partial": False},
                     "built_s": 200.0, "build_error": "pip said no", "cells": {}}]}
     text = doc.render(results)
-    row = "| MindSpore 2.8.0 | pass (41 s) | [**fail**](#ms2.8.0-script_hand_loop) | cached | 2026-01-01 00:00 UTC |"
+    row = ("| MindSpore 2.8.0 | pass (41 s) | [**fail**](#ms2.8.0-script_hand_loop) | cached (built) "
+           "| 2026-01-01 00:00 UTC |")
     assert row in text, text
     assert '<a id="ms2.8.0-script_hand_loop"></a>' in text and "KeyError: 'x'" in text
     assert "[**not built**](#ms2.9.0-mf1.9.0-build)" in text and "pip said no" in text
