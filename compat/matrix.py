@@ -32,9 +32,9 @@ class Feature(str, enum.Enum):
 SCRIPT = (Feature.SCRIPT_MODEL_TRAIN, Feature.SCRIPT_HAND_LOOP)
 MINDFORMERS = (Feature.MINDFORMERS_YAML, Feature.RECIPE)
 
-MINDSPORE_ONLY = ("2.8.0", "2.10.0")
+MINDSPORE_ONLY = ("2.7.0", "2.8.0", "2.10.0")
 """MindSpore releases in the supported range that no supported MindFormers release pairs with:
-the script paths run on them alone."""
+the script paths run on them alone (2.7.0: the range's first release)."""
 
 MINDFORMERS_TRIED = {"2.0.0": "2.10.0"}
 """MindFormers releases above the supported range that are installed and run (with the MindSpore
@@ -58,10 +58,11 @@ def tried_pairs() -> list[tuple[Pair, tuple[Feature, ...]]]:
 
 
 def oldest_and_newest() -> list[tuple[Pair, tuple[Feature, ...]]]:
-    """The CI subset: the oldest pair (every feature it has) and the newest MindSpore (its
-    script paths); the main environment covers the pair in between that the suite runs."""
+    """The CI subset: the oldest MindFormers pair (every feature it has) and the newest
+    MindSpore (its script paths); the main environment covers the pair the suite runs."""
     rows = supported_pairs()
-    return [rows[0], rows[-1]]
+    with_mf = [r for r in rows if r[0].mindformers]
+    return [with_mf[0], rows[-1]]
 
 
 def _key(version: str) -> tuple[int, ...]:

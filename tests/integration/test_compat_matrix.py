@@ -45,17 +45,6 @@ def built():
     return get
 
 
-def test_the_ci_pairs_are_the_oldest_and_newest_supported():
-    from mindpulse.framework_support import MINDFORMERS_PAIRS, MINDSPORE_BELOW
-
-    oldest_mf = min(MINDFORMERS_PAIRS, key=lambda v: tuple(map(int, v.split("."))))
-    assert (OLDEST.mindformers, OLDEST.mindspore) == (oldest_mf, MINDFORMERS_PAIRS[oldest_mf]), OLDEST
-    newest = max(tuple(map(int, p.mindspore.split("."))) for p, _ in matrix.supported_pairs())
-    assert tuple(map(int, NEWEST.mindspore.split("."))) == newest, NEWEST
-    # the newest tested MindSpore is the last minor release below the range's end
-    assert newest[:2] == (int(MINDSPORE_BELOW.split(".")[0]), int(MINDSPORE_BELOW.split(".")[1]) - 1), newest
-
-
 @pytest.mark.parametrize("pair, feature", CASES, ids=[f"{p.name}-{f.value}" for p, f in CASES])
 def test_a_supported_pair_runs_its_path(run_cli, built, tmp_path, pair, feature):
     venv = built(pair)

@@ -35,6 +35,23 @@ def test_every_supported_pair_is_in_the_matrix_with_its_features():
     assert all(p.partial for p, _ in matrix.tried_pairs())
 
 
+def test_the_ci_pairs_are_the_oldest_mindformers_pair_and_the_newest_mindspore():
+    from mindpulse.framework_support import MINDSPORE_BELOW
+
+    oldest, newest = (p for p, _ in matrix.oldest_and_newest())
+    oldest_mf = min(MINDFORMERS_PAIRS, key=lambda v: tuple(map(int, v.split("."))))
+    assert (oldest.mindformers, oldest.mindspore) == (oldest_mf, MINDFORMERS_PAIRS[oldest_mf]), oldest
+    versions = [tuple(map(int, p.mindspore.split("."))) for p, _ in matrix.supported_pairs()]
+    assert tuple(map(int, newest.mindspore.split("."))) == max(versions) and newest.mindformers is None, newest
+    # the newest tested MindSpore is the minor release just below the range's end
+    major, minor = (int(x) for x in MINDSPORE_BELOW.split(".")[:2])
+    assert max(versions)[:2] == (major, minor - 1), max(versions)
+    # and the oldest tested is the range's first release
+    from mindpulse.framework_support import MINDSPORE_MIN
+
+    assert min(versions) == tuple(map(int, MINDSPORE_MIN.split("."))), min(versions)
+
+
 def test_core_dependencies_leave_the_framework_out():
     deps = venvs.core_dependencies()
     names = [d.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip().lower() for d in deps]
