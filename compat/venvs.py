@@ -212,8 +212,8 @@ def _cached(pair: Pair, path: Path) -> Venv | None:
         return None
     if not (path / "bin" / "python").exists():
         return None
-    return Venv(pair, path, stamp.get("built_s"), stamp.get("installed", {}), stamp.get("missing", []),
-                stamp.get("kept", []), reused=True)
+    return Venv(pair, path, built_s=stamp.get("built_s"), reused=True, installed=stamp.get("installed", {}),
+                missing=stamp.get("missing", []), kept=stamp.get("kept", []))
 
 
 def ensure(pair: Pair, cache: Path = CACHE, log=print) -> Venv:

@@ -184,3 +184,25 @@ def test_the_train_cell_outputs_and_callback_slot_are_checked(tmp_path):
     got = mindformers_next.check_shapes(tmp_path)
     assert got[key].startswith("returns ") and "('loss', 'learning_rate')" in got[key], got
     assert got["MindFormerModuleType.CALLBACK"] == "MindFormerModuleType.CALLBACK missing"
+
+
+def test_a_cached_venv_is_reused_only_for_its_pair_and_dependencies(tmp_path):
+    pair = venvs.Pair("2.8.0")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    stamp = {"build": venvs.BUILD, "pair": {"mindspore": "2.8.0", "mindformers": None, "partial": False},
+             "deps": venvs.core_dependencies(), "installed": {"mindspore": "2.8.0"}, "missing": [],
+             "kept": ["numpy>=1.26,<2 (numpy 2.4.6 kept)"], "built_s": 89.1}
+    (tmp_path / venvs.STAMP).write_text(json.dumps(stamp))
+    got = venvs._cached(pair, tmp_path)
+    assert got is not None and got.reused and got.built_s == 89.1 and got.kept == stamp["kept"], got
+    assert got.installed == {"mindspore": "2.8.0"} and got.python == tmp_path / "bin" / "python"
+    assert venvs._cached(venvs.Pair("2.9.0"), tmp_path) is None
+    (tmp_path / venvs.STAMP).write_text(json.dumps(dict(stamp, deps=["ray"])))
+    assert venvs._cached(pair, tmp_path) is None, "built for other dependencies: built again"
+
+
+def test_the_framework_keeps_a_version_mindpulse_would_change():
+    install, kept = venvs.requirements_beside({"numpy": "2.4.6", "protobuf": "7.36.2"},
+                                              ["numpy>=1.26,<2", "protobuf>=4", "msgpack>=1.0,<2"])
+    assert install == ["protobuf>=4", "msgpack>=1.0,<2"] and kept == ["numpy>=1.26,<2 (numpy 2.4.6 kept)"]
