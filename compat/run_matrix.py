@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="build (or check) the pairs' venvs and launch nothing (e.g. beside other work)")
     ap.add_argument("--ci-pairs", action="store_true",
                     help="the pairs the test suite runs: the oldest and the newest (compat/matrix.py)")
+    ap.add_argument("--docs-only", action="store_true", help="rewrite docs/compat.md from the last results")
     args = ap.parse_args(argv)
+    if args.docs_only:
+        DOC.write_text(doc.render(json.loads((RESULTS / "matrix.json").read_text())))
+        return 0
 
     rows = matrix.supported_pairs() + ([] if args.no_trials else matrix.tried_pairs())
     wanted = {p for p in args.pairs.split(",") if p}
