@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-quick bench pretrain clean
+.PHONY: setup demo lint test test-quick bench compat pretrain clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,11 @@ test-quick: lint
 
 bench: setup
 	$(BIN)/python bench/run_all.py
+
+# every supported MindSpore/MindFormers pair in a cached venv of its own (~/.cache/mindpulse/compat),
+# each feature a short real launch; rewrites docs/compat.md (COMPAT_ARGS: e.g. --pairs ms2.10.0)
+compat: setup
+	$(BIN)/python compat/run_matrix.py $(COMPAT_ARGS)
 
 pretrain: setup
 	$(BIN)/mindpulse pretrain --steps 400

@@ -125,7 +125,11 @@ def run_trainer(config: MFJobConfig, callbacks: Sequence[Any] = ()) -> Any:
 
     from mindformers.core.context import build_context
     from mindformers.trainer import Trainer
-    from mindformers.utils.file_utils import set_output_path
+
+    try:
+        from mindformers.utils.file_utils import set_output_path
+    except ModuleNotFoundError:  # MindFormers 1.7.0 has it in tools.utils (moved to utils.file_utils in 1.8.0)
+        from mindformers.tools.utils import set_output_path
 
     set_output_path(mf_config.output_dir)
     build_context(mf_config)
