@@ -104,6 +104,7 @@ def one_card_run(seed: int, settings: Any, before_s: tuple[float, float], timeou
                 core.close()
         inj = Injection(f"card {npu} at {HOT_C} C (rank {npu})", npu, 0, at)
         det = detect(firings, inj, ("card_overload",))
+        det.step = det.steps = None  # telemetry has no steps here (no rank trains): seconds only
         return {"spec": inj.spec, "rank": npu, "seed": seed, "before_s": wait_s, "interval_s": interval,
                 "firings": firings, "detection": det.to_record(), "samples": sampler.samples_taken}
     finally:
