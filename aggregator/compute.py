@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from mindpulse.baselines import NodeComputeDrops
 from mindpulse.card_peaks import resolve_peak
-from mindpulse.partial import NodeComputeDrops
 from mindpulse.reducer import ReducedStep
 from mindpulse.settings import COMPUTE_DROP_WINDOW
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from mindpulse import tables
 from mindpulse.card_peaks import peak_dtype
+from mindpulse.config import MonitorConfig
 from mindpulse.directives import Directive, Lease
 from mindpulse.goodput import GoodputClock, StepTimes
 from mindpulse.metrics_store import MetricsWriter
@@ -48,7 +49,7 @@ KEEP_HISTORY = 512
 class AggregatorCore:
     STEP_WINDOW = STEP_WINDOW
 
-    def __init__(self, run_dir: Path | str, world_size: int, per_print_step: int = 10,
+    def __init__(self, run_dir: Path | str, world_size: int, per_print_step: int = MonitorConfig.per_print_step,
                  total_steps: int | None = None, settings: AggregatorSettings | Mapping[str, Any] | None = None,
                  replay: bool = False):
         """`settings`: the launcher's `AggregatorSettings`, or their plain form (tests and
@@ -437,7 +438,8 @@ def actor_name(run_id: str) -> str:
 
 
 class AggregatorActor:
-    def __init__(self, run_dir: str, world_size: int, per_print_step: int = 10, total_steps: int | None = None,
+    def __init__(self, run_dir: str, world_size: int, per_print_step: int = MonitorConfig.per_print_step,
+                 total_steps: int | None = None,
                  settings: AggregatorSettings | None = None):
         # restarted by Ray after a crash: rebuild the state from metrics.msgpack first
         import ray  # the actor runs inside Ray; the core alone (tests, replay) does not need it

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mindpulse.baselines import MAD_SIGMA, START_WARMUP_STEPS, Baseline, Phase
 from mindpulse.config import DEFAULT_RULES, AnomalyRuleConfig, RuleKind, resolve_rule, sections_of
 from mindpulse.formatting import general
 from mindpulse.protocol import Action
@@ -126,7 +127,10 @@ class NonFiniteRule(Rule):
 
 
 class GradExplosionRule(Rule):
-    """Global grad norm above `threshold`, or above `factor` x its rolling median."""
+    """Global grad norm above `threshold` (from the first step), or above `factor` x its
+    rolling median once that baseline is established: `warmup` steps after the start, a
+    restore or a rollback left out, then a full `window` (mindpulse/baselines.py). An
+    evaluation or a checkpoint write changes no gradient, so it needs no new warm-up."""
 
     kind = "grad_explosion"
 
@@ -137,12 +141,18 @@ class GradExplosionRule(Rule):
         self.factor = c.factor
         self.window = c.window
         self.warmup = c.warmup
-        self.history: deque[float] = deque(maxlen=self.window)
+        self.baseline = Baseline(self.window, self.warmup)
+
+    @property
+    def history(self) -> deque[float]:
+        """The baseline's window."""
+        return self.baseline.values
 
     def check(self, red: ReducedStep) -> Firing | None:
         g = red.grad_norm
         if red.step == 0 or g is None or not math.isfinite(g):
             return None
+        phase = self.baseline.observe(red.step)
         firing = None
         culprit = red.grad_norm_local_max_rank
         if self.limit is not None and g > self.limit:
@@ -150,20 +160,23 @@ class GradExplosionRule(Rule):
                                f"gradient explosion at step {red.step}: global grad norm {general(g)} > limit "
                                f"{general(self.limit)} (largest local norm on rank {culprit}: "
                                f"{general(red.grad_norm_local_max)})")
-        elif len(self.history) >= self.warmup and self.history:
-            med = statistics.median(self.history)
+        elif phase is Phase.JUDGING:
+            med, _ = self.baseline.stats()
             if med > 0 and g > self.factor * med:
                 firing = self.fire(red.step, culprit, g, self.factor * med,
                                    f"gradient explosion at step {red.step}: global grad norm {general(g)} is "
-                                   f"{g / med:.1f}x its rolling median {general(med)} (limit {self.factor:g}x); "
+                                   f"{g / med:.1f}x its baseline (limit {self.factor:g}x; baseline: "
+                                   f"{self.baseline.describe()}, after a {self.warmup}-step warm-up); "
                                    f"largest local norm on rank {culprit}: {general(red.grad_norm_local_max)}")
-        if firing is None:
-            self.history.append(g)  # spikes stay out of the baseline
+        if firing is None and phase is not Phase.WARMING:
+            self.baseline.add(g)  # spikes stay out of the baseline
         return firing
 
 
 class LossSpikeRule(Rule):
-    """Robust z-score of the reduced loss over a rolling window (median and MAD)."""
+    """Robust z-score of the reduced loss against its baseline (median and MAD over a full
+    `window`, after `warmup` steps that follow the start, a restore or a rollback: an
+    evaluation or a checkpoint write changes no loss, so it needs no new warm-up)."""
 
     kind = "loss_spike"
 
@@ -174,18 +187,25 @@ class LossSpikeRule(Rule):
         self.window = c.window
         self.warmup = c.warmup
         self.patience = c.patience
-        self.history: deque[float] = deque(maxlen=self.window)
+        self.baseline = Baseline(self.window, self.warmup)
         self.hits = 0
+
+    @property
+    def history(self) -> deque[float]:
+        """The baseline's window."""
+        return self.baseline.values
 
     def check(self, red: ReducedStep) -> Firing | None:
         loss = red.loss_mean
         if red.step == 0 or loss is None or not math.isfinite(loss):
             return None
+        phase = self.baseline.observe(red.step)
+        if phase is Phase.WARMING:
+            return None
         firing = None
-        if len(self.history) >= max(self.warmup, 3):
-            med = statistics.median(self.history)
-            mad = statistics.median(abs(x - med) for x in self.history)
-            scale = 1.4826 * mad if mad > 0 else max(abs(med) * 1e-3, 1e-12)
+        if phase is Phase.JUDGING:
+            med, mad = self.baseline.stats()
+            scale = MAD_SIGMA * mad if mad > 0 else max(abs(med) * 1e-3, 1e-12)
             zs = (loss - med) / scale
             if zs > self.z:
                 self.hits += 1
@@ -193,11 +213,12 @@ class LossSpikeRule(Rule):
                     rank = red.loss_max_rank
                     firing = self.fire(red.step, rank, loss, med + self.z * scale,
                                        f"loss spike at step {red.step}: mean loss {general(loss)} is {zs:.1f} robust "
-                                       f"z-scores above the rolling median {general(med)} (limit z={self.z:g}, "
-                                       f"{self.hits} consecutive); highest on rank {rank}: {general(red.loss_max)}")
+                                       f"z-scores above its baseline (limit z={self.z:g}, {self.hits} consecutive; "
+                                       f"baseline: {self.baseline.describe()}, after a {self.warmup}-step "
+                                       f"warm-up); highest on rank {rank}: {general(red.loss_max)}")
                 return firing  # spikes stay out of the baseline
             self.hits = 0
-        self.history.append(loss)
+        self.baseline.add(loss)
         return firing
 
 
@@ -320,8 +341,9 @@ class DesyncRule(Rule):
 
 
 class StragglerRule(Rule):
-    """A rank whose straggler score (fastest / its effective step time) stays below
-    `threshold` (monitor.straggler_threshold by default). Fires once per excursion."""
+    """A rank whose straggler score (the fastest rank's median busy time / its own, each over
+    a full window after a warm-up: `mindpulse/baselines.py`) stays below `threshold`
+    (monitor.straggler_threshold by default) for `patience` steps. Fires once per excursion."""
 
     kind = "straggler"
 
@@ -345,17 +367,33 @@ class StragglerRule(Rule):
         self.flagged.add(r)
         p = red.per_rank.get(r)
         wait = f"; its data wait {p.data_wait_s * 1000:.0f} ms" if p and p.data_wait_s is not None else ""
+        inputs = [x for x in red.straggler_inputs or () if isinstance(x, dict) and x.get("fast")]
+        base = ""
+        if inputs:
+            fast = min(float(x["fast"]) for x in inputs)
+            n = max(int(x.get("n") or 0) for x in inputs)
+            w = max(int(x.get("w") or 0) for x in inputs)
+            over = f" over {n} steps" if n else ""
+            base = (f"; baseline: the fastest rank's median busy time {fast * 1000:.0f} ms{over}, after a "
+                    f"{w}-step warm-up")
         return self.fire(red.step, r, scores[r], self.threshold,
                          f"straggler: rank {r} scores {scores[r]:.2f} against the fastest rank (limit "
-                         f"{self.threshold:g}) at step {red.step}{wait}")
+                         f"{self.threshold:g}, {self.hits[r]} steps in a row) at step {red.step}{wait}{base}")
 
 
 class ComputeDropRule(Rule):
-    """A rank whose achieved TFLOPS (so its MFU) stay below `factor` x its own rolling median
-    for `for_steps` consecutive steps: a throttled or failing card, or its data path. The
-    medians are kept where the packets are (`NodeComputeDrops`: on the nodes, or in the
-    aggregator on the flat path); the step carries only the ranks below 0.95 x their median.
-    Fires once per excursion, naming the rank and its card."""
+    """A rank whose achieved TFLOPS (so its MFU) fall below `factor` x its own baseline while
+    the other ranks hold, for `for_steps` consecutive steps: a throttled or failing card, or
+    its data path. The baselines are kept where the packets are (`NodeComputeDrops`,
+    mindpulse/baselines.py: on the nodes, or in the aggregator on the flat path): each rank's
+    median over a full window after a warm-up, and a drop must also clear that window's noise
+    (`NOISE_SIGMAS` x 1.4826 MAD); the step carries only the flagged ranks.
+
+    A drop that every rank shows at once is the host or the job (another process on the
+    machine, the data pipeline, a collective), not one card: the rank's level is judged
+    against the median level of the others (a rank not flagged holds at least 0.95 of its
+    median), so a drop the others share does not count. Fires once per excursion, naming the
+    rank and its card."""
 
     kind = "compute_drop"
 
@@ -366,18 +404,30 @@ class ComputeDropRule(Rule):
         self.hits: dict[int, int] = {}
         self.flagged: set[int] = set()
 
+    @staticmethod
+    def _others_level(r: int, levels: dict[int, float], world: int) -> float:
+        """The median level (TFLOPS / own median) of the ranks other than `r`; a rank that was
+        not flagged counts as holding (1.0)."""
+        others = [q for o, q in levels.items() if o != r]
+        others += [1.0] * max(0, world - 1 - len(others))
+        return statistics.median(others) if others else 1.0
+
     def check(self, red: ReducedStep) -> Firing | None:
-        flags = {int(r): (float(v), float(m)) for r, v, m in red.compute_flags or () if m > 0}
-        below = {r for r, (v, m) in flags.items() if v < self.factor * m}
+        flags = {int(x[0]): x for x in red.compute_flags or () if x[2] > 0}
+        levels = {r: float(x[1]) / float(x[2]) for r, x in flags.items()}
+        world = max(int(red.world_size or 0), len(levels))
+        held = {r: self._others_level(r, levels, world) for r in levels}
+        below = {r for r, q in levels.items() if world > 1 and q < self.factor * held[r]}
         self.hits = {r: self.hits.get(r, 0) + 1 for r in below}  # consecutive steps below
         self.flagged &= below
         new = sorted((r for r in below if self.hits[r] >= self.for_steps and r not in self.flagged),
-                     key=lambda r: flags[r][0] / flags[r][1])
+                     key=lambda r: levels[r])
         if not new:
             return None
         r = new[0]
         self.flagged.add(r)
-        v, m = flags[r]
+        _, v, m, *rest = flags[r]
+        mad, n = (float(rest[0]), int(rest[1])) if len(rest) >= 2 else (None, None)
         card = red.rank_cards.get(r)
         on = f" on {card}" if card else ""
         peak = red.peak_tflops
@@ -387,10 +437,14 @@ class ComputeDropRule(Rule):
         else:
             what, value, limit = "achieved TFLOPS", v, self.factor * m
             nums = f"{v:.3g} TFLOPS against its median {m:.3g}"
+        base = (f" (baseline: its median over {n} steps after a {START_WARMUP_STEPS}-step warm-up, MAD "
+                f"{mad:.3g} TFLOPS)" if n else "")
+        others = held[r]
         return self.fire(red.step, r, value, limit,
-                         f"compute drop: rank {r}{on}: {nums}, below {self.factor:g} x its median for "
-                         f"{self.hits[r]} steps at step {red.step} ({what} falls while the others hold: a "
-                         "throttled or failing card, or its data path)")
+                         f"compute drop: rank {r}{on}: {nums}{base}, below {self.factor:g} x its median for "
+                         f"{self.hits[r]} steps at step {red.step}, while the other ranks hold "
+                         f"{others:.2f} x theirs ({what} falls on this rank alone: a throttled or failing card, "
+                         "or its data path)")
 
 
 RULES: dict[str, type[Rule]] = {

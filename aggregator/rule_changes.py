@@ -43,6 +43,7 @@ from typing import Any
 
 import yaml
 
+from mindpulse.baselines import Baseline
 from mindpulse.config import AnomalyRuleConfig, ConfigError, RunConfig, check_rule, resolve_rule
 from mindpulse.rundir_io import write_atomic, write_json_atomic
 from mindpulse.settings import AggregatorSettings
@@ -462,6 +463,8 @@ class LiveRules:
                         mine = getattr(rule, attr, None)
                         if isinstance(val, deque) and isinstance(mine, deque):
                             mine.extend(val)
+                        elif isinstance(val, Baseline) and isinstance(mine, Baseline):
+                            mine.carry(val)
                 e.rule = rule
             e.prev = None
 

@@ -165,7 +165,7 @@ def summary_writer(logdir: Path, flush_secs: float, suffix: str,
 class TensorBoardSink:
     """Writes the aggregator's view of a run as TensorBoard events under `run_dir/tb`."""
 
-    def __init__(self, run_dir: Path, flush_secs: float = 10.0, collect_freq: int = 1,
+    def __init__(self, run_dir: Path, flush_secs: float = 10.0, collect_freq: int = MonitorConfig.collect_freq,
                  straggler_threshold: float = MonitorConfig.straggler_threshold, cards: int = 0):
         """`collect_freq`: every rank's scalars every N steps; the steps between carry the
         ranks that matter (extremes, non-finite ranks, stragglers), so the work per step

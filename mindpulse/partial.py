@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -309,10 +308,11 @@ class NodePartial:
     keep: list[int] = field(default_factory=list)
     """The collect step's ranks, kept whole through `finalize`."""
     stragglers: list[dict[str, Any]] = field(default_factory=list)
-    """Each node's straggler medians (`NodeStragglers.update`)."""
+    """Each node's straggler medians (`mindpulse/baselines.py`, `NodeStragglers.update`)."""
     compute_drops: list[list[Any]] | None = None
-    """[rank, TFLOPS, its median] of the nodes' ranks below FLAG_RATIO x their median; None
-    where no node judged (the aggregator's own tracker on the flat path)."""
+    """[rank, TFLOPS, its median, its MAD, steps in its baseline] of the nodes' flagged ranks
+    (`mindpulse/baselines.py`, `NodeComputeDrops`); None where no node judged (the aggregator's
+    own tracker on the flat path)."""
 
 
 def nonfinite(p: StepPacket) -> bool:
@@ -529,9 +529,9 @@ def from_wire(w: dict[str, Any]) -> NodePartial:
     _check(isinstance(fps, dict), "partial field 'fingerprints' is not a map")
     drops = w.get("compute_drops")
     _check(drops is None or (isinstance(drops, list) and all(
-        isinstance(x, list) and len(x) == 3 and _is_count(x[0]) and all(rate(v) and not isinstance(v, bool)
-                                                                         for v in x[1:]) for x in drops)),
-        "partial field 'compute_drops' is not a list of [rank, TFLOPS, median]")
+        isinstance(x, list) and len(x) == 5 and _is_count(x[0]) and _is_count(x[4])
+        and all(rate(v) and not isinstance(v, bool) for v in x[1:4]) for x in drops)),
+        "partial field 'compute_drops' is not a list of [rank, TFLOPS, median, MAD, steps]")
     strag = w.get("stragglers") or []
     _check(isinstance(strag, list) and all(isinstance(x, dict) for x in strag),
            "partial field 'stragglers' is not a list of node medians")
@@ -550,104 +550,9 @@ def from_wire(w: dict[str, Any]) -> NodePartial:
         keep_all=bool(w.get("keep_all")),
         keep=_ranks(w.get("keep") or [], "keep"),
         stragglers=strag,
-        compute_drops=None if drops is None else [[x[0], float(x[1]), float(x[2])] for x in drops],
+        compute_drops=None if drops is None else [[x[0], float(x[1]), float(x[2]), float(x[3]), x[4]]
+                                                   for x in drops],
     )
-
-
-# ---- stragglers, scored where the packets are ------------------------------------------------------
-def median(xs: Iterable[float]) -> float:
-    """`statistics.median`, the same value, without its generality (it runs for every rank
-    of the node at every step)."""
-    d = sorted(xs)
-    n = len(d)
-    return d[n // 2] if n % 2 else (d[n // 2 - 1] + d[n // 2]) / 2
-
-
-class NodeStragglers:
-    """Each rank's busy time (data wait + compute before the collective) over a rolling
-    window, on the node that has its packets; the node sends its fastest median and its
-    ranks' medians, so the aggregator scores stragglers from one number per node plus the
-    ranks that stand out (`mindpulse/reducer.py`, `straggler_scores`). The offline views and
-    the flat path run the same class over every rank at once (one node that holds them all).
-
-    The all-reduce makes every rank's step end at the same moment, so step times cannot name
-    a straggler: the fast ranks' step time includes their wait inside the collective. Where
-    compute cannot be measured (GRAPH mode, sinking) the shortest step time of the step stands
-    in for it (its last rank to arrive waited for nobody), so the score then sees data-path
-    stragglers only. Median over `window` steps, so one slow batch does not make a straggler."""
-
-    def __init__(self, window: int, min_steps: int | None = None):
-        self.window = max(1, window)
-        # half a window before judging: a one-off slow step (a profiler window, a
-        # checkpoint write) must not make a straggler
-        self.min_steps = max(1, min(min_steps if min_steps is not None else max(3, self.window // 2), self.window))
-        self.history: dict[int, deque[float]] = {}
-
-    def update(self, step: int, packets: Mapping[int, StepPacket]) -> dict[str, Any] | None:
-        """Medians after this step: {"fast": node's fastest median, "med": [[rank, median]...]}."""
-        if step == 0:
-            return None
-        times = [p.step_time_s for p in packets.values() if p.step_time_s is not None and math.isfinite(p.step_time_s)]
-        if not times:
-            return None
-        common = min(times)
-        for r, p in packets.items():
-            wait = p.data_wait_s if p.data_wait_s is not None and math.isfinite(p.data_wait_s) else 0.0
-            comp = p.compute_s if p.compute_s is not None and math.isfinite(p.compute_s) else common
-            self.history.setdefault(r, deque(maxlen=self.window)).append(max(0.0, wait) + max(0.0, comp))
-        meds = sorted(((median(h), r) for r, h in self.history.items() if len(h) >= self.min_steps),
-                      reverse=True)
-        if not meds:
-            return None
-        return {"fast": meds[-1][0], "med": [[r, m] for m, r in meds]}
-
-
-# ---- compute drops, judged where the packets are --------------------------------------------------
-FLAG_RATIO = 0.95
-"""A rank whose achieved TFLOPS fall below this x its own rolling median is flagged (the
-`compute_drop` rule's factor, at most this, decides what fires)."""
-
-
-class NodeComputeDrops:
-    """Each rank's achieved TFLOPS over a rolling window, kept where its packets are: on its
-    node (node/relay.py), or in the aggregator on the flat path (no relays, replays). Only the
-    ranks below FLAG_RATIO x their own median travel on, so the aggregator's work per step
-    follows the nodes and the flagged ranks, not the world."""
-
-    def __init__(self, window: int, min_steps: int | None = None):
-        self.window = max(1, window)
-        # a quarter window of history before judging (at least 3 steps): the first steps
-        # compile graphs and warm caches
-        self.min_steps = max(1, min(min_steps if min_steps is not None else max(3, self.window // 4), self.window))
-        self.history: dict[int, deque[float]] = {}
-        self.low: dict[int, deque[float]] = {}
-        """Each flagged rank's figures since its drop began: kept out of its baseline (a drop
-        must not lower the bar it is judged by) until it lasted a whole window, then its new level."""
-
-    def update(self, step: int, packets: Mapping[int, StepPacket | Any]) -> list[list[Any]]:
-        """[[rank, TFLOPS, its median], ...] of the ranks below FLAG_RATIO x their median."""
-        out: list[list[Any]] = []
-        for r in sorted(packets):
-            p = packets[r]
-            v = p.tflops if isinstance(p, StepPacket) else (p.get("tflops") if isinstance(p, dict) else None)
-            if step == 0 or not rate(v):
-                continue
-            v = float(v)
-            h = self.history.setdefault(r, deque(maxlen=self.window))
-            if len(h) >= self.min_steps:
-                med = median(h)
-                if med > 0 and v < FLAG_RATIO * med:
-                    out.append([int(r), v, float(med)])
-                    low = self.low.setdefault(r, deque(maxlen=self.window))
-                    low.append(v)
-                    if len(low) >= self.window:  # a lasting new level: the baseline from now on
-                        h.clear()
-                        h.extend(low)
-                        del self.low[r]
-                    continue
-            self.low.pop(r, None)
-            h.append(v)
-        return out
 
 
 def reduction(name: str) -> Reduction:

@@ -17,12 +17,12 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
+from mindpulse.baselines import START_WARMUP_STEPS, NodeStragglers
 from mindpulse.metrics import DERIVED, Reduce, aliases, kept_extremes, reductions, totals
 from mindpulse.partial import (
     EXACT_ONE,
     HIST_EDGES,
     NodePartial,
-    NodeStragglers,
     as_packet,
     kept_packets,
     mean_of,
@@ -434,9 +434,9 @@ class StragglerTracker:
     aggregator scores the nodes' medians (`straggler_scores`), so report, `top` and the live
     rule give the same scores on the same packets."""
 
-    def __init__(self, window: int, ranks_per_node: int = 0, min_steps: int | None = None):
+    def __init__(self, window: int, ranks_per_node: int = 0, warmup: int = START_WARMUP_STEPS):
         self.window = window
-        self.min_steps = min_steps
+        self.warmup = warmup
         self.ranks_per_node = ranks_per_node
         self.nodes: dict[int, NodeStragglers] = {}
 
@@ -445,11 +445,13 @@ class StragglerTracker:
         groups: dict[int, dict[int, StepPacket]] = {}
         for r, p in red.per_rank.items():
             groups.setdefault(r // rpn if rpn else 0, {})[r] = p
-        inputs = [self.nodes.setdefault(n, NodeStragglers(self.window, self.min_steps)).update(red.step, packets)
+        inputs = [self.nodes.setdefault(n, NodeStragglers(self.window, self.warmup)).update(red.step, packets)
                   for n, packets in sorted(groups.items())]
-        scores = straggler_scores([x for x in inputs if x], 1.0, every_rank=True)
+        inputs = [x for x in inputs if x]
+        scores = straggler_scores(inputs, 1.0, every_rank=True)
         if scores:
             red.straggler_scores = scores
+            red.straggler_inputs = inputs  # the baselines the rule's message quotes
         return scores
 
 

@@ -47,12 +47,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from mindpulse.baselines import NodeComputeDrops, NodeStragglers
 from mindpulse.config import MonitorConfig
 from mindpulse.directives import Directive, Lease
 from mindpulse.frames import MAX_FRAME, FrameReader, decode_frame_body, encode_frame, frame_int, frame_timeout
 from mindpulse.lease_board import MAX_BODY as MAX_BOARD_LEASE
 from mindpulse.lease_board import LeaseBoard
-from mindpulse.partial import NodeComputeDrops, NodeStragglers, collect_ranks, partial_of, to_wire
+from mindpulse.partial import collect_ranks, partial_of, to_wire
 from mindpulse.protocol import PacketError, StepPacket, decode_wire
 from mindpulse.settings import COMPUTE_DROP_WINDOW
 

@@ -34,6 +34,7 @@ from mindpulse.checkpoint_manifest import (
     sha256_of,
     write_manifest,
 )
+from mindpulse.config import OutputConfig
 from mindpulse.protocol import CheckpointKind
 from mindpulse.rundir_io import (  # the run directory's I/O
     SAVING_MARKER,
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 class CheckpointManager:
     def __init__(self, ckpt_dir: Path, keep_periodic: int = 5, keep_best: int = 1, fmt: str = "ckpt",
-                 mode: str = "private"):
+                 mode: str = OutputConfig.mode.value):
         self.dir = Path(ckpt_dir)
         self.file_mode, self.dir_mode = modes_of(mode)
         self.keep = {CheckpointKind.PERIODIC.value: keep_periodic, CheckpointKind.BEST.value: keep_best,

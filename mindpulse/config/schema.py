@@ -277,7 +277,10 @@ class AnomalyRuleConfig:
     """grad_explosion / loss_spike / straggler / compute_drop: rolling window in steps (compute_drop's
     is fixed at launch: the nodes keep it)."""
     warmup: int = -1
-    """grad_explosion / loss_spike: steps before the rule may fire (-1: the rule's default)."""
+    """grad_explosion / loss_spike: steps left out of the baseline after the start, a restore or a
+    rollback, before its full `window` fills (-1: the rule's default). The straggler and
+    compute_drop baselines warm up for a fixed 5 steps (and 2 after an evaluation, a checkpoint
+    write or a profiler window): docs/anomalies.md."""
     patience: int = 0
     """loss_spike: consecutive hits needed (0: the rule's default)."""
     for_s: float = -1.0
@@ -297,13 +300,13 @@ class AnomalyRuleConfig:
 
 RULE_DEFAULTS: dict[RuleKind, dict[str, Any]] = {
     RuleKind.NONFINITE: {"action": Action.STOP},
-    RuleKind.GRAD_EXPLOSION: {"action": Action.STOP, "factor": 20.0, "window": 50, "warmup": 5},
-    RuleKind.LOSS_SPIKE: {"action": Action.WARN, "z": 6.0, "window": 50, "warmup": 10, "patience": 1},
+    RuleKind.GRAD_EXPLOSION: {"action": Action.STOP, "factor": 20.0, "window": 20, "warmup": 5},
+    RuleKind.LOSS_SPIKE: {"action": Action.WARN, "z": 6.0, "window": 20, "warmup": 5, "patience": 1},
     RuleKind.THRESHOLD: {"action": Action.WARN, "op": AnomalyRuleConfig.op, "for_steps": AnomalyRuleConfig.for_steps},
     RuleKind.CARD_OVERLOAD: {"action": Action.WARN, "metric": "temp_c", "for_s": 30.0},
     RuleKind.DESYNC: {"action": Action.STOP, "tolerance": 0.0},
     RuleKind.STRAGGLER: {"action": Action.WARN, "patience": 2},
-    RuleKind.COMPUTE_DROP: {"action": Action.WARN, "factor": 0.7, "for_steps": 3, "window": 20},
+    RuleKind.COMPUTE_DROP: {"action": Action.WARN, "factor": 0.7, "for_steps": 3, "window": 10},
 }
 """Each rule's real defaults, filling the fields an entry leaves at their placeholder
 (None, 0, -1 or empty); the straggler threshold comes from `monitor.straggler_threshold`."""

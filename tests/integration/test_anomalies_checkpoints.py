@@ -30,8 +30,8 @@ def test_spikes_warn_then_a_nan_on_rank1_stops_every_rank_after_the_same_step(ru
     after step 11 (monitor.max_lag_steps: 1)."""
     r = run_cli("launch", "--set", "train.steps=14", "--inject", "loss_spike@1:6", "--inject", "grad_spike@0:8",
                 "--inject", "nan_grad@1:10",
-                "--set", "anomalies=[{rule: loss_spike, action: warn, warmup: 4, z: 6}, "
-                         "{rule: grad_explosion, action: warn, warmup: 4, factor: 20}]", *FAST, timeout=400)
+                "--set", "anomalies=[{rule: loss_spike, action: warn, warmup: 1, window: 4, z: 6}, "
+                         "{rule: grad_explosion, action: warn, warmup: 1, window: 4, factor: 20}]", *FAST, timeout=400)
     assert r.returncode == 3, r.output
     s = r.summary
     assert s["status"] == "anomaly_stop"
@@ -58,7 +58,8 @@ def test_a_loss_spike_rolls_back_to_the_checkpoint_before_it_and_the_run_finishe
     step 9 with the learning rate halved, and finishes."""
     r = run_cli("launch", "--set", "train.steps=14", "--set", "checkpoint.save_checkpoint_steps=4",
                 "--inject", "loss_spike@1:9",
-                "--set", "anomalies=[{rule: loss_spike, action: rollback, warmup: 4, z: 6}]", *FAST, timeout=500)
+                "--set", "anomalies=[{rule: loss_spike, action: rollback, warmup: 4, window: 4, z: 6}]", *FAST,
+                timeout=500)
     assert r.returncode == 0, r.output
     s = r.summary
     assert s["status"] == "succeeded" and s["steps_completed"] == 14, s["status"]

@@ -14,7 +14,10 @@ from mindpulse.protocol import StepPacket
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
-SLOW_FROM = 10
+SLOW_FROM = 14
+"""After the timing baselines are established: a 5-step warm-up, then the windows below (the
+rules judge nothing before; a drop at step 8 of this run's healthy steps once fired here)."""
+DROP_WINDOW = 6
 BATCH = 2
 """A small batch keeps each step's compute short against the fault's 1.5 s sleep."""
 DROP_FACTOR = 0.8
@@ -27,9 +30,10 @@ three consecutive steps under 0.8 x the median did not occur (lowest 0.87)."""
 
 
 def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_and_straggler(run_cli):
-    r = run_cli("launch", "--set", "train.steps=16", "--set", f"train.batch_size={BATCH}",
+    r = run_cli("launch", "--set", "train.steps=21", "--set", f"train.batch_size={BATCH}",
                 "--set", "monitor.straggler_window=4",
-                "--set", f"anomalies=[{{rule: compute_drop, factor: {DROP_FACTOR}, for_steps: 3}}]",
+                "--set", f"anomalies=[{{rule: compute_drop, factor: {DROP_FACTOR}, for_steps: 3, "
+                         f"window: {DROP_WINDOW}}}]",
                 "--set", "preflight.enabled=true", "--set", "preflight.action=warn",  # its figure, not its verdict
                 "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600,
                 report=True)
@@ -46,15 +50,16 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
         if isinstance(p, StepPacket) and p.tflops is not None:
             assert p.tokens == 64 * BATCH  # seq_length x batch_size
             tf[p.rank][p.step] = p.tflops
-    before = {k: sorted(v for s, v in tf[k].items() if 3 <= s < SLOW_FROM) for k in tf}
+    before = {k: sorted(v for s, v in tf[k].items() if 6 <= s < SLOW_FROM) for k in tf}
     after = {k: sorted(v for s, v in tf[k].items() if s >= SLOW_FROM) for k in tf}
     med = {k: (before[k][len(before[k]) // 2], after[k][len(after[k]) // 2]) for k in tf}
     assert med[1][1] < DROP_FACTOR * med[1][0], med
     assert med[0][1] > 0.7 * med[0][0], med
     drops = [x for x in json.loads((r.run_dir / "anomalies.json").read_text()) if x["rule"] == "compute_drop"]
-    # the first names rank 1, soon after its fault (on a machine shared with other jobs a later
-    # firing may name a rank whose compute the others' load slowed)
+    # the first names rank 1, soon after its fault, and nothing fired before it (on a machine
+    # shared with other jobs a later firing may name a rank whose compute the others' load slowed)
     assert drops and drops[0]["rank"] == 1, drops
+    assert "baseline: its median over 6 steps after a 5-step warm-up" in drops[0]["message"], drops
     assert SLOW_FROM < drops[0]["step"] <= SLOW_FROM + 5 and "rank 1 on " in drops[0]["message"], drops
     assert "tokens/s" in r.stdout and "MFU" in r.stdout and "ANOMALY compute_drop (rank 1)" in r.stdout
     assert (r.run_dir / "report" / "mfu.png").stat().st_size > 0

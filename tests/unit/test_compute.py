@@ -10,6 +10,7 @@ import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.policies import ComputeDropRule
+from mindpulse.baselines import NodeComputeDrops
 from mindpulse.card_peaks import (
     CARD_PEAKS,
     DTYPES,
@@ -20,7 +21,7 @@ from mindpulse.card_peaks import (
     peak_dtype,
     resolve_peak,
 )
-from mindpulse.partial import NodeComputeDrops, from_wire, merge, partial_of, to_wire
+from mindpulse.partial import from_wire, merge, partial_of, to_wire
 from mindpulse.protocol import StepPacket
 from mindpulse.reducer import StepReducer, finalize, reduce_step
 from mindpulse.tables import card_table, cluster_table
@@ -222,15 +223,40 @@ def test_the_peak_dtype_is_the_one_the_job_computes_in():
 
 # ---- the compute_drop rule ---------------------------------------------------------------------------
 def test_node_compute_drops_flag_only_the_rank_that_fell():
-    drops = NodeComputeDrops(window=8)
+    drops = NodeComputeDrops(window=8, warmup=2)
     flagged = []
-    for s in range(1, 21):
-        flagged.append(drops.update(s, {0: _pk(0, s, 1.0), 1: _pk(1, s, 1.0 if s < 9 else 0.4)}))
-    assert flagged[:8] == [[]] * 8
+    for s in range(1, 31):
+        # steps 1-2 warm up (rank 1 compiles slowly: not judged, not in its baseline), 3-10 fill the window
+        v1 = 0.1 if s <= 2 else (1.0 + 0.01 * (s % 2) if s < 11 else 0.4)
+        flagged.append(drops.update(s, {0: _pk(0, s, 1.0), 1: _pk(1, s, v1)}))
+    assert flagged[:10] == [[]] * 10
     # the drop stays out of the baseline (the bar does not sink with it) for a whole window...
-    assert flagged[8:16] == [[[1, 0.4, 1.0]]] * 8
+    assert flagged[10:18] == [[[1, 0.4, pytest.approx(1.005), pytest.approx(0.005), 8]]] * 8, flagged[10:18]
     # ...then it is the rank's new level
-    assert flagged[16:] == [[]] * 4 and list(drops.history[1]) == [0.4] * 8
+    assert flagged[18:] == [[]] * 12 and list(drops.history[1].values) == [0.4] * 8
+
+
+def test_a_drop_within_the_windows_noise_is_not_flagged():
+    """A shared host's noise: a rank whose TFLOPS swing by +-30% from step to step is not
+    flagged for a 30% dip; the same dip on a steady rank is."""
+    noisy, steady = NodeComputeDrops(window=10, warmup=0), NodeComputeDrops(window=10, warmup=0)
+    for s in range(1, 11):
+        noisy.update(s, {0: _pk(0, s, 1.0 + (0.3 if s % 2 else -0.3))})
+        steady.update(s, {0: _pk(0, s, 1.0 + (0.01 if s % 2 else -0.01))})
+    assert noisy.update(11, {0: _pk(0, 11, 0.65)}) == []
+    assert steady.update(11, {0: _pk(0, 11, 0.65)})[0][:2] == [0, 0.65]
+
+
+def test_a_drop_every_rank_shares_is_not_one_cards_fault():
+    rule = ComputeDropRule({"rule": "compute_drop", "for_steps": 2})
+    red = reduce_step(5, {r: _pk(r, 5, 0.5) for r in range(4)}, 4)
+    red.compute_flags = [[r, 0.5, 1.0, 0.01, 10] for r in range(4)]  # the host slowed: all ranks at half
+    assert [rule.check(red) for _ in range(4)] == [None] * 4
+    red.compute_flags = [[0, 0.5, 1.0, 0.01, 10], [2, 0.9, 1.0, 0.01, 10]]  # the others hold
+    fired = [rule.check(red) for _ in range(2)]
+    assert fired[0] is None and fired[1].rank == 0, fired
+    assert "while the other ranks hold 1.00 x theirs" in fired[1].message
+    assert "baseline: its median over 10 steps after a 5-step warm-up, MAD 0.01 TFLOPS" in fired[1].message
 
 
 def test_compute_drop_fires_once_after_for_steps_naming_the_rank_and_its_card():
@@ -239,17 +265,17 @@ def test_compute_drop_fires_once_after_for_steps_naming_the_rank_and_its_card():
     red = reduce_step(5, {0: _pk(0, 5, 1.0), 1: _pk(1, 5, 0.4)}, 2)
     red.set_peak(2.0)
     red.rank_cards = {1: "node 0 card 1 (910B3)"}
-    red.compute_flags = [[1, 0.4, 1.0]]
+    red.compute_flags = [[1, 0.4, 1.0, 0.02, 10]]
     fired = [rule.check(red) for _ in range(4)]
     assert fired[:2] == [None, None] and fired[3] is None, "once per excursion"
     f = fired[2]
     assert f.rank == 1 and f.value == pytest.approx(0.2) and f.threshold == pytest.approx(0.35)
     assert "rank 1 on node 0 card 1 (910B3)" in f.message and "MFU 0.2" in f.message
-    red.compute_flags = [[1, 0.9, 1.0]]  # below 0.95, above the factor: no hit
+    red.compute_flags = [[1, 0.9, 1.0, 0.02, 10]]  # below 0.95, above the factor: no hit
     assert rule.check(red) is None and rule.hits == {}
 
 
-def _run_core(tmp_path, slow_from=9, steps=14, settings=None):
+def _run_core(tmp_path, slow_from=17, steps=22, settings=None):
     (tmp_path / "preflight.json").write_text(json.dumps({"median": {"matmul_gflops": 20.0}}))
     core = AggregatorCore(tmp_path, world_size=2, per_print_step=5, settings=settings or {"tensorboard": False})
     for s in range(1, steps + 1):
@@ -265,7 +291,8 @@ def test_the_flat_path_sets_mfu_names_the_slow_rank_and_fills_the_summary(tmp_pa
     assert red.mfu_min == pytest.approx(0.2) and red.mfu_min_rank == 1
     recs = [json.loads(x) for x in (tmp_path / "anomalies.jsonl").read_text().splitlines()]
     drop = [r for r in recs if r["rule"] == "compute_drop"]
-    assert len(drop) == 1 and drop[0]["rank"] == 1 and drop[0]["step"] == 11, recs
+    # 5 warm-up steps, a full window of 10 (steps 6-15), the drop from step 17, for 3 steps
+    assert len(drop) == 1 and drop[0]["rank"] == 1 and drop[0]["step"] == 19, recs
     comp = core.snapshot()["compute"]
     assert comp["peak_tflops"] == pytest.approx(0.02) and comp["peak_source"].startswith("preflight")
     assert 0 < comp["mfu"] <= 1 and comp["tokens_per_s"] == pytest.approx(1024.0)
@@ -290,16 +317,16 @@ def test_the_node_path_flags_on_the_node_and_the_aggregator_merges_the_flags():
     nodes = [NodePreReducer(n, range(2 * n, 2 * n + 2), compute_window=8, world_size=4) for n in (0, 1)]
     red = StepReducer(4, ranks_per_node=2)
     flags = {}
-    for s in range(1, 12):
+    for s in range(1, 16):
         for r in range(4):
-            nodes[r // 2].add(_pk(r, s, 0.3 if (r == 3 and s >= 9) else 1.0).encode())
+            nodes[r // 2].add(_pk(r, s, 0.3 if (r == 3 and s >= 14) else 1.0).encode())
         out = []
         for n, node in enumerate(nodes):
             for w in node.take()["partials"]:
                 out += red.add_partial(n, from_wire(w))
         (done,) = out
         flags[s] = done.compute_flags
-    assert flags[8] == [] and flags[9] == [[3, 0.3, 1.0]], flags
+    assert flags[13] == [] and flags[14] == [[3, 0.3, 1.0, 0.0, 8]], flags
 
 
 def test_the_tables_show_tokens_mfu_and_each_cards_tflops():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from mindpulse.aggregator.anomaly_log import read_records
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.policies import (
@@ -44,28 +46,64 @@ def test_nonfinite_names_the_rank_from_local_values():
 def test_grad_explosion_absolute_and_relative():
     rule = GradExplosionRule({"threshold": 100.0})
     assert rule.check(red(1, [1, 1], grad_norm=50)) is None
-    f = rule.check(red(2, [1, 1], grad_norm=150, locals_=[1, 290]))
+    f = rule.check(red(2, [1, 1], grad_norm=150, locals_=[1, 290]))  # the absolute limit holds from step 1
     assert f.value == 150 and f.threshold == 100 and f.rank == 1
-    rel = GradExplosionRule({"factor": 10, "warmup": 3})
-    for s in range(1, 6):
-        assert rel.check(red(s, [1, 1], grad_norm=1.0 + 0.1 * s)) is None
-    f = rel.check(red(6, [1, 1], grad_norm=50.0))
-    assert f is not None and "x its rolling median" in f.message
+    rel = GradExplosionRule({"factor": 10, "warmup": 3, "window": 4})
+    # steps 1-3 warm up (left out), 4-7 fill the window: a spike there is not judged yet
+    for s in range(1, 8):
+        assert rel.check(red(s, [1, 1], grad_norm=50.0 if s == 2 else 1.0 + 0.01 * s)) is None
+    assert list(rel.history) == pytest.approx([1.04, 1.05, 1.06, 1.07])
+    f = rel.check(red(8, [1, 1], grad_norm=50.0))
+    assert f is not None and "x its baseline" in f.message and "over the 4 steps before" in f.message, f
+    assert "after a 3-step warm-up" in f.message
     # the spike did not enter the baseline: the next normal step is quiet
-    assert rel.check(red(7, [1, 1], grad_norm=1.2)) is None
+    assert rel.check(red(9, [1, 1], grad_norm=1.2)) is None
 
 
-def test_loss_spike_robust_z_warmup_and_patience():
-    rule = LossSpikeRule({"z": 5, "warmup": 5, "patience": 2})
-    losses = [2.0, 2.02, 1.98, 2.01, 1.99, 2.0]
+def test_loss_spike_robust_z_warmup_full_window_and_patience():
+    rule = LossSpikeRule({"z": 5, "warmup": 2, "window": 6, "patience": 2})
+    losses = [9.0, 7.0, 2.0, 2.02, 1.98, 2.01, 1.99, 2.0]  # 2 warm-up steps (left out), then a full window
     for s, v in enumerate(losses, 1):
         assert rule.check(red(s, [v, v])) is None
-    assert rule.check(red(7, [5.0, 5.0])) is None  # first hit: patience 2
-    f = rule.check(red(8, [5.0, 6.0]))
+    assert list(rule.history) == [2.0, 2.02, 1.98, 2.01, 1.99, 2.0]
+    assert rule.check(red(9, [5.0, 5.0])) is None  # first hit: patience 2
+    f = rule.check(red(10, [5.0, 6.0]))
     assert f is not None and f.rule == "loss_spike" and f.rank == 1 and f.action is Action.WARN
-    assert "robust z-scores" in f.message
-    early = LossSpikeRule({"warmup": 10})
-    assert all(early.check(red(s, [v, v])) is None for s, v in enumerate([1, 1, 1, 50], 1))
+    assert "robust z-scores" in f.message and "median 2 (MAD 0.01) over the 6 steps before" in f.message, f
+    # a window that is not full yet judges nothing, however large the jump
+    early = LossSpikeRule({"warmup": 0, "window": 10})
+    assert all(early.check(red(s, [v, v])) is None for s, v in enumerate([1] * 9 + [50], 1))
+
+
+def test_a_restore_or_rollback_warms_the_loss_and_gradient_baselines_up_again():
+    spike = LossSpikeRule({"z": 5, "warmup": 2, "window": 4})
+    grad = GradExplosionRule({"factor": 10, "warmup": 2, "window": 4})
+    for s in range(1, 21):
+        assert spike.check(red(s, [1.0 + 0.001 * (s % 3)] * 2)) is None
+        assert grad.check(red(s, [1, 1], grad_norm=1.0)) is None
+    # a rollback to step 11 (restored older weights: a higher loss, other gradients) is not a spike
+    for s in range(11, 17):
+        assert spike.check(red(s, [4.0 + 0.001 * (s % 3)] * 2)) is None, s
+        assert grad.check(red(s, [1, 1], grad_norm=30.0)) is None, s
+    assert len(spike.history) == 4 and min(spike.history) >= 4.0
+
+
+def test_timing_baselines_wait_for_a_warm_up_and_a_full_window_and_rewarm_after_a_pause():
+    from mindpulse.baselines import PAUSE_WARMUP_STEPS, START_WARMUP_STEPS, Baseline, Phase
+
+    b = Baseline(window=3, warmup=START_WARMUP_STEPS)
+    phases = [b.observe(s) for s in range(1, START_WARMUP_STEPS + 1)]
+    assert phases == [Phase.WARMING] * START_WARMUP_STEPS
+    for s in range(START_WARMUP_STEPS + 1, START_WARMUP_STEPS + 4):
+        assert b.observe(s) is Phase.FILLING
+        b.add(1.0)
+    assert b.observe(START_WARMUP_STEPS + 4) is Phase.JUDGING
+    # a checkpoint write (or an evaluation, a profiler window) before a step: that step and the next warm up
+    s = START_WARMUP_STEPS + 5
+    assert [b.observe(s + i, paused=(i == 0)) for i in range(PAUSE_WARMUP_STEPS + 1)] == \
+        [Phase.WARMING] * PAUSE_WARMUP_STEPS + [Phase.JUDGING]
+    # a step number that goes back (a restore): the window empties and warms up again
+    assert b.observe(2) is Phase.WARMING and not b.values
 
 
 def test_threshold_rule_for_steps_and_absent_metric():
@@ -204,25 +242,48 @@ def test_straggler_scores_and_rule():
     from mindpulse.aggregator.policies import StragglerRule
     from mindpulse.reducer import StragglerTracker
 
-    tr = StragglerTracker(window=5, min_steps=3)
-    rule = StragglerRule({"default_threshold": 0.8, "patience": 1})
-    fired = []
-    for s in range(1, 9):
-        slow = 1.5 if s >= 3 else 0.001
+    tr = StragglerTracker(window=5, warmup=2)
+    rule = StragglerRule({"threshold": 0.8, "patience": 1})
+    fired, scored = [], []
+    for s in range(1, 14):
+        # rank 1's data path is slow from step 8; steps 1-2 warm up, 3-7 fill the window
+        slow = 1.5 if s >= 8 else 0.001
         rs = reduce_step(s, {0: StepPacket(rank=0, step=s, step_time_s=1.0, data_wait_s=0.001),
                              1: StepPacket(rank=1, step=s, step_time_s=1.0, data_wait_s=slow)}, 2)
         tr.update(rs)
+        scored.append(bool(rs.straggler_scores))
         f = rule.check(rs)
         if f:
             fired.append(f)
-    assert len(fired) == 1 and fired[0].rank == 1 and fired[0].value < 0.8 and fired[0].step == 4
+    assert scored[:6] == [False] * 6 and all(scored[6:]), scored  # no score before a full window
+    # the median of 5 turns once 3 of its steps are slow: step 10
+    assert len(fired) == 1 and fired[0].rank == 1 and fired[0].value < 0.8 and fired[0].step == 10, fired
+    want = "the fastest rank's median busy time 1001 ms over 5 steps, after a 2-step warm-up"
+    assert want in fired[0].message, fired[0].message
     assert rs.straggler_scores[0] == 1.0
-    even = StragglerTracker(window=5)
+    even = StragglerTracker(window=5, warmup=0)
     for s in range(1, 6):
         rs = reduce_step(s, {r: StepPacket(rank=r, step=s, step_time_s=1.0, data_wait_s=0.001 * (r + 1))
                              for r in range(2)}, 2)
         even.update(rs)
     assert min(rs.straggler_scores.values()) > 0.99
+
+
+def test_warm_up_steps_name_no_straggler():
+    """A healthy run's first steps (compiles, cold caches) differ by rank: the seed article's
+    program named rank 1 a straggler at step 7 on a half-full window."""
+    from mindpulse.aggregator.policies import StragglerRule
+    from mindpulse.reducer import StragglerTracker
+
+    tr = StragglerTracker(window=10)
+    rule = StragglerRule({"threshold": 0.7, "patience": 2})
+    for s in range(1, 40):
+        first = 3.0 if s <= 5 else 0.0  # rank 1 compiles its graphs slowly
+        rs = reduce_step(s, {0: StepPacket(rank=0, step=s, step_time_s=1.0, data_wait_s=0.01, compute_s=0.5),
+                             1: StepPacket(rank=1, step=s, step_time_s=1.0, data_wait_s=0.01 + first,
+                                           compute_s=0.5 + 0.02 * (s % 3))}, 2)
+        tr.update(rs)
+        assert rule.check(rs) is None, (s, rs.straggler_scores)
 
 
 def test_the_stopping_rule_is_reported_once_while_ranks_reach_the_stop_step(tmp_path):

@@ -15,7 +15,7 @@ import yaml
 from mindpulse.aggregator import rule_changes as rc
 from mindpulse.aggregator.anomaly_log import read_records
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.config import ConfigError, from_dict
+from mindpulse.config import RULE_DEFAULTS, ConfigError, RuleKind, from_dict
 from mindpulse.launcher.cli import main
 from mindpulse.protocol import Action, StepPacket
 
@@ -123,7 +123,7 @@ def test_a_change_is_checked_as_the_config_is_and_names_the_field(tmp_path):
     assert [e.cfg["threshold"] for e in new if e.name == "loss_high"] == [2.5]
     assert [e.cfg["threshold"] for e in entries if e.name == "loss_high"] == [100.0], "the input is not changed"
     new, recs = plan("set", "loss_spike.warmup=-1")  # a placeholder takes the rule's default, as in a config
-    assert recs[0]["new"] == 10
+    assert recs[0]["new"] == RULE_DEFAULTS[RuleKind.LOSS_SPIKE]["warmup"]
     new, recs = plan("set", "card_overload#1.threshold=250")
     assert recs[0]["rule"] == "card_overload" and new[rc.refs_of(new).index("card_overload#1")].cfg["threshold"] == 250
     _, recs = plan("disable", "grad_explosion")
@@ -194,7 +194,7 @@ def test_a_changed_rule_keeps_its_baseline_and_restarts_its_counters(tmp_path):
     core = core_of(run_dir, settings)
     steps(core, 1, 12, loss=2.0)
     before = list(rule(core, "loss_spike").history)
-    assert len(before) == 12
+    assert len(before) == 12 - RULE_DEFAULTS[RuleKind.LOSS_SPIKE]["warmup"]  # the warm-up steps stay out
     request(run_dir, "set", "loss_spike.z=9", "loss_spike.window=5")
     core.live_rules._last_scan = 0.0
     core.live_rules.tick()

@@ -92,12 +92,12 @@ def test_reader_reduces_exactly_as_reduce_all(tmp_path):
     assert _records([live.latest]) == _records([newest])
 
 
-def _straggling(steps: int = 12) -> list:
-    """Rank 1 computes three times as long for steps 1..8, then as fast as rank 0."""
+def _straggling(steps: int = 20) -> list:
+    """Rank 1 computes three times as long for steps 1..16, then as fast as rank 0."""
     out = [StepPacket(rank=r, step=0, ts=T0) for r in range(2)]
     for s in range(1, steps + 1):
         for r in range(2):
-            compute = 0.3 if (r == 1 and s <= 8) else 0.1
+            compute = 0.3 if (r == 1 and s <= 16) else 0.1
             out.append(_step(r, s, compute_s=compute, data_wait_s=0.0, step_time_s=0.35))
     return out
 
@@ -123,8 +123,8 @@ def test_report_scores_stragglers_with_the_configs_window(tmp_path):
     got = {r.step: r.straggler_scores for r in data.reduced}
     assert got == _scores(packets, 4)
     # the sequence tells the windows apart: rank 1 has caught up over the last 4 steps, not over 10
-    assert got[12][1] == 1.0
-    assert _scores(packets, 10)[12][1] < 0.5
+    assert got[20][1] == 1.0
+    assert _scores(packets, 10)[20][1] < 0.5
     assert not any("config.yaml" in n for n in data.notes)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mindpulse.config import MonitorConfig, RuleKind, from_dict, load_config
+from mindpulse.config import RULE_DEFAULTS, MonitorConfig, RuleKind, from_dict, load_config
 from mindpulse.directives import Directive
 from mindpulse.launcher.spec import aggregator_settings, node_settings
 from mindpulse.protocol import CheckpointKind, EventPacket, PacketError, RankState, decode
@@ -90,7 +90,8 @@ def test_rules_get_their_typed_config():
     from mindpulse.aggregator.policies import GradExplosionRule, build_rules
 
     rule = GradExplosionRule({"factor": 10})
-    assert rule.config.rule is RuleKind.GRAD_EXPLOSION and rule.config.factor == 10 and rule.config.window == 50
+    assert rule.config.rule is RuleKind.GRAD_EXPLOSION and rule.config.factor == 10
+    assert rule.config.window == RULE_DEFAULTS[RuleKind.GRAD_EXPLOSION]["window"]
     cfg = from_dict({"anomalies": [{"rule": "straggler", "patience": 3}], "monitor": {"straggler_threshold": 0.5}})
     (straggler,) = [r for r in build_rules(cfg.anomalies, straggler_threshold=0.5) if r.kind == "straggler"]
     assert (straggler.threshold, straggler.patience) == (0.5, 3)

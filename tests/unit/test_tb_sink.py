@@ -50,7 +50,7 @@ def _telemetry(step: int) -> TelemetryPacket:
 def written(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     reduced = reduce_all(_packets(), 2)
-    sink = TensorBoardSink(run_dir, flush_secs=1.0)
+    sink = TensorBoardSink(run_dir, flush_secs=1.0, collect_freq=1)  # every step collects
     sink.on_text("config", "name: demo\ntrain:\n  steps: 10\n")
     for red in reduced:
         sink.on_reduced(red)

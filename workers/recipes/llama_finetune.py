@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mindpulse.config import RecipeConfig
+
 if TYPE_CHECKING:
     from mindpulse.rank_settings import RankSettings
 
@@ -32,11 +34,13 @@ VOCAB = 256  # byte-level tokens
 
 @dataclass
 class ModelShape:
-    seq_length: int = 64
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 128
+    """The recipe's model shape; its defaults are the config's (`job.recipe`)."""
+
+    seq_length: int = RecipeConfig.seq_length
+    hidden_size: int = RecipeConfig.hidden_size
+    num_layers: int = RecipeConfig.num_layers
+    num_heads: int = RecipeConfig.num_heads
+    intermediate_size: int = RecipeConfig.intermediate_size
 
 
 def llama_parameters(shape: ModelShape, vocab: int = VOCAB) -> int:
