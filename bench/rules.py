@@ -161,7 +161,8 @@ def first_fault_step(rules: tuple[str, ...], overrides: tuple[str, ...] = ()) ->
 
 def rule_span(cfg: Any, kind: str) -> int:
     """Steps a rule of `kind` needs before it judges: its warm-up fields, its window (or the
-    straggler's), and its consecutive steps (`for_steps`, `patience`)."""
+    straggler's), its consecutive steps (`for_steps`, `patience`), and the timing baselines'
+    warm-up after the start."""
     import dataclasses
 
     from mindpulse.aggregator.policies import build_rules
@@ -179,6 +180,12 @@ def rule_span(cfg: Any, kind: str) -> int:
                 span += max(v, 0)
     if kind == "straggler":
         span += int(cfg.monitor.straggler_window)
+    if kind in ("straggler", "compute_drop"):
+        try:  # the timing baselines' fixed warm-up after the start, where the rules have one
+            from mindpulse.baselines import START_WARMUP_STEPS
+        except ImportError:
+            START_WARMUP_STEPS = 0  # noqa: N806
+        span += START_WARMUP_STEPS
     return span
 
 
