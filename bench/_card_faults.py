@@ -105,7 +105,11 @@ def one_card_run(seed: int, settings: Any, before_s: tuple[float, float], timeou
         inj = Injection(f"card {npu} at {HOT_C} C (rank {npu})", npu, 0, at)
         det = detect(firings, inj, ("card_overload",))
         det.step = det.steps = None  # telemetry has no steps here (no rank trains): seconds only
-        return {"spec": inj.spec, "rank": npu, "seed": seed, "before_s": wait_s, "interval_s": interval,
+        from mindpulse.aggregator.policies import build_rules
+
+        cfg = settings.config
+        for_s = next((r.config.for_s for r in build_rules(list(cfg.anomalies)) if r.kind == "card_overload"), None)
+        return {"spec": inj.spec, "rank": npu, "seed": seed, "before_s": wait_s, "interval_s": interval, "for_s": for_s,
                 "firings": firings, "detection": det.to_record(), "samples": sampler.samples_taken}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

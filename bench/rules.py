@@ -393,8 +393,11 @@ def summarise(out: dict[str, Any]) -> dict[str, Any]:
                 kinds[name] = dict(kind_summary(ds), what=what, leaves_out=case.leaves_out,
                                    first_step=out["faults"].get("first_step", {}).get(case.name))
     if out.get("cards"):
+        c0 = out["cards"][0]
+        what = CARD_CASE[1] + (f"; the rule asks for {c0['for_s']:g} s above its limit, the sampler reads every "
+                               f"{c0['interval_s']:g} s" if c0.get("for_s") is not None else "")
         kinds[CARD_CASE[0]] = dict(kind_summary([Detection(**r["detection"]) for r in out["cards"]]),
-                                   what=CARD_CASE[1], leaves_out=CARD_CASE[2], first_step=None)
+                                   what=what, leaves_out=CARD_CASE[2], first_step=None)
     return {"false_alarms": false_alarms(out.get("healthy", [])), "kinds": kinds}
 
 
