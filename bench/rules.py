@@ -77,14 +77,14 @@ class Workload:
 
 
 WORKLOADS = (
-    Workload("recipe", "the recipe (cluster_configs/local_cpu.yaml, 2 ranks, PYNATIVE)", 2, 80, 20,
+    Workload("recipe", "the recipe (cluster_configs/local_cpu.yaml, 2 ranks, PYNATIVE)", 2, 50, 20,
              "cluster_configs/local_cpu.yaml"),
     Workload("script", "an unmodified Model.train script (plain_train.py, 2 ranks, GRAPH, dataset sink)", 2, 300, 60),
     # the shipped YAML trains 2 epochs of its corpus (~33 steps); 5 take the run past every rule's window
     Workload("mindformers", "the MindFormers YAML (cluster_configs/mindformers_finetune.yaml, 2 ranks, 5 epochs)",
-             2, 80, 15, "cluster_configs/mindformers_finetune.yaml",
+             2, 50, 15, "cluster_configs/mindformers_finetune.yaml",
              ("job.mindformers.overrides={runner_config.epochs: 5}",)),
-    Workload("recipe8", "the recipe on 8 ranks", 8, 30, 8, "cluster_configs/local_cpu.yaml",
+    Workload("recipe8", "the recipe on 8 ranks", 8, 25, 8, "cluster_configs/local_cpu.yaml",
              ("world.ranks_per_node=8",)),
 )
 
@@ -291,8 +291,8 @@ def _firing_record(f: dict[str, Any]) -> dict[str, Any]:
 
 # ---- the healthy corpus ----------------------------------------------------------------
 def healthy(workloads: list[Workload], repeats: int, quick: bool, lock: str | None, load: C.ForeignLoad,
-            log) -> list[dict[str, Any]]:
-    runs = []
+            log, save=None) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
     for rep in range(repeats):
         for wl in workloads:  # workloads interleaved: a disturbed minute does not hit one workload only
             steps = wl.quick_steps if quick else wl.steps
@@ -305,6 +305,8 @@ def healthy(workloads: list[Workload], repeats: int, quick: bool, lock: str | No
                    "rank_steps": r["rank_steps"], "steps": r["steps"], "foreign_cores": fl["mean_cores"],
                    "firings": [_firing_record(f) for f in r["firings"]], "tail": _tail(r)}
             runs.append(rec)
+            if save is not None:
+                save(runs)
             log(f"healthy {wl.name} #{rep + 1}: {rec['status']} rc {rec['rc']}, {rec['rank_steps']} rank-steps, "
                 f"{len(rec['firings'])} firings " + ", ".join(f"{f['rule']}@{f['step']}/r{f['rank']}"
                                                              for f in rec["firings"])
@@ -344,15 +346,23 @@ def fault_run(case: FaultCase, i: int, rng: random.Random, lo: int, span: int, l
 
 
 def faults(cases: list[FaultCase], n: int, seed: int, lock: str | None, load: C.ForeignLoad, log,
-           span: int = 8) -> dict[str, Any]:
+           save=None, span: int = 8, deadline: float | None = None) -> dict[str, Any]:
+    """`n` runs of each case, in rounds (one run of every case a round), so a campaign cut short
+    by `deadline` still holds every kind; `save(out)` after each run."""
     out: dict[str, Any] = {"runs": [], "first_step": {}}
+    rngs = {}
     for case in cases:
-        lo = first_fault_step(case.baseline, case.sets)
-        out["first_step"][case.name] = lo
-        rng = random.Random(f"{seed}:{case.name}")
-        for i in range(n):
-            rec = fault_run(case, i, rng, lo, span, lock, load)
+        out["first_step"][case.name] = first_fault_step(case.baseline, case.sets)
+        rngs[case.name] = random.Random(f"{seed}:{case.name}")
+    for i in range(n):
+        for case in cases:
+            if deadline is not None and time.time() > deadline:
+                log(f"deadline reached: {i} round(s) of {n} done")
+                return out
+            rec = fault_run(case, i, rngs[case.name], out["first_step"][case.name], span, lock, load)
             out["runs"].append(rec)
+            if save is not None:
+                save(out)
             d = rec["detections"][case.name]
             log(f"fault {case.name} {rec['spec']}: " + (
                 f"caught by {d['by']} at step {d['step']} (rank {d['rank']}), {_s(d['seconds'])}"
@@ -542,7 +552,8 @@ def main() -> None:
     ap.add_argument("--lock", default=os.environ.get("MINDPULSE_BENCH_LOCK"),
                     help="a lock file every launch holds while it runs (flock)")
     ap.add_argument("--merge-into", default=None, help="a former result: the parts run now replace its parts")
-    ap.add_argument("--max-seconds", type=float, default=None, help="accepted for run_all (not used)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="no fault run starts after this many seconds (the rounds done are kept)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
@@ -560,23 +571,36 @@ def main() -> None:
         out.pop("summary", None)
     out.setdefault("parts", {})
     stamp = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _commit(), "quick": args.quick, "seed": args.seed}
-    if "healthy" in parts:
-        wls = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
-        out["healthy"] = healthy(wls, repeats, args.quick, args.lock, load, log)
-        out["parts"]["healthy"] = dict(stamp, repeats=repeats)
-    if "faults" in parts:
-        cases = [c for c in CASES if not args.kinds or c.name in args.kinds.split(",")]
-        got = faults(cases, n, args.seed, args.lock, load, log)
-        if args.kinds and out.get("faults"):  # some kinds run again: the others' runs kept
-            kept = [r for r in out["faults"]["runs"] if r["case"] not in {c.name for c in cases}]
-            got["runs"] = kept + got["runs"]
-            got["first_step"] = dict(out["faults"].get("first_step", {}), **got["first_step"])
-        out["faults"] = got
-        for c in cases:
-            out["parts"][f"faults:{c.name}"] = dict(stamp, runs=n)
-    if "cards" in parts:
+    def save() -> None:
+        out["summary"] = summarise(out)
+        C.write_result(args.json, "rules", out, t0)
+
+    if "cards" in parts:  # first: in this process, beside no launch of ours
         out["cards"] = cards(n, args.seed, log)
         out["parts"]["cards"] = dict(stamp, runs=n)
+        save()
+    if "healthy" in parts:
+        wls = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
+        out["parts"]["healthy"] = dict(stamp, repeats=repeats)
+
+        def save_healthy(runs: list[dict[str, Any]]) -> None:
+            out["healthy"] = runs
+            save()
+
+        out["healthy"] = healthy(wls, repeats, args.quick, args.lock, load, log, save_healthy)
+    if "faults" in parts:
+        cases = [c for c in CASES if not args.kinds or c.name in args.kinds.split(",")]
+        kept = [r for r in (out.get("faults") or {}).get("runs", []) if r["case"] not in {c.name for c in cases}]
+        first = dict((out.get("faults") or {}).get("first_step", {}))
+        for c in cases:
+            out["parts"][f"faults:{c.name}"] = dict(stamp, runs=n)
+
+        def save_faults(got: dict[str, Any]) -> None:  # the other kinds' former runs kept
+            out["faults"] = {"runs": kept + got["runs"], "first_step": dict(first, **got["first_step"])}
+            save()
+
+        deadline = t0 + args.max_seconds if args.max_seconds else None
+        save_faults(faults(cases, n, args.seed, args.lock, load, log, save_faults, deadline=deadline))
     load.stop()
     out["summary"] = summarise(out)
     print(render(out))
