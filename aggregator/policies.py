@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mindpulse.baselines import MAD_SIGMA, START_WARMUP_STEPS, Baseline, Phase
+from mindpulse.baselines import MAD_SIGMA, RECENT_STEPS, START_WARMUP_STEPS, Baseline, Phase
 from mindpulse.config import DEFAULT_RULES, AnomalyRuleConfig, RuleKind, resolve_rule, sections_of
 from mindpulse.formatting import general
 from mindpulse.protocol import Action
@@ -433,10 +433,11 @@ class ComputeDropRule(Rule):
         peak = red.peak_tflops
         if peak:
             what, value, limit = "MFU", v / peak, self.factor * m / peak
-            nums = f"MFU {value:.3g} ({v:.3g} TFLOPS) against its median {m / peak:.3g} ({m:.3g} TFLOPS)"
+            nums = (f"MFU {value:.3g} ({v:.3g} TFLOPS, its last {RECENT_STEPS} steps' median) against its median "
+                    f"{m / peak:.3g} ({m:.3g} TFLOPS)")
         else:
             what, value, limit = "achieved TFLOPS", v, self.factor * m
-            nums = f"{v:.3g} TFLOPS against its median {m:.3g}"
+            nums = f"{v:.3g} TFLOPS (its last {RECENT_STEPS} steps' median) against its median {m:.3g}"
         base = (f" (baseline: its median over {n} steps after a {START_WARMUP_STEPS}-step warm-up, MAD "
                 f"{mad:.3g} TFLOPS)" if n else "")
         others = held[r]

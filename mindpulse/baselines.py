@@ -38,9 +38,13 @@ compile, cold caches; nvidia-resiliency-ext's straggler detector also skips 5)."
 PAUSE_WARMUP_STEPS = 2
 """Steps a timing baseline leaves out after an evaluation, a checkpoint write or a profiler
 window: the step that carries it and the next one."""
-NOISE_SIGMAS = 3.0
-"""A timing drop counts only this many robust standard deviations (1.4826 x MAD) below the
-median: what a shared host's step-time noise does not reach."""
+RECENT_STEPS = 3
+"""A compute drop is judged on the median of a rank's last 3 steps, not on one step: one
+slow step (a page fault, another process's burst) is not a drop."""
+NOISE_SIGMAS = 2.0
+"""A compute drop counts only when that 3-step median lies this many robust standard
+deviations of single steps (1.4826 x MAD) below the baseline's median, about 3 standard errors
+of a 3-step median: what a shared host's step-time noise does not reach."""
 MAD_SIGMA = 1.4826
 """MAD x this estimates a normal distribution's standard deviation."""
 
@@ -185,22 +189,28 @@ below it) is flagged (the `compute_drop` rule's factor, at most this, decides wh
 
 class NodeComputeDrops:
     """Each rank's achieved TFLOPS over a rolling window, kept where its packets are: on its
-    node (node/relay.py), or in the aggregator on the flat path (no relays, replays). Only the
-    ranks below FLAG_RATIO x their own median, and below it by more than the window's noise,
-    travel on — [rank, TFLOPS, median, MAD, steps in the baseline] — so the aggregator's work
-    per step follows the nodes and the flagged ranks, not the world. A rank is judged only
-    once its baseline is established (a warm-up, then a full window)."""
+    node (node/relay.py), or in the aggregator on the flat path (no relays, replays). A rank
+    is judged only once its baseline is established (a warm-up, then a full window), on the
+    median of its last `RECENT_STEPS` steps; only the ranks whose recent level is below
+    FLAG_RATIO x their baseline's median, and below it by more than the baseline's noise,
+    travel on — [rank, recent TFLOPS, median, MAD, steps in the baseline] — so the
+    aggregator's work per step follows the nodes and the flagged ranks, not the world."""
 
     def __init__(self, window: int, warmup: int = START_WARMUP_STEPS):
         self.window = max(1, window)
         self.warmup = warmup
         self.history: dict[int, Baseline] = {}
+        self.recent: dict[int, deque[float]] = {}
+        """Each rank's last RECENT_STEPS figures: their median is what is judged."""
+        self.pending: dict[int, deque[float]] = {}
+        """Each rank's figures not yet in its baseline: a figure joins it only once the steps
+        after it showed no drop, so the start of a drop does not lower the bar it is judged by."""
         self.low: dict[int, deque[float]] = {}
-        """Each flagged rank's figures since its drop began: kept out of its baseline (a drop
-        must not lower the bar it is judged by) until it lasted a whole window, then its new level."""
+        """Each flagged rank's figures since its drop began: kept out of its baseline until the
+        drop lasted a whole window, then its new level."""
 
     def update(self, step: int, packets: Mapping[int, StepPacket | Any]) -> list[list[Any]]:
-        """[[rank, TFLOPS, its median, its MAD, steps in its baseline], ...] of the flagged ranks."""
+        """[[rank, recent TFLOPS, its median, its MAD, steps in its baseline], ...] of the flagged ranks."""
         out: list[list[Any]] = []
         for r in sorted(packets):
             p = packets[r]
@@ -211,13 +221,21 @@ class NodeComputeDrops:
             b = self.history.get(r)
             if b is None:
                 b = self.history[r] = Baseline(self.window, self.warmup)
+            recent = self.recent.setdefault(r, deque(maxlen=RECENT_STEPS))
+            pending = self.pending.setdefault(r, deque())
             phase = b.observe(step, paused(p))
             if phase is Phase.WARMING:
+                recent.clear()
+                pending.clear()
                 continue
-            if phase is Phase.JUDGING:
+            recent.append(v)
+            pending.append(v)
+            if phase is Phase.JUDGING and len(recent) == RECENT_STEPS:
                 med, mad = b.stats()
-                if med > 0 and v < FLAG_RATIO * med and v < med - NOISE_SIGMAS * MAD_SIGMA * mad:
-                    out.append([int(r), v, float(med), float(mad), len(b.values)])
+                level = median(recent)
+                if med > 0 and level < FLAG_RATIO * med and level < med - NOISE_SIGMAS * MAD_SIGMA * mad:
+                    out.append([int(r), level, float(med), float(mad), len(b.values)])
+                    pending.clear()
                     low = self.low.setdefault(r, deque(maxlen=self.window))
                     low.append(v)
                     if len(low) >= self.window:  # a lasting new level: the baseline from now on
@@ -226,5 +244,6 @@ class NodeComputeDrops:
                         del self.low[r]
                     continue
             self.low.pop(r, None)
-            b.add(v)
+            while len(pending) >= RECENT_STEPS:
+                b.add(pending.popleft())
         return out
