@@ -294,23 +294,32 @@ def healthy(workloads: list[Workload], repeats: int, quick: bool, lock: str | No
             log, save=None) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     for rep in range(repeats):
-        for wl in workloads:  # workloads interleaved: a disturbed minute does not hit one workload only
-            steps = wl.quick_steps if quick else wl.steps
-            with tempfile.TemporaryDirectory(prefix="mindpulse-bench-rules-ckpt-") as ck:
-                r = launch(wl.args(steps, Path(ck)), timeout_s=300 + steps * wl.ranks * 2.0, lock=lock)
-            fl = load.window(r["started"], r["started"] + r["wall_s"])
-            s = r["summary"]
-            rec = {"workload": wl.name, "repeat": rep, "ranks": wl.ranks, "asked_steps": steps, "rc": r["rc"],
-                   "status": s.get("status"), "wall_s": r["wall_s"], "lock_wait_s": r["lock_wait_s"],
-                   "rank_steps": r["rank_steps"], "steps": r["steps"], "foreign_cores": fl["mean_cores"],
-                   "firings": [_firing_record(f) for f in r["firings"]], "tail": _tail(r)}
-            runs.append(rec)
-            if save is not None:
-                save(runs)
-            log(f"healthy {wl.name} #{rep + 1}: {rec['status']} rc {rec['rc']}, {rec['rank_steps']} rank-steps, "
-                f"{len(rec['firings'])} firings " + ", ".join(f"{f['rule']}@{f['step']}/r{f['rank']}"
-                                                             for f in rec["firings"])
-                + f" ({r['wall_s']:.0f}s, foreign {fl['mean_cores']:.2f} cores)")
+        with machine_lock(lock) as waited:  # a round at a time: others' launches run between rounds
+            log(f"healthy round {rep + 1}: the machine's launch lock taken after {waited:.0f}s")
+            runs += healthy_round(workloads, rep, quick, load, log, save, runs)
+    return runs
+
+
+def healthy_round(workloads: list[Workload], rep: int, quick: bool, load: C.ForeignLoad, log, save,
+                  former: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
+    for wl in workloads:  # workloads interleaved: a disturbed minute does not hit one workload only
+        steps = wl.quick_steps if quick else wl.steps
+        with tempfile.TemporaryDirectory(prefix="mindpulse-bench-rules-ckpt-") as ck:
+            r = launch(wl.args(steps, Path(ck)), timeout_s=300 + steps * wl.ranks * 2.0, lock=None)
+        fl = load.window(r["started"], r["started"] + r["wall_s"])
+        s = r["summary"]
+        rec = {"workload": wl.name, "repeat": rep, "ranks": wl.ranks, "asked_steps": steps, "rc": r["rc"],
+               "status": s.get("status"), "wall_s": r["wall_s"], "lock_wait_s": r["lock_wait_s"],
+               "rank_steps": r["rank_steps"], "steps": r["steps"], "foreign_cores": fl["mean_cores"],
+               "firings": [_firing_record(f) for f in r["firings"]], "tail": _tail(r)}
+        runs.append(rec)
+        if save is not None:
+            save(former + runs)
+        log(f"healthy {wl.name} #{rep + 1}: {rec['status']} rc {rec['rc']}, {rec['rank_steps']} rank-steps, "
+            f"{len(rec['firings'])} firings " + ", ".join(f"{f['rule']}@{f['step']}/r{f['rank']}"
+                                                         for f in rec["firings"])
+            + f" ({r['wall_s']:.0f}s, foreign {fl['mean_cores']:.2f} cores)")
     return runs
 
 
@@ -355,21 +364,28 @@ def faults(cases: list[FaultCase], n: int, seed: int, lock: str | None, load: C.
         out["first_step"][case.name] = first_fault_step(case.baseline, case.sets)
         rngs[case.name] = random.Random(f"{seed}:{case.name}")
     for i in range(n):
-        for case in cases:
-            if deadline is not None and time.time() > deadline:
-                log(f"deadline reached: {i} round(s) of {n} done")
-                return out
-            rec = fault_run(case, i, rngs[case.name], out["first_step"][case.name], span, lock, load)
-            out["runs"].append(rec)
-            if save is not None:
-                save(out)
-            d = rec["detections"][case.name]
-            log(f"fault {case.name} {rec['spec']}: " + (
-                f"caught by {d['by']} at step {d['step']} (rank {d['rank']}), {_s(d['seconds'])}"
-                if d["detected"] else f"NOT caught ({rec['status']}, rc {rec['rc']})")
-                + (f"; {len(d['early'])} firing(s) before the fault" if d["early"] else "")
-                + f" ({rec['wall_s']:.0f}s)")
+        if deadline is not None and time.time() > deadline:
+            log(f"deadline reached: {i} round(s) of {n} done")
+            return out
+        with machine_lock(lock) as waited:  # a round at a time: others' launches run between rounds
+            log(f"fault round {i + 1}: the machine's launch lock taken after {waited:.0f}s")
+            fault_round(cases, i, rngs, span, load, log, save, out)
     return out
+
+
+def fault_round(cases: list[FaultCase], i: int, rngs: dict[str, random.Random], span: int, load: C.ForeignLoad,
+                log, save, out: dict[str, Any]) -> None:
+    for case in cases:
+        rec = fault_run(case, i, rngs[case.name], out["first_step"][case.name], span, None, load)
+        out["runs"].append(rec)
+        if save is not None:
+            save(out)
+        d = rec["detections"][case.name]
+        log(f"fault {case.name} {rec['spec']}: " + (
+            f"caught by {d['by']} at step {d['step']} (rank {d['rank']}), {_s(d['seconds'])}"
+            if d["detected"] else f"NOT caught ({rec['status']}, rc {rec['rc']})")
+            + (f"; {len(d['early'])} firing(s) before the fault" if d["early"] else "")
+            + f" ({rec['wall_s']:.0f}s)")
 
 
 def _s(x: float | None) -> str:
