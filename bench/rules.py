@@ -369,13 +369,16 @@ def faults(cases: list[FaultCase], n: int, seed: int, lock: str | None, load: C.
             return out
         with machine_lock(lock) as waited:  # a round at a time: others' launches run between rounds
             log(f"fault round {i + 1}: the machine's launch lock taken after {waited:.0f}s")
-            fault_round(cases, i, rngs, span, load, log, save, out)
+            fault_round(cases, i, rngs, span, load, log, save, out, deadline)
     return out
 
 
 def fault_round(cases: list[FaultCase], i: int, rngs: dict[str, random.Random], span: int, load: C.ForeignLoad,
-                log, save, out: dict[str, Any]) -> None:
+                log, save, out: dict[str, Any], deadline: float | None = None) -> None:
     for case in cases:
+        if deadline is not None and time.time() > deadline:
+            log(f"deadline reached in round {i + 1}")
+            return
         rec = fault_run(case, i, rngs[case.name], out["first_step"][case.name], span, None, load)
         out["runs"].append(rec)
         if save is not None:
@@ -567,6 +570,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=47)
     ap.add_argument("--lock", default=os.environ.get("MINDPULSE_BENCH_LOCK"),
                     help="a lock file every launch holds while it runs (flock)")
+    ap.add_argument("--lock-scope", choices=["round", "run"], default="round",
+                    help="hold the lock a round at a time (others' launches run between rounds), or for the whole "
+                         "run once taken (a machine whose other users hold it for long sessions)")
     ap.add_argument("--merge-into", default=None, help="a former result: the parts run now replace its parts")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="no fault run starts after this many seconds (the rounds done are kept)")
@@ -591,10 +597,16 @@ def main() -> None:
         out["summary"] = summarise(out)
         C.write_result(args.json, "rules", out, t0)
 
+    lock = args.lock if args.lock_scope == "round" else None
     if "cards" in parts:  # first: in this process, beside no launch of ours
         out["cards"] = cards(n, args.seed, log)
         out["parts"]["cards"] = dict(stamp, runs=n)
         save()
+    if args.lock_scope == "run" and args.lock and parts - {"cards"}:
+        whole = open(args.lock, "a+")  # held until this process ends
+        t_wait = time.time()
+        fcntl.flock(whole, fcntl.LOCK_EX)
+        log(f"the machine's launch lock taken for the whole run after {time.time() - t_wait:.0f}s")
     if "healthy" in parts:
         wls = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
         out["parts"]["healthy"] = dict(stamp, repeats=repeats)
@@ -603,7 +615,7 @@ def main() -> None:
             out["healthy"] = runs
             save()
 
-        out["healthy"] = healthy(wls, repeats, args.quick, args.lock, load, log, save_healthy)
+        out["healthy"] = healthy(wls, repeats, args.quick, lock, load, log, save_healthy)
     if "faults" in parts:
         cases = [c for c in CASES if not args.kinds or c.name in args.kinds.split(",")]
         kept = [r for r in (out.get("faults") or {}).get("runs", []) if r["case"] not in {c.name for c in cases}]
@@ -616,7 +628,7 @@ def main() -> None:
             save()
 
         deadline = t0 + args.max_seconds if args.max_seconds else None
-        save_faults(faults(cases, n, args.seed, args.lock, load, log, save_faults, deadline=deadline))
+        save_faults(faults(cases, n, args.seed, lock, load, log, save_faults, deadline=deadline))
     load.stop()
     out["summary"] = summarise(out)
     print(render(out))
