@@ -42,9 +42,11 @@ RECENT_STEPS = 3
 """A compute drop is judged on the median of a rank's last 3 steps, not on one step: one
 slow step (a page fault, another process's burst) is not a drop."""
 NOISE_SIGMAS = 2.0
-"""A compute drop counts only when that 3-step median lies this many robust standard
-deviations of single steps (1.4826 x MAD) below the baseline's median, about 3 standard errors
-of a 3-step median: what a shared host's step-time noise does not reach."""
+"""A timing effect counts only beyond this many robust standard deviations of single steps
+(1.4826 x MAD) of the baseline: a compute drop's 3-step median must lie that far below its
+median (about 3 standard errors of a 3-step median), and a straggler's median busy time that
+far above the fastest rank's (its score discounts the fastest rank's noise): what a shared
+host's step-time noise does not reach."""
 MAD_SIGMA = 1.4826
 """MAD x this estimates a normal distribution's standard deviation."""
 
@@ -158,8 +160,9 @@ class NodeStragglers:
         self.history: dict[int, Baseline] = {}
 
     def update(self, step: int, packets: Mapping[int, StepPacket]) -> dict[str, Any] | None:
-        """Medians after this step: {"fast": node's fastest median, "med": [[rank, median]...],
-        "n": steps in each median, "w": warm-up steps}."""
+        """Medians after this step: {"fast": node's fastest median, "fast_mad": that rank's MAD
+        (its busy time's noise), "med": [[rank, median]...], "n": steps in each median, "w":
+        warm-up steps}."""
         if step == 0:
             return None
         times = [p.step_time_s for p in packets.values() if p.step_time_s is not None and math.isfinite(p.step_time_s)]
@@ -178,8 +181,9 @@ class NodeStragglers:
         meds = sorted(((median(b.values), r) for r, b in self.history.items() if b.established), reverse=True)
         if not meds:
             return None
-        return {"fast": meds[-1][0], "med": [[r, m] for m, r in meds], "n": self.window,
-                "w": self.warmup}
+        fast, fastest = meds[-1]
+        return {"fast": fast, "fast_mad": self.history[fastest].stats()[1], "med": [[r, m] for m, r in meds],
+                "n": self.window, "w": self.warmup}
 
 
 FLAG_RATIO = 0.95

@@ -17,7 +17,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
-from mindpulse.baselines import START_WARMUP_STEPS, NodeStragglers
+from mindpulse.baselines import MAD_SIGMA, NOISE_SIGMAS, START_WARMUP_STEPS, NodeStragglers
 from mindpulse.metrics import DERIVED, Reduce, aliases, kept_extremes, reductions, totals
 from mindpulse.partial import (
     EXACT_ONE,
@@ -35,17 +35,22 @@ from mindpulse.protocol import StepPacket
 
 def straggler_scores(inputs: Iterable[dict[str, Any]], threshold: float, every_rank: bool = False,
                      also: Container[int] = ()) -> dict[int, float]:
-    """Scores (fastest median over all nodes / the rank's median) of the ranks below
-    `threshold` — each node's list is read only while it holds such ranks — and of the
-    ranks in `also` (a collect step's window), or of every rank."""
+    """Scores of the ranks below `threshold` — each node's list is read only while it holds
+    such ranks — and of the ranks in `also` (a collect step's window), or of every rank.
+
+    A score is the fastest rank's median busy time over all nodes, plus that rank's noise
+    (`NOISE_SIGMAS` x 1.4826 x its MAD: the step-to-step jitter a shared host shows), over the
+    rank's median, at most 1: a rank slower than the fastest only by what the host's noise
+    explains scores 1 (on 4 ms steps a millisecond of scheduling jitter is no straggler)."""
     inputs = [x for x in inputs if x]
     if sum(len(x["med"]) for x in inputs) < 2:
         return {}  # one rank alone is no comparison
-    fastest = min(x["fast"] for x in inputs)
+    best = min(inputs, key=lambda x: x["fast"])
+    fastest = best["fast"] + NOISE_SIGMAS * MAD_SIGMA * float(best.get("fast_mad") or 0.0)
     scores: dict[int, float] = {}
     for x in inputs:
         for r, m in x["med"]:  # slowest first
-            score = fastest / m if m > 0 else 1.0
+            score = min(1.0, fastest / m) if m > 0 else 1.0
             if score >= threshold and not every_rank:
                 if not also:
                     break

@@ -199,7 +199,7 @@ class MonitorConfig:
     first graph compile, the first collective's connection) before the job is declared
     hung; the hang clock starts after that step (0: msrun.cluster_time_out)."""
     straggler_threshold: float = 0.7
-    """Ranks scoring below this (fastest rank's effective step time / theirs) are stragglers."""
+    """Ranks scoring below this (fastest rank's median busy time, plus its noise, / theirs) are stragglers."""
     straggler_window: int = 10
     """Steps in the rolling window of the straggler score."""
     weight_stats: bool = True

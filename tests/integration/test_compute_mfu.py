@@ -67,6 +67,8 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
     recs = json.loads((r.run_dir / "anomalies.json").read_text())
     strag = [x for x in recs if x["rule"] == "straggler"]
     assert strag and {x["rank"] for x in strag} == {1}, recs
-    assert strag[0]["step"] <= SLOW_FROM + 4, strag
+    # the window (4 steps) fills with slow steps, the score discounts the fastest rank's noise,
+    # then patience (2 steps)
+    assert strag[0]["step"] <= SLOW_FROM + 5, strag
     assert "STRAGGLER" in r.stdout
     assert_offline_straggler_scores_are_the_live_ones(r.run_dir)
