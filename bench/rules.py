@@ -136,6 +136,10 @@ CARD_CASE = ("card", "a card over temperature (recorded npu-smi output, 99 C)",
              "no card: the npu-smi sampler on recorded Atlas 800T A2 output, its samples fed to the aggregator's "
              "code in-process (no launch)")
 LAUNCHER_KINDS = {"hang", "crash"}
+REPEATS = 3
+"""Healthy repeats of each workload (the campaign's minimum)."""
+RUNS = 5
+"""Runs of each fault kind (the campaign's minimum)."""
 
 FIELD = [
     ("Mycroft", "90% of anomalies within 15 s"),
@@ -438,21 +442,33 @@ def render(out: dict[str, Any]) -> str:
         parts.append("Parts: " + "; ".join(
             f"{k} at {v.get('date')} (commit {v.get('commit')}" + (", quick" if v.get("quick") else "") + ")"
             for k, v in stamps.items()) + ".")
+    short = [f"healthy: {v['repeats']} repeat(s) of {REPEATS}" for k, v in stamps.items()
+             if k == "healthy" and not v.get("quick") and (v.get("repeats") or REPEATS) < REPEATS]
+    short += [f"{k.split(':', 1)[1]}: {v['runs']} run(s) of {RUNS}" for k, v in stamps.items()
+              if k.startswith("faults:") and not v.get("quick") and (v.get("runs") or RUNS) < RUNS]
+    if short:
+        parts.append("**Cut short** (the shared machine's launch lock was free for too little of the time this run "
+                     "had): " + "; ".join(short) + ". These figures are that many runs, not the campaign's minimum.")
     fa = summ["false_alarms"]
     if fa["total"]["runs"]:
         rows = []
         whats = {w.name: w.what for w in WORKLOADS}
+        def busy(name: str | None) -> str:
+            xs = [r.get("foreign_cores") for r in out.get("healthy", []) if name in (None, r["workload"])]
+            xs = [x for x in xs if x is not None]
+            return f"{sum(xs) / len(xs):.2f}" if xs else "-"
+
         for name, w in fa["by_workload"].items():
             rows.append([whats.get(name, name), w["runs"], f"{w['rank_steps']:,}", f"{w['steps']:,}", w["firings"],
                          _f(w["per_1000_rank_steps"]), _f(w["per_1000_steps"]),
-                         ", ".join(f"{k} {v}" for k, v in w["by_rule"].items()) or "none"])
+                         ", ".join(f"{k} {v}" for k, v in w["by_rule"].items()) or "none", busy(name)])
         t = fa["total"]
         rows.append(["**all**", t["runs"], f"{t['rank_steps']:,}", f"{t['steps']:,}", t["firings"],
                      _f(t["per_1000_rank_steps"]), _f(t["per_1000_steps"]),
-                     ", ".join(f"{k} {v}" for k, v in t["by_rule"].items()) or "none"])
+                     ", ".join(f"{k} {v}" for k, v in t["by_rule"].items()) or "none", busy(None)])
         parts.append("False alarms on healthy runs (no fault injected; target: 0 per 1,000 healthy steps):")
         parts.append(C.table(["workload", "runs", "rank-steps", "steps", "firings", "per 1,000 rank-steps",
-                              "per 1,000 steps", "by rule"], rows))
+                              "per 1,000 steps", "by rule", "other processes' cores meanwhile (mean)"], rows))
         msgs = [f"- {r['workload']} #{r['repeat'] + 1}: {f['rule']} (rank {f['rank']}, step {f['step']}): "
                 f"{f['message']}" for r in out.get("healthy", []) for f in r["firings"]]
         if msgs:
@@ -580,8 +596,8 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     parts = set(args.part.split(","))
-    repeats = args.repeats or (1 if args.quick else 3)
-    n = args.runs or (1 if args.quick else 5)
+    repeats = args.repeats or (1 if args.quick else REPEATS)
+    n = args.runs or (1 if args.quick else RUNS)
     load = C.ForeignLoad(interval_s=1.0).start()
 
     def log(msg: str) -> None:
