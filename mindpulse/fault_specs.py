@@ -20,6 +20,10 @@ class FaultKind(str, enum.Enum):
     CRASH = "crash"
     HANG = "hang"
     SLOW = "slow"
+    THROTTLE = "throttle"
+    """From the step on, the rank's own computation takes longer (a sleep inside its forward
+    pass, before its gradients are ready): a throttled or failing card, where `slow` delays
+    the data path instead. PYNATIVE only (a compiled graph runs no Python hook)."""
     DESYNC = "desync"
     SLOW_SAVE = "slow_save"
     """Rank 0's checkpoint write at the step takes longer (`slow_save@0:STEP`): rehearses

@@ -29,6 +29,10 @@ GRAD_SPIKE_FACTOR = 1000.0
 """The rank's local gradients of the step are multiplied by this before the all-reduce."""
 SLOW_DELAY_S = 1.5
 """Delay added to every step's data path from the fault's step on."""
+THROTTLE_S = 2.0
+"""throttle@R:S: delay added inside every step's forward pass of rank R from step S on, so
+its compute (up to its gradients) takes this much longer: its achieved TFLOPS fall, and so
+its straggler score, while its data wait does not move."""
 DESYNC_DELTA = 1e-3
 """Added to one weight tensor of the rank: small, but every fingerprint sees it."""
 SLOW_SAVE_S = 8.0
@@ -89,11 +93,39 @@ class FaultInjector:
         self.train_cell: Any = None
         self.network: Any = None
         self._armed_scale = False
+        self._throttle_due = False
+        self._throttle_hooked = False
         self.fired: list[str] = []
 
     def bind(self, train_cell: Any, network: Any) -> None:
         self.train_cell = train_cell if train_cell is not None else self.train_cell
         self.network = network if network is not None else self.network
+        if any(f.kind is FaultKind.THROTTLE for f in self.faults):
+            self._hook_throttle()
+
+    def _hook_throttle(self) -> None:
+        """A forward pre-hook on the network: the delay lands inside the step's computation
+        (after the step's start, before the gradients are ready), not in its data path."""
+        if self._throttle_hooked or self.network is None:
+            return
+        import mindspore as ms
+
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            log.warning("[rank %d] cannot inject throttle: GRAPH mode compiles the step (no Python hook runs "
+                        "inside it); use train.mode: pynative", self.rank)
+            return
+
+        def _delay(cell: Any, inputs: Any) -> None:
+            if self._throttle_due:  # once a step: the gradient pass runs the forward again
+                self._throttle_due = False
+                time.sleep(THROTTLE_S)
+
+        try:
+            self.network.register_forward_pre_hook(_delay)
+        except Exception as exc:  # a network without hooks: the fault cannot act, said in the log
+            log.warning("[rank %d] cannot inject throttle: %s", self.rank, exc)
+            return
+        self._throttle_hooked = True
 
     def _set(self, name: str, value: float) -> None:
         import mindspore as ms
@@ -109,6 +141,10 @@ class FaultInjector:
         for f in self.faults:
             if f.kind is FaultKind.SLOW and step >= f.step:
                 time.sleep(SLOW_DELAY_S)
+                if step == f.step:
+                    self._note(f)
+            if f.kind is FaultKind.THROTTLE and step >= f.step:
+                self._throttle_due = True
                 if step == f.step:
                     self._note(f)
             if f.step != step:
