@@ -1,6 +1,6 @@
 """Compute end to end: tokens/s, achieved TFLOPS and MFU on a real 2-rank CPU run measured
-against the pre-flight check's peak; a rank whose data path slows is named by the
-compute_drop rule and, from the same run, by the straggler rule."""
+against the pre-flight check's peak; a rank whose compute slows (a throttled card) is named
+by the compute_drop rule and, from the same run, by the straggler rule."""
 
 from __future__ import annotations
 
@@ -19,14 +19,13 @@ SLOW_FROM = 14
 rules judge nothing before; a drop at step 8 of this run's healthy steps once fired here)."""
 DROP_WINDOW = 6
 BATCH = 2
-"""A small batch keeps each step's compute short against the fault's 1.5 s sleep."""
-DROP_FACTOR = 0.8
-"""The compute_drop rule's factor here (default 0.7). Rank 1's TFLOPS are counted over its step,
-data wait included: the 1.5 s sleep takes them to 1 / (1 + 1.5 s / compute). With this
-machine's PYNATIVE steps at 0.5-1.5 s (dispatch bound: the batch size hardly moves it) that is
-0.25-0.5 in theory and measured 0.68-0.70 at the slow end (rank 0 then waits in the
-all-reduce and rank 1's own compute shrinks), which the default 0.7 misses. Before the fault
-three consecutive steps under 0.8 x the median did not occur (lowest 0.87)."""
+"""A small batch keeps each step's compute short against the fault's 2 s."""
+DROP_FACTOR = 0.7
+"""The compute_drop rule's default factor. `throttle` puts 2 s inside rank 1's own compute
+each step (its forward pass), against this machine's PYNATIVE compute of 0.5-1.5 s: its TFLOPS
+fall to a third or less. (`slow`, a 1.5 s data-path sleep, moved them only to 0.7-0.8 of their
+median on a loaded machine: rank 0 gets the cores while rank 1 sleeps, which is the host's
+noise, not a card's drop; the straggler rule is its rule.)"""
 
 
 def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_and_straggler(run_cli):
@@ -35,7 +34,7 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
                 "--set", f"anomalies=[{{rule: compute_drop, factor: {DROP_FACTOR}, for_steps: 3, "
                          f"window: {DROP_WINDOW}}}]",
                 "--set", "preflight.enabled=true", "--set", "preflight.action=warn",  # its figure, not its verdict
-                "--inject", f"slow@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600,
+                "--inject", f"throttle@1:{SLOW_FROM}", "--set", "monitor.per_print_step=11", timeout=600,
                 report=True)
     assert r.returncode == 0, r.output
     comp = r.summary["compute"]
@@ -44,7 +43,7 @@ def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_an
     pre = json.loads((r.run_dir / "preflight.json").read_text())
     assert comp["peak_tflops"] == pytest.approx(pre["median"]["matmul_gflops"] / 1000)
     assert comp["tokens_per_s"] > 0 and comp["tflops_per_card"] > 0
-    # rank 1's own TFLOPS fall once its data path sleeps; rank 0's do not
+    # rank 1's own TFLOPS fall once its compute is throttled; rank 0's do not
     tf = {0: {}, 1: {}}
     for p in read_packets(r.run_dir / "metrics.msgpack"):
         if isinstance(p, StepPacket) and p.tflops is not None:
