@@ -32,7 +32,8 @@ lint: setup
 # at most 4): `make test-quick` the quick ones, `make test` the slow ones among them too
 # (graph compiles, long property searches, the browser). Then the `cluster` ones (real
 # clusters and ranks on every core: they judge speed and timeouts) one at a time, their
-# slowest listed at the end: the suite must stay under 25 minutes here (about 22.5 with the multi-host tests)
+# slowest listed at the end: the budget is 25 minutes here; on 2026-12-07 the 78 cluster tests took 37.9 min
+# (the two compat-matrix pairs, the headless head and the multi-host tests are the slowest: issue 47 point 5)
 PARALLEL := -n auto --maxprocesses 4
 QUICK    := -m "not slow" $(PARALLEL)
 
