@@ -27,7 +27,6 @@ from mindpulse.framework_support import (
 )
 from mindpulse.node.framework_probe import NodeProbe
 
-"""Built-in recipes that train a MindFormers model (their ranks import MindFormers)."""
 DEVICE_PLUGIN = {Device.CPU: "CPU", Device.GPU: "GPU", Device.ASCEND: "Ascend"}
 """MindSpore's name of each `world.device` (its device target and plugin)."""
 
@@ -53,10 +52,9 @@ class Verdict:
 
 
 def mindformers_source(cfg: RunConfig) -> str:
-    """`job.mindformers.source` where the config has that key (a MindFormers tree put first on
-    the ranks' path), else empty."""
+    """`job.mindformers.source` (a MindFormers tree put first on the ranks' path), else empty."""
     mf = cfg.job.mindformers
-    return str(getattr(mf, "source", "") or "") if mf is not None else ""
+    return mf.source if mf is not None else ""
 
 
 def _where(path: str | None, origin: str) -> str:
