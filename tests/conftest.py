@@ -166,3 +166,15 @@ def last_steps(run_dir: Path) -> dict[int, int]:
         if o.get("t") == "step":
             out[o["rank"]] = max(out.get(o["rank"], 0), o["step"])
     return out
+
+
+# Cluster tests run side by side (`make test`: pytest-xdist, `--dist loadgroup`): each test file
+# is one group, so that a file's launches and its module-scoped fixtures (one launch serving
+# several checks) stay in one worker; files that share a machine-wide resource name it instead
+# (`xdist_group("netns")`: the multi-host test bed's fixed subnet). tryfirst: xdist reads the
+# group marks in its own collection hook, which must see these.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("cluster") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(Path(str(item.fspath)).stem))

@@ -28,6 +28,8 @@ median on a loaded machine: rank 0 gets the cores while rank 1 sleeps, which is 
 noise, not a card's drop; the straggler rule is its rule.)"""
 
 
+# a slow rank is judged against the others' speed: another launch on the cores would be noise it must not see
+@pytest.mark.exclusive
 def test_mfu_against_the_preflight_peak_and_a_slow_rank_named_by_compute_drop_and_straggler(run_cli):
     r = run_cli("launch", "--set", "train.steps=21", "--set", f"train.batch_size={BATCH}",
                 "--set", "monitor.straggler_window=4",

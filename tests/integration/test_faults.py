@@ -76,6 +76,8 @@ class LiveRun:
         assert not alive, f"processes left behind: {alive}"
 
 
+# the launcher must exit within 15 s of the kill
+@pytest.mark.exclusive
 def test_sigkill_of_rank_1_names_it_as_root_cause(tmp_path):
     run = LiveRun(tmp_path, "--set", "train.steps=200", "--set", "checkpoint.save_checkpoint_steps=2")
     run.wait_for_step(3)
@@ -99,6 +101,8 @@ def test_sigkill_of_rank_1_names_it_as_root_cause(tmp_path):
     assert int(params["step"].asnumpy()) == newest["step"]
 
 
+# the hang limit (10 s) is wall-clock time
+@pytest.mark.exclusive
 def test_sigstop_of_rank_1_is_reported_as_a_hang_with_stacks(tmp_path):
     run = LiveRun(tmp_path, "--set", "train.steps=300", "--set", "monitor.hang_timeout_s=10")
     run.wait_for_step(2)
@@ -134,6 +138,8 @@ def assert_in_training_loop(run_dir: Path, rank: int) -> str:
     return text
 
 
+# the hang is named 25-29 s after the last progress (auto limit on CPU ranks)
+@pytest.mark.exclusive
 def test_an_injected_hang_names_the_blocked_rank_not_the_one_waiting_for_it(tmp_path):
     """hang@1:12 on ~1.5 s steps (slow@1:1), under the default `monitor.hang_timeout_s: auto`:
     rank 1 blocks at step 12 with its heartbeat alive; rank 0 waits for it inside step 12 (its
@@ -156,6 +162,8 @@ def test_an_injected_hang_names_the_blocked_rank_not_the_one_waiting_for_it(tmp_
     run.assert_nothing_left()
 
 
+# a 4 s hang limit beside an 8 s write: a step slowed by another launch would be a hang
+@pytest.mark.exclusive
 def test_a_checkpoint_write_longer_than_the_hang_limit_is_not_a_hang(tmp_path):
     """slow_save@0:10: rank 0's best checkpoint at step 10 takes 8 s, twice the hang limit, while
     rank 1 waits in the next all-reduce: rank 0's heartbeat says it is saving, so no hang."""

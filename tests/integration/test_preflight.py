@@ -29,6 +29,8 @@ def test_preflight_json_on_the_default_config(run_cli):
     assert not (r.run_dir / "summary.json").exists()  # nothing trained: no run summary
 
 
+# the slow card is judged by its measured speed
+@pytest.mark.exclusive
 def test_a_slow_card_refuses_the_launch_before_training(run_cli):
     # action stop: refused for any slow card (4x the work measures 0.3-0.6 x the median on this
     # shared 2-core machine, around the refuse ratio; the two bounds are unit-tested)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -981,20 +980,17 @@ def test_rendered_tables_round_trip(layout, values, rnd):
     assert dicts(result) == [expected_dict(c, layout) for c in cards], text
 
 
-def test_five_megabyte_inputs_parse_quickly():
+def test_five_megabyte_inputs_parse_whole():
+    """A 5 MB table and 5 MB of garbage: every card of every copy, nothing raised. How fast is
+    the benchmark's to say (bench/npu_smi_parse.py, docs/benchmarks.md), not a timed assert's."""
     table = load("info_910b3_a2_8cards_busy.txt")
     reps = 5_000_000 // len(table)
-    start = time.perf_counter()
     result = parse_npu_smi(table * reps)
-    elapsed = time.perf_counter() - start
     check_invariants(result)
     assert len(result.cards) == 8 * reps
     # each copy's process table goes to the cards printed just above it
     assert [len(c.processes) for c in result.cards] == [8, 1, 1, 1, 1, 1, 1, 1] * reps
-    assert elapsed < 5.0, elapsed
 
     rnd = random.Random(5)
     garbage = rnd.randbytes(5_000_000).decode("utf-8", errors="replace")
-    start = time.perf_counter()
     check_invariants(parse_npu_smi(garbage))
-    assert time.perf_counter() - start < 5.0
