@@ -52,8 +52,8 @@ def documented_path(text: str) -> tuple[dict[str, dict[str, list[str]]], dict[tu
     """From the fenced `step-path` block under HEADING: {leg: {place: [module, ...]}}, and
     {(place, module): entries per step} for the lines of the step's legs that give a count
     (`xN` after the module; the driver's poll is no part of the step)."""
-    at = text.find(HEADING)
-    assert at >= 0, f"docs/architecture.md has no section {HEADING!r}"
+    at = text.find("\n## " + HEADING)
+    assert at >= 0, f"docs/architecture.md has no section `## {HEADING}`"
     block = re.search(r"```step-path\n(.*?)```", text[at:], re.S)
     assert block, f"no ```step-path block under {HEADING!r} in docs/architecture.md"
     legs: dict[str, dict[str, list[str]]] = {}
