@@ -29,6 +29,8 @@ import _common as C
 
 RESULTS = C.BENCH / "results"
 DOC = C.ROOT / "docs" / "benchmarks.md"
+INVESTIGATIONS = C.BENCH / "investigations.md"
+"""The dated notes measured by hand (docs/architecture.md's choices), copied at the end of the document."""
 FOREIGN_BUSY_CORES = C.QUIET_CORES
 """Mean cores used by other processes above which a piece counts as disturbed."""
 
@@ -331,7 +333,7 @@ def targets_table(res: dict, total_s: float, budget_s: float, rules_wall_s: floa
             rows.append([f"{t['ranks']:,} ranks at {t['rate']:g} steps/s, TensorBoard on{scraped}: "
                          + ", ".join(limits) + what, got,
                          "met" if j["met"] else "missed", "all limits held" if not missed else
-                         "missed: " + ", ".join(missed) + ("; where the aggregator's time goes: docs/architecture.md, "
+                         "missed: " + ", ".join(missed) + ("; where the aggregator's time goes: the investigations below, "
                                                           "'Where the aggregator's time goes at 32,768 ranks'"
                                                           if t["ranks"] >= 32768 else "")])
         if fi.get("agent_a3"):
@@ -678,6 +680,7 @@ def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) 
                         + (" (discarded repeats included)." if any(p.max_s for p in PIECES if p.name == n) else ".")
                         + (f" Arguments: `{' '.join(w.args)}`." if w.args else ""), "", text, ""]
             lines_console += [f"\n## {title}" + RELATED_TITLES.get(n, ""), text]
+    doc += [INVESTIGATIONS.read_text().strip(), ""]
     squeeze = lambda text: re.sub(r"\n{3,}", "\n\n", text)  # noqa: E731
     return {"doc": squeeze("\n".join(doc)).rstrip() + "\n", "console": squeeze("\n".join(lines_console))}
 

@@ -239,7 +239,7 @@ class UplinkServer:
         """Send `frame` at the end of this turn of the loop, with whatever else this turn
         sends the same connection: the lease a node's frame completed and that frame's ack
         leave in one write, and the node is woken once for both (a wake-up is what costs
-        the node agent most: measured, see docs/architecture.md)."""
+        the node agent most: measured, see docs/benchmarks.md, "Investigations")."""
         out = self._out.get(writer)
         if out is None:
             out = self._out[writer] = []

@@ -29,7 +29,7 @@ A rank's packet of a step is held, undecoded, until every rank of the node has s
 part (or the flush timer, or the decision that needs it, comes first); the step is then
 decoded and reduced in one go: on the machine that trains, a wake-up between the ranks'
 frames starts cold, so the same work done frame by frame costs more CPU than done at once
-(docs/architecture.md, "What a step costs the node agent").
+(docs/benchmarks.md, "Investigations": "What a step costs the node agent").
 
 What goes up in one call (`NodeBatch`): the raw bytes of the step packets (appended to
 `metrics.msgpack` as they are: validated here, never decoded again), the other packets
