@@ -452,7 +452,9 @@ class AggregatorActor:
             if done:
                 self._uplink.answer_ready()  # verdicts leave with the lease, before the views below
         if done:
-            asyncio.get_running_loop().call_soon(self.core.run_sinks)
+            # straight to the sinks: the views' turn is theirs, not the pipeline's (core is
+            # entered once a step on the way up and once for the lease on the way down)
+            asyncio.get_running_loop().call_soon(self.core.sinks.run)
 
     async def ingest(self, batch: list[bytes]) -> int:
         done = self.core.ingest(batch)
