@@ -82,13 +82,18 @@ from typing import Any  # noqa: E402
 import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 
-CONFIGS = ["none", "mp_default", "mp_cell", "loss_monitor", "mf_loss", "summary_10", "summary_1"]
+CONFIGS = ["none", "mp_default", "mp_cell", "loss_monitor", "mf_loss", "mp_script", "mf_cell", "mp_mindformers",
+           "mf_cell_mf_loss", "summary_10", "summary_1"]
 LABELS = {
     "none": "TrainOneStepCell, no callback",
     "mp_default": "mindpulse default (cell + Monitor + relay)",
     "mp_cell": "of which: MonitoredTrainOneStepCell alone",
     "loss_monitor": "MindSpore LossMonitor",
     "mf_loss": "MindFormers MFLossMonitor",
+    "mp_script": "mindpulse, unmodified script (auto-attach: plain cell + grad probe + Monitor)",
+    "mf_cell": "MindFormers MFTrainOneStepCell, no callback",
+    "mp_mindformers": "mindpulse, MindFormers path (MFTrainOneStepCell + MindPulseMonitor)",
+    "mf_cell_mf_loss": "MFTrainOneStepCell + MFLossMonitor",
     "summary_1": "SummaryCollector(collect_freq=1)",
     "summary_10": "SummaryCollector(collect_freq=10)",
 }
@@ -116,7 +121,8 @@ the ~200 ms step."""
 OVER_MF_LIMIT_MS = 0.5
 """...and in every repeat, default monitoring adds at most this much more to a step than
 MindFormers' MFLossMonitor adds to the same bare step."""
-PINNED_CONFIGS = ("none", "mp_default", "mp_cell", "loss_monitor", "mf_loss")
+PINNED_CONFIGS = ("none", "mp_default", "mp_cell", "loss_monitor", "mf_loss", "mp_script", "mf_cell",
+                  "mp_mindformers", "mf_cell_mf_loss")
 """Configurations timed with the rank pinned (the targets' layout). SummaryCollector is timed
 unpinned only: pinned, its writer process (the rank's child) shares the rank's one core and
 a step took ~9x the bare step (117 ms against 13 ms in a quick run), which would take most of
@@ -131,6 +137,15 @@ are run again only until then)."""
 PROFILE_STEPS = {"small": 100, "larger": 30}
 """Steps of `mp_default` run once more with its parts clocked (`PartClocks`) after the timed
 repeats: the rank's CPU per step by part."""
+PATHS = {
+    # path: (mindpulse's configuration, MFLossMonitor's on the same cell, that cell bare)
+    "recipe": ("mp_default", "mf_loss", "none"),
+    "unmodified Model.train script": ("mp_script", "mf_loss", "none"),
+    "MindFormers": ("mp_mindformers", "mf_cell_mf_loss", "mf_cell"),
+}
+"""Issue 49's target 1, path by path: mindpulse's mean added time at most MFLossMonitor's on the
+same cell (the recipe's monitored cell has no MFLossMonitor twin: its cell's own cost is in
+mindpulse's figure, MFLossMonitor's is on the plain cell)."""
 TRAIN_STEPS = 1_000_000
 """The runs' train.steps: a long run (no step of the benchmark is the last one)."""
 
@@ -240,6 +255,8 @@ class Rig:
                                       weight_decay=0.0)
         self.plain = nn.TrainOneStepCell(self.net, self.opt)
         self.plain.set_train()
+        self._script_cell: Any = None
+        self._mf_cell: Any = None
         # as the recipe builds it (faults armed from the run's settings: none here)
         self.monitored = MonitoredTrainOneStepCell(self.net, self.opt)
         self.monitored.set_train()
@@ -250,6 +267,8 @@ class Rig:
         self.tmp = tmp
         self.next_offset = 0
         self.monitors: list = []
+        self.first_steps: dict[str, list[float]] = {}
+        """Seconds from each run's start to its second step's start, by configuration."""
 
     def dataset(self, steps: int | None = None):
         import mindspore as ms
@@ -285,6 +304,31 @@ class Rig:
 
             return self.plain, [MFLossMonitor(learning_rate=1e-4, per_print_times=1, origin_epochs=1,
                                               dataset_size=steps, global_batch_size=self.bs)]
+        if cfg in ("mf_cell", "mf_cell_mf_loss"):
+            cbs = []
+            if cfg == "mf_cell_mf_loss":
+                from mindformers.core.callback import MFLossMonitor
+
+                cbs = [MFLossMonitor(learning_rate=1e-4, per_print_times=1, origin_epochs=1, dataset_size=steps,
+                                     global_batch_size=self.bs)]
+            return self.mf_cell(), cbs
+        if cfg == "mp_script":
+            from mindpulse.workers.monitor import Monitor
+
+            # what auto-attach adds to an unmodified script's Model.train: the Monitor with the
+            # launch's settings (train cell, batch and tokens found in Model.train) on the
+            # script's own cell, whose gradient reducer carries the statistics probe
+            mon = self._monitor(Monitor(settings=self.launch.settings, step_offset=self._offset(steps)))
+            return self.script_cell(), [mon]
+        if cfg == "mp_mindformers":
+            from mindpulse.workers.mindformers_monitor import MindPulseMonitor
+
+            # as mindformers_job.run_for_rank adds it (model shape, tokens per step)
+            mon = self._monitor(MindPulseMonitor(
+                settings=self.launch.settings, step_offset=self._offset(steps),
+                model_shape=(self.shape.num_layers, self.shape.hidden_size, self.shape.seq_length),
+                tokens_per_step=self.shape.seq_length * self.bs))
+            return self.mf_cell(), [mon]
         if cfg == "mp_default":
             from mindpulse.workers.monitor import Monitor
 
@@ -303,6 +347,48 @@ class Rig:
             return self.monitored, [mon]
         raise ValueError(cfg)
 
+    def _offset(self, steps: int) -> int:
+        """Steps keep counting up across runs: the aggregator only ever sees new steps."""
+        offset = self.next_offset
+        self.next_offset = offset + steps + 1
+        return offset
+
+    def _monitor(self, mon):
+        assert self.launch is not None
+        mon.session.checkpoints = NoCheckpointWrites()
+        self.monitors.append(mon)
+        return mon
+
+    def script_cell(self):
+        """An unmodified script's `nn.TrainOneStepCell`, as auto-attach leaves it (the gradient
+        statistics around its reducer: workers/grad_probe.py)."""
+        if self._script_cell is None:
+            from mindspore import nn
+
+            from mindpulse.workers.grad_probe import attach_grad_stats
+
+            cell = nn.TrainOneStepCell(self.net, self.opt)
+            cell.set_train()
+            done = attach_grad_stats(cell, 0)
+            if done != "attached":
+                raise RuntimeError(f"the script path's gradient statistics: {done}")
+            self._script_cell = cell
+        return self._script_cell
+
+    def mf_cell(self):
+        """MindFormers' train cell as the shipped YAML's runner_wrapper builds it (scale 1,
+        clipping to norm 1: the global norm is in its outputs), over the same model."""
+        if self._mf_cell is None:
+            from mindformers.wrapper import MFTrainOneStepCell
+
+            from mindpulse.workers.cpu_fallbacks import enable_cpu_fallbacks
+
+            enable_cpu_fallbacks()
+            cell = MFTrainOneStepCell(self.net, self.opt, use_clip_grad=True, max_grad_norm=1.0, scale_sense=1.0)
+            cell.set_train()
+            self._mf_cell = cell
+        return self._mf_cell
+
     def run(self, cfg: str, steps: int | None = None) -> tuple[list[float], dict[str, float]]:
         """The timed steps' times of one run, and the CPU seconds per step (over the whole
         run) of this process and of the aggregator and node agent processes."""
@@ -316,6 +402,9 @@ class Rig:
             def __init__(self):
                 self.t: list[float] = []
                 self.modes: set[int] = set()
+
+            def on_train_begin(self, run_context):
+                self.begin = time.perf_counter()
 
             def on_train_step_begin(self, run_context):
                 self.t.append(time.perf_counter())
@@ -336,6 +425,9 @@ class Rig:
             raise RuntimeError(f"{cfg}: the execution mode changed during the run ({stamp.modes})")
         if len(stamp.t) != n:
             raise RuntimeError(f"{cfg}: {len(stamp.t)} of {n} steps ran")
+        # from the run's start (every callback's on_train_begin: a Monitor's start) to the
+        # second step's start: what a run's first step costs, for the MindFormers path's target
+        self.first_steps.setdefault(cfg, []).append(stamp.t[1] - stamp.begin)
         return [b - a for a, b in zip(stamp.t, stamp.t[1:])][WARMUP_STEPS:], cpu
 
     def processes(self) -> dict:
@@ -479,7 +571,8 @@ def _set_cores(tid: int, cores: frozenset[int]) -> int:
         return 0
 
 
-VERDICT = "verdict (rank 0, every 10th step: its CPU, not the wait)"
+VERDICT = "verdict (rank 0, every 10th step: asking and reading it, its CPU, not the wait)"
+WEIGHTS_COPY = "candidate's weights copied to the host (rank 0, every 10th step)"
 PARTS = {
     # part: the functions (module, class or None, name) whose time it is, on the rank's training thread
     "reading the step's outputs (loss, statistics, learning rate)": [
@@ -491,7 +584,10 @@ PARTS = {
         ("mindpulse.workers.weight_stats", "WeightStats", "keep_previous")],
     "packet encode": [("mindpulse.protocol", "StepPacket", "encode")],
     "channel send": [("mindpulse.workers.channel", "RelayChannel", "send_step")],
-    VERDICT: [("mindpulse.workers.channel", "RelayChannel", "decide")],
+    VERDICT: [("mindpulse.workers.channel", "RelayChannel", "decide"),
+              ("mindpulse.workers.channel", "RelayChannel", "decide_later"),
+              ("mindpulse.workers.channel", "RelayChannel", "verdict")],
+    WEIGHTS_COPY: [("mindpulse.workers.weights_copy", "WeightsCopy", "take")],
     "lease check": [("mindpulse.workers.session", "RankSession", "_check_lease")],
     "step hooks (faults, profiler)": [("mindpulse.workers.session", "RankSession", "before_step"),
                                       ("mindpulse.workers.session", "RankSession", "after_step")],
@@ -563,9 +659,9 @@ class PartClocks:
         out["rest of the callback"] = max(0.0, total - sum(out.values()))
         out["callback total"] = total
         # what the rank waited for (wall clock less its own CPU: blocked, not working)
-        for name, key in (("wait: the verdict (wall, less its CPU)", PARTS[VERDICT][0]),
-                          ("wait: the lease (wall, less its CPU)", PARTS["lease check"][0])):
-            out[name] = max(0.0, self.wall.get(key, 0.0) - self.spent.get(key, 0.0))
+        for name, keys in (("wait: the verdict (wall, less its CPU)", PARTS[VERDICT]),
+                           ("wait: the lease (wall, less its CPU)", PARTS["lease check"])):
+            out[name] = max(0.0, sum(self.wall.get(k, 0.0) - self.spent.get(k, 0.0) for k in keys))
         out["callback wall total"] = sum(self.wall.get(k, 0.0) for k in PART_TOTAL)
         return {k: v / steps for k, v in out.items()}
 
