@@ -83,11 +83,14 @@ class Channel(abc.ABC):
         `expect`: how many ranks of the node decide this step (None: all of them)."""
         return self._decide(self._take() + [packet], step, expect)
 
+    answers_later = False
+    """Whether `decide_later` returns before the answer (the rank may train on meanwhile)."""
+
     def decide_later(self, packet: bytes, step: int, expect: int | None = None) -> None:
         """Like `decide`, but the directive is taken later (`verdict`): the rank trains on
         meanwhile. One decision at a time: the previous one's verdict is taken first. By
-        default the decision is made now and kept (a peer that cannot answer later);
-        `RelayChannel` writes the question and reads the answer when it has come."""
+        default (`answers_later` False) the decision is made now and kept; `RelayChannel`
+        writes the question and reads the answer when it has come."""
         self._later = (step, self._decide(self._take() + [packet], step, expect))
 
     def verdict(self, wait: bool) -> Directive | None:
@@ -349,6 +352,8 @@ class RelayChannel(Channel):
         except Exception as exc:  # a dead relay or a bad answer: the rank goes on without a directive
             self._disconnect()
             return self._no_directive(step, exc)
+
+    answers_later = True
 
     def decide_later(self, packet: bytes, step: int, expect: int | None = None) -> None:
         if self._later is not None:

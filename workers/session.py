@@ -456,8 +456,10 @@ class RankSession:
         checkpoint would hold, ask for the verdict, and train on (the verdict is taken when it
         has come, `_settle`). False where it must wait instead: the last step (nothing runs
         after it), a stop the lease already names for this step, no train cell, or weights that
-        cannot be copied."""
+        cannot be copied; and a channel that answers at once anyway (`answers_later` False)."""
         assert self.channel is not None
+        if not self.channel.answers_later:
+            return False
         total = self.schedule.total_steps
         lease = self.channel.cached_lease
         if (self.train_cell is None or self.checkpoints is None or (total and pkt.step >= total)

@@ -453,6 +453,8 @@ class Later(Recording):
     """A peer whose verdict comes `delay` polls after the question (as a relay's does, while
     the rank trains on)."""
 
+    answers_later = True
+
     def __init__(self, plan=None, delay=2, **kw):
         super().__init__(plan, **kw)
         self.delay = delay
