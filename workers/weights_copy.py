@@ -8,7 +8,9 @@ copies what a checkpoint holds (the train cell's parameters: the weights and the
 state, as `CheckpointManager` saves them) into host buffers at the candidate step, trains on,
 and writes the copy if and when the verdict asks for it.
 
-The buffers are allocated once and filled in place at each candidate (no allocation a step),
+The buffers are allocated once and filled in place at each candidate (no allocation a step)
+from views of the parameters' storage kept between candidates (`HostViews`: on a CPU target
+`asnumpy()` is a view, but building it costs tens of microseconds a parameter),
 and a copy is only ever waited on by the next candidate, ~`checkpoint.best_every_steps` steps
 later, by which time its verdict came long ago. Where a parameter cannot be copied to the
 host (a dtype numpy lacks), `take` raises and the session falls back to waiting.
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .fingerprint import HostViews
 from .model_params import is_model_param
 
 
@@ -30,6 +33,7 @@ class WeightsCopy:
         self._cell: Any = None
         self._params: list[tuple[str, Any]] = []
         self._buffers: list[np.ndarray] = []
+        self._views: HostViews = HostViews([])
         self.step: int | None = None
         """The step the buffers hold (None: nothing copied yet)."""
 
@@ -37,9 +41,9 @@ class WeightsCopy:
         """Copy `train_cell`'s parameters as they are now (after `step`'s update)."""
         if train_cell is not self._cell:
             self._list(train_cell)
-        for (_, p), buf in zip(self._params, self._buffers, strict=True):
-            src = p.asnumpy()  # on a CPU target a view of the parameter's storage, elsewhere its host copy
-            if src.shape != buf.shape or src.dtype != buf.dtype:  # the parameter was given new data
+        for i, buf in enumerate(self._buffers):
+            src = self._views[i]  # on a CPU target a kept view of the parameter's storage, elsewhere a host copy
+            if src.size != buf.size or src.dtype != buf.dtype:  # the parameter was given new data
                 self._list(train_cell)
                 return self.take(train_cell, step)
             np.copyto(buf, src)
@@ -54,7 +58,8 @@ class WeightsCopy:
                 continue
             seen.add(p.name)
             self._params.append((p.name, p))
-        self._buffers = [np.empty_like(p.asnumpy()) for _, p in self._params]
+        self._views = HostViews([p for _, p in self._params])
+        self._buffers = [np.empty_like(self._views[i]) for i in range(len(self._params))]
         self._cell = train_cell
         self.step = None
 
@@ -63,8 +68,8 @@ class WeightsCopy:
         parameters by name."""
         from mindspore import Tensor
 
-        return [{"name": name, "data": Tensor(buf)} for (name, _), buf in zip(self._params, self._buffers,
-                                                                              strict=True)]
+        return [{"name": name, "data": Tensor(buf.reshape(p.shape))}
+                for (name, p), buf in zip(self._params, self._buffers, strict=True)]
 
     @property
     def nbytes(self) -> int:
