@@ -728,6 +728,8 @@ def main() -> None:
                              f"step is within {CALIBRATE_SLACK}x of the ~{STEP_TARGET_MS[m]:.0f} ms its target names")
     ap.add_argument("--no-pin", action="store_true",
                     help="time only with every process free to use every core (no pinned layout)")
+    ap.add_argument("--pinned-only", action="store_true",
+                    help="time only in the targets' layout (the rank pinned), not again unpinned")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the profiled run of the default path (the rank's CPU per step by part)")
     ap.add_argument("--json", default=None)
@@ -773,7 +775,7 @@ def main() -> None:
     if args.no_pin or not layout.can_pin:
         print(f"[overhead] not pinned: {'--no-pin' if args.no_pin else f'only cores {sorted(layout.all)}'}",
               file=sys.stderr, flush=True)
-    layouts = [False] if args.no_pin or not layout.can_pin else [True, False]
+    layouts = [False] if args.no_pin or not layout.can_pin else [True] if args.pinned_only else [True, False]
     results: dict[str, dict] = {}
     profiles: dict[str, dict[str, float]] = {}
     for mname in args.models.split(","):

@@ -9,6 +9,7 @@ that ran beside heavy foreign load (or failed) is run again while the budget all
 document says which figures were taken beside foreign load.
 
 Usage: .venv/bin/python bench/run_all.py [--budget-s 3060] [--only fanin,memory] [--no-docs]
+       [--only overhead --update [--piece-args "..."]]  (one piece again, the others' figures kept)
 """
 
 from __future__ import annotations
@@ -155,6 +156,12 @@ def main() -> None:
                          "campaign)")
     ap.add_argument("--only", default="", help="comma-separated pieces (default: all)")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument("--update", action="store_true",
+                    help="with --only: the pieces run replace theirs in the last run's results (bench/results/"
+                         "run_all.json) and docs/benchmarks.md is rewritten from them (the other pieces' figures "
+                         "stay the ones that run measured)")
+    ap.add_argument("--piece-args", default="",
+                    help="with --only and one piece: the arguments it runs with instead of its planned ones")
     ap.add_argument("--docs-only", action="store_true",
                     help="rewrite docs/benchmarks.md from the last run's results (bench/results), running nothing")
     args = ap.parse_args()
@@ -185,6 +192,8 @@ def main() -> None:
         need_full = p.planned_s + sum(x.reduced_s or x.planned_s for x in rest)
         use_reduced = bool(p.reduced_args) and (slow or left < need_full * 1.1)
         piece_args = p.reduced_args if use_reduced else p.args
+        if args.piece_args:
+            piece_args = shlex.split(args.piece_args)
         planned = (p.reduced_s if use_reduced else p.planned_s) or p.planned_s
         slack = left - planned - sum(x.reduced_s or x.planned_s for x in rest)
         waited += wait_quiet(load, max(0.0, min(45.0, slack * 0.5)))
@@ -227,6 +236,14 @@ def main() -> None:
     load.stop()
     total_s = time.time() - t_start
 
+    if args.update and args.only:
+        # the pieces just run take their place in the last full run's record; docs from both
+        run = json.loads((RESULTS / "run_all.json").read_text())
+        run["attempts"].update({k: [a.__dict__ for a in v] for k, v in attempts.items()})
+        run.setdefault("updated", []).append({"pieces": sorted(attempts), "started": started, "total_s": total_s})
+        (RESULTS / "run_all.json").write_text(json.dumps(run, indent=1, default=str))
+        rewrite_docs(args.budget_s)
+        return
     report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s)
     print("\n" + report["console"])
     (RESULTS / "run_all.json").write_text(json.dumps({
