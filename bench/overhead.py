@@ -10,17 +10,27 @@ weights, optimizer and fixed random byte tokens shared by every configuration):
                 `MonitoredTrainOneStepCell`, the `Monitor` callback over a `RankSession`
                 built from `RankSettings` made by the launcher's own `rank_settings` (the
                 default config: `monitor.collect_freq` 10, `monitor.max_lag_steps` 1,
-                weight statistics on, `checkpoint.best_every_steps` 10, so rank 0 waits for
-                the verdict every 10th step), its `RelayChannel` to a real node relay (the
+                weight statistics on, `checkpoint.best_every_steps` 10, so rank 0 copies its
+                weights and asks for the verdict every 10th step), its `RelayChannel` to a real node relay (the
                 launcher's `NodeAgents` starting a `NodeAgent` actor: `RelayServer` +
                 `NodePreReducer`, card telemetry on) streaming over its node uplink to a real aggregator actor
                 (`start_aggregator` with the settings a launch passes; TensorBoard on) in a
                 local Ray cluster; heartbeat thread on. Checkpoint *writing* is off (it is
                 not monitoring): the aggregator still judges every 10th step and rank 0
-                still waits for the verdict, but the save it asks for is not written.
+                still copies the weights and takes the verdict, but the save it asks for is
+                not written.
   mp_cell       the breakdown of `mp_default`: its `MonitoredTrainOneStepCell` alone, no
                 callback (the rest of `mp_default`'s cost is the callback, the relay and
                 the aggregator)
+  mp_script     an unmodified `Model.train` script as auto-attach leaves it: a plain
+                `nn.TrainOneStepCell` with the gradient statistics around its reducer
+                (`attach_grad_stats`) and the `Monitor` auto-attach adds (the launch's
+                settings; train cell, batch and tokens found in `Model.train`)
+  mf_cell       MindFormers' `MFTrainOneStepCell` as the shipped YAML's runner_wrapper
+                builds it (scale 1, clipping to norm 1), no callback
+  mp_mindformers  the MindFormers path: that cell and `MindPulseMonitor` as
+                `mindformers_job.run_for_rank` adds it (model shape, tokens per step)
+  mf_cell_mf_loss  that cell and MindFormers' `MFLossMonitor`
   loss_monitor  MindSpore `LossMonitor()` (prints every step)
   mf_loss       MindFormers `MFLossMonitor` (prints every step)
   summary_1     MindSpore `SummaryCollector(collect_freq=1)`

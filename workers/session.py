@@ -3,9 +3,9 @@
 Per step it builds a `StepPacket` (loss, the learning rate of the step, grad norms,
 NaN/Inf counts, step time, samples, user metrics and evaluation results, and every
 `collect_freq` steps a parameter fingerprint and rank 0's layer statistics) and ships it
-through the rank's channel. At the schedule's decision steps it waits for the directive,
-so that every rank stops after the same step, and rank 0 writes the checkpoint the
-directive asks for. It owns the rank's parts: the channel, the heartbeat, the fault
+through the rank's channel. At the schedule's decision steps rank 0 asks for the directive
+and writes the checkpoint it asks for: from a copy of that step's weights taken before it
+trains on (the verdict is read once it came), or, at the last step, after waiting for it. It owns the rank's parts: the channel, the heartbeat, the fault
 injector, the profiler window, the weight statistics and the checkpoint writer.
 
 Outside a launch (no settings: a user script run by hand) it has no channel: it logs
@@ -333,8 +333,8 @@ class RankSession:
                 except Exception as exc:  # statistics are optional: the step's packet goes out without them
                     log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, s, exc)
         evaluates = self.evaluate is not None
-        # rank 0 waits for the verdict on a checkpoint candidate (the checkpoint must hold
-        # exactly this step's weights); nobody else ever waits for a directive
+        # rank 0 asks for the verdict on a checkpoint candidate (the checkpoint must hold
+        # exactly this step's weights: `_decide_later` copies them); nobody else asks
         decision = self.rank == 0 and self.schedule.is_candidate(s, evaluates, self.epoch_steps)
         eval_s = 0.0
         if evaluates and self.schedule.eval_due(s, self.epoch_steps):
