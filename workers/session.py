@@ -5,7 +5,8 @@ NaN/Inf counts, step time, samples, user metrics and evaluation results, and eve
 `collect_freq` steps a parameter fingerprint and rank 0's layer statistics) and ships it
 through the rank's channel. At the schedule's decision steps rank 0 asks for the directive
 and writes the checkpoint it asks for: from a copy of that step's weights taken before it
-trains on (the verdict is read once it came), or, at the last step, after waiting for it. It owns the rank's parts: the channel, the heartbeat, the fault
+trains on (the verdict is read once it came), or, at the last step, after waiting for it.
+It owns the rank's parts: the channel, the heartbeat, the fault
 injector, the profiler window, the weight statistics and the checkpoint writer.
 
 Outside a launch (no settings: a user script run by hand) it has no channel: it logs
