@@ -194,6 +194,8 @@ class RelayChannel(Channel):
         self.board: LeaseView | None = None
         self._greeted = False
         """The relay answered this connection's first lease question (and named its board)."""
+        self._asked_on: socket.socket | None = None
+        """The connection `decide_later` asked on (a reconnection since gets no answer to it)."""
         self._no_service = False
         """The relay has no lease to give (no aggregator behind it): nothing holds the rank."""
         self._connect()
@@ -364,13 +366,14 @@ class RelayChannel(Channel):
             frame["expect"] = expect
         written = self._write(frame)
         self._later = (step, None if written else Directive.no_directive(step, "relay unreachable"))
+        self._asked_on = self.sock  # the answer comes on this connection or not at all
 
     def verdict(self, wait: bool) -> Directive | None:
         if self._later is None:
             return None
         step, known = self._later
         if known is None:
-            if self.sock is None:
+            if self.sock is None or self.sock is not self._asked_on:
                 known = self._no_directive(step, "the relay connection closed before the answer")
             else:
                 if not wait:

@@ -585,6 +585,14 @@ def test_the_relay_channel_asks_now_and_reads_the_verdict_when_it_came():
         c.decide_later(StepPacket(rank=0, step=10, loss=1.0, decision=True).encode(), 10, expect=1)
         d = c.verdict(wait=True)
         assert d.reason == "verdict 10"
+        # a connection lost after the question: no answer is waited for on the next one
+        c.decide_later(StepPacket(rank=0, step=20, loss=1.0, decision=True).encode(), 20, expect=1)
+        c._disconnect()
+        c.send_step(StepPacket(rank=0, step=21, loss=1.0).encode(), 21)  # reconnects
+        t0 = time.monotonic()
+        d = c.verdict(wait=True)
+        assert d.reason.startswith("no directive") or "closed" in d.reason, d.reason
+        assert time.monotonic() - t0 < 1.0, "nothing was waited for on the new connection"
         deadline = time.monotonic() + 5
         while not up.sent and time.monotonic() < deadline:
             time.sleep(0.01)
