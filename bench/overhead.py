@@ -10,17 +10,27 @@ weights, optimizer and fixed random byte tokens shared by every configuration):
                 `MonitoredTrainOneStepCell`, the `Monitor` callback over a `RankSession`
                 built from `RankSettings` made by the launcher's own `rank_settings` (the
                 default config: `monitor.collect_freq` 10, `monitor.max_lag_steps` 1,
-                weight statistics on, `checkpoint.best_every_steps` 10, so rank 0 waits for
-                the verdict every 10th step), its `RelayChannel` to a real node relay (the
+                weight statistics on, `checkpoint.best_every_steps` 10, so rank 0 copies its
+                weights and asks for the verdict every 10th step), its `RelayChannel` to a real node relay (the
                 launcher's `NodeAgents` starting a `NodeAgent` actor: `RelayServer` +
                 `NodePreReducer`, card telemetry on) streaming over its node uplink to a real aggregator actor
                 (`start_aggregator` with the settings a launch passes; TensorBoard on) in a
                 local Ray cluster; heartbeat thread on. Checkpoint *writing* is off (it is
                 not monitoring): the aggregator still judges every 10th step and rank 0
-                still waits for the verdict, but the save it asks for is not written.
+                still copies the weights and takes the verdict, but the save it asks for is
+                not written.
   mp_cell       the breakdown of `mp_default`: its `MonitoredTrainOneStepCell` alone, no
                 callback (the rest of `mp_default`'s cost is the callback, the relay and
                 the aggregator)
+  mp_script     an unmodified `Model.train` script as auto-attach leaves it: a plain
+                `nn.TrainOneStepCell` with the gradient statistics around its reducer
+                (`attach_grad_stats`) and the `Monitor` auto-attach adds (the launch's
+                settings; train cell, batch and tokens found in `Model.train`)
+  mf_cell       MindFormers' `MFTrainOneStepCell` as the shipped YAML's runner_wrapper
+                builds it (scale 1, clipping to norm 1), no callback
+  mp_mindformers  the MindFormers path: that cell and `MindPulseMonitor` as
+                `mindformers_job.run_for_rank` adds it (model shape, tokens per step)
+  mf_cell_mf_loss  that cell and MindFormers' `MFLossMonitor`
   loss_monitor  MindSpore `LossMonitor()` (prints every step)
   mf_loss       MindFormers `MFLossMonitor` (prints every step)
   summary_1     MindSpore `SummaryCollector(collect_freq=1)`
@@ -82,13 +92,18 @@ from typing import Any  # noqa: E402
 import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 
-CONFIGS = ["none", "mp_default", "mp_cell", "loss_monitor", "mf_loss", "summary_10", "summary_1"]
+CONFIGS = ["none", "mp_default", "mp_cell", "loss_monitor", "mf_loss", "mp_script", "mf_cell", "mp_mindformers",
+           "mf_cell_mf_loss", "summary_10", "summary_1"]
 LABELS = {
     "none": "TrainOneStepCell, no callback",
     "mp_default": "mindpulse default (cell + Monitor + relay)",
     "mp_cell": "of which: MonitoredTrainOneStepCell alone",
     "loss_monitor": "MindSpore LossMonitor",
     "mf_loss": "MindFormers MFLossMonitor",
+    "mp_script": "mindpulse, unmodified script (auto-attach: plain cell + grad probe + Monitor)",
+    "mf_cell": "MindFormers MFTrainOneStepCell, no callback",
+    "mp_mindformers": "mindpulse, MindFormers path (MFTrainOneStepCell + MindPulseMonitor)",
+    "mf_cell_mf_loss": "MFTrainOneStepCell + MFLossMonitor",
     "summary_1": "SummaryCollector(collect_freq=1)",
     "summary_10": "SummaryCollector(collect_freq=10)",
 }
@@ -116,7 +131,8 @@ the ~200 ms step."""
 OVER_MF_LIMIT_MS = 0.5
 """...and in every repeat, default monitoring adds at most this much more to a step than
 MindFormers' MFLossMonitor adds to the same bare step."""
-PINNED_CONFIGS = ("none", "mp_default", "mp_cell", "loss_monitor", "mf_loss")
+PINNED_CONFIGS = ("none", "mp_default", "mp_cell", "loss_monitor", "mf_loss", "mp_script", "mf_cell",
+                  "mp_mindformers", "mf_cell_mf_loss")
 """Configurations timed with the rank pinned (the targets' layout). SummaryCollector is timed
 unpinned only: pinned, its writer process (the rank's child) shares the rank's one core and
 a step took ~9x the bare step (117 ms against 13 ms in a quick run), which would take most of
@@ -131,6 +147,20 @@ are run again only until then)."""
 PROFILE_STEPS = {"small": 100, "larger": 30}
 """Steps of `mp_default` run once more with its parts clocked (`PartClocks`) after the timed
 repeats: the rank's CPU per step by part."""
+PATHS = {
+    # path: (mindpulse's configuration, MFLossMonitor's on the same cell, that cell bare)
+    "recipe": ("mp_default", "mf_loss", "none"),
+    "unmodified Model.train script": ("mp_script", "mf_loss", "none"),
+    "MindFormers": ("mp_mindformers", "mf_cell_mf_loss", "mf_cell"),
+}
+"""Issue 49's target 1, path by path: mindpulse's mean added time at most MFLossMonitor's on the
+same cell (the recipe's monitored cell has no MFLossMonitor twin: its cell's own cost is in
+mindpulse's figure, MFLossMonitor's is on the plain cell)."""
+FIRST_STEP_LIMIT_MS = 50.0
+"""Issue 49: the MindFormers path's first step (its Monitor's start included) adds at most this
+to MFLossMonitor's first step on the same cell."""
+CPU_LIMIT_MS = {"small": 0.3, "larger": 0.5}
+"""Issue 49: the callback's own CPU (the training thread's, every step counted) per step."""
 TRAIN_STEPS = 1_000_000
 """The runs' train.steps: a long run (no step of the benchmark is the last one)."""
 
@@ -240,6 +270,8 @@ class Rig:
                                       weight_decay=0.0)
         self.plain = nn.TrainOneStepCell(self.net, self.opt)
         self.plain.set_train()
+        self._script_cell: Any = None
+        self._mf_cell: Any = None
         # as the recipe builds it (faults armed from the run's settings: none here)
         self.monitored = MonitoredTrainOneStepCell(self.net, self.opt)
         self.monitored.set_train()
@@ -250,6 +282,8 @@ class Rig:
         self.tmp = tmp
         self.next_offset = 0
         self.monitors: list = []
+        self.first_steps: dict[str, list[float]] = {}
+        """Seconds from each run's start to its second step's start, by configuration."""
 
     def dataset(self, steps: int | None = None):
         import mindspore as ms
@@ -285,6 +319,31 @@ class Rig:
 
             return self.plain, [MFLossMonitor(learning_rate=1e-4, per_print_times=1, origin_epochs=1,
                                               dataset_size=steps, global_batch_size=self.bs)]
+        if cfg in ("mf_cell", "mf_cell_mf_loss"):
+            cbs = []
+            if cfg == "mf_cell_mf_loss":
+                from mindformers.core.callback import MFLossMonitor
+
+                cbs = [MFLossMonitor(learning_rate=1e-4, per_print_times=1, origin_epochs=1, dataset_size=steps,
+                                     global_batch_size=self.bs)]
+            return self.mf_cell(), cbs
+        if cfg == "mp_script":
+            from mindpulse.workers.monitor import Monitor
+
+            # what auto-attach adds to an unmodified script's Model.train: the Monitor with the
+            # launch's settings (train cell, batch and tokens found in Model.train) on the
+            # script's own cell, whose gradient reducer carries the statistics probe
+            mon = self._monitor(Monitor(settings=self.launch.settings, step_offset=self._offset(steps)))
+            return self.script_cell(), [mon]
+        if cfg == "mp_mindformers":
+            from mindpulse.workers.mindformers_monitor import MindPulseMonitor
+
+            # as mindformers_job.run_for_rank adds it (model shape, tokens per step)
+            mon = self._monitor(MindPulseMonitor(
+                settings=self.launch.settings, step_offset=self._offset(steps),
+                model_shape=(self.shape.num_layers, self.shape.hidden_size, self.shape.seq_length),
+                tokens_per_step=self.shape.seq_length * self.bs))
+            return self.mf_cell(), [mon]
         if cfg == "mp_default":
             from mindpulse.workers.monitor import Monitor
 
@@ -303,6 +362,48 @@ class Rig:
             return self.monitored, [mon]
         raise ValueError(cfg)
 
+    def _offset(self, steps: int) -> int:
+        """Steps keep counting up across runs: the aggregator only ever sees new steps."""
+        offset = self.next_offset
+        self.next_offset = offset + steps + 1
+        return offset
+
+    def _monitor(self, mon):
+        assert self.launch is not None
+        mon.session.checkpoints = NoCheckpointWrites()
+        self.monitors.append(mon)
+        return mon
+
+    def script_cell(self):
+        """An unmodified script's `nn.TrainOneStepCell`, as auto-attach leaves it (the gradient
+        statistics around its reducer: workers/grad_probe.py)."""
+        if self._script_cell is None:
+            from mindspore import nn
+
+            from mindpulse.workers.grad_probe import attach_grad_stats
+
+            cell = nn.TrainOneStepCell(self.net, self.opt)
+            cell.set_train()
+            done = attach_grad_stats(cell, 0)
+            if done != "attached":
+                raise RuntimeError(f"the script path's gradient statistics: {done}")
+            self._script_cell = cell
+        return self._script_cell
+
+    def mf_cell(self):
+        """MindFormers' train cell as the shipped YAML's runner_wrapper builds it (scale 1,
+        clipping to norm 1: the global norm is in its outputs), over the same model."""
+        if self._mf_cell is None:
+            from mindformers.wrapper import MFTrainOneStepCell
+
+            from mindpulse.workers.cpu_fallbacks import enable_cpu_fallbacks
+
+            enable_cpu_fallbacks()
+            cell = MFTrainOneStepCell(self.net, self.opt, use_clip_grad=True, max_grad_norm=1.0, scale_sense=1.0)
+            cell.set_train()
+            self._mf_cell = cell
+        return self._mf_cell
+
     def run(self, cfg: str, steps: int | None = None) -> tuple[list[float], dict[str, float]]:
         """The timed steps' times of one run, and the CPU seconds per step (over the whole
         run) of this process and of the aggregator and node agent processes."""
@@ -316,6 +417,9 @@ class Rig:
             def __init__(self):
                 self.t: list[float] = []
                 self.modes: set[int] = set()
+
+            def on_train_begin(self, run_context):
+                self.begin = time.perf_counter()
 
             def on_train_step_begin(self, run_context):
                 self.t.append(time.perf_counter())
@@ -336,6 +440,9 @@ class Rig:
             raise RuntimeError(f"{cfg}: the execution mode changed during the run ({stamp.modes})")
         if len(stamp.t) != n:
             raise RuntimeError(f"{cfg}: {len(stamp.t)} of {n} steps ran")
+        # from the run's start (every callback's on_train_begin: a Monitor's start) to the
+        # second step's start: what a run's first step costs, for the MindFormers path's target
+        self.first_steps.setdefault(cfg, []).append(stamp.t[1] - stamp.begin)
         return [b - a for a, b in zip(stamp.t, stamp.t[1:])][WARMUP_STEPS:], cpu
 
     def processes(self) -> dict:
@@ -479,7 +586,8 @@ def _set_cores(tid: int, cores: frozenset[int]) -> int:
         return 0
 
 
-VERDICT = "verdict (rank 0, every 10th step: its CPU, not the wait)"
+VERDICT = "verdict (rank 0, every 10th step: asking and reading it, its CPU, not the wait)"
+WEIGHTS_COPY = "candidate's weights copied to the host (rank 0, every 10th step)"
 PARTS = {
     # part: the functions (module, class or None, name) whose time it is, on the rank's training thread
     "reading the step's outputs (loss, statistics, learning rate)": [
@@ -491,7 +599,10 @@ PARTS = {
         ("mindpulse.workers.weight_stats", "WeightStats", "keep_previous")],
     "packet encode": [("mindpulse.protocol", "StepPacket", "encode")],
     "channel send": [("mindpulse.workers.channel", "RelayChannel", "send_step")],
-    VERDICT: [("mindpulse.workers.channel", "RelayChannel", "decide")],
+    VERDICT: [("mindpulse.workers.channel", "RelayChannel", "decide"),
+              ("mindpulse.workers.channel", "RelayChannel", "decide_later"),
+              ("mindpulse.workers.channel", "RelayChannel", "verdict")],
+    WEIGHTS_COPY: [("mindpulse.workers.weights_copy", "WeightsCopy", "take")],
     "lease check": [("mindpulse.workers.session", "RankSession", "_check_lease")],
     "step hooks (faults, profiler)": [("mindpulse.workers.session", "RankSession", "before_step"),
                                       ("mindpulse.workers.session", "RankSession", "after_step")],
@@ -563,9 +674,9 @@ class PartClocks:
         out["rest of the callback"] = max(0.0, total - sum(out.values()))
         out["callback total"] = total
         # what the rank waited for (wall clock less its own CPU: blocked, not working)
-        for name, key in (("wait: the verdict (wall, less its CPU)", PARTS[VERDICT][0]),
-                          ("wait: the lease (wall, less its CPU)", PARTS["lease check"][0])):
-            out[name] = max(0.0, self.wall.get(key, 0.0) - self.spent.get(key, 0.0))
+        for name, keys in (("wait: the verdict (wall, less its CPU)", PARTS[VERDICT]),
+                           ("wait: the lease (wall, less its CPU)", PARTS["lease check"])):
+            out[name] = max(0.0, sum(self.wall.get(k, 0.0) - self.spent.get(k, 0.0) for k in keys))
         out["callback wall total"] = sum(self.wall.get(k, 0.0) for k in PART_TOTAL)
         return {k: v / steps for k, v in out.items()}
 
@@ -627,6 +738,8 @@ def main() -> None:
                              f"step is within {CALIBRATE_SLACK}x of the ~{STEP_TARGET_MS[m]:.0f} ms its target names")
     ap.add_argument("--no-pin", action="store_true",
                     help="time only with every process free to use every core (no pinned layout)")
+    ap.add_argument("--pinned-only", action="store_true",
+                    help="time only in the targets' layout (the rank pinned), not again unpinned")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the profiled run of the default path (the rank's CPU per step by part)")
     ap.add_argument("--json", default=None)
@@ -672,7 +785,7 @@ def main() -> None:
     if args.no_pin or not layout.can_pin:
         print(f"[overhead] not pinned: {'--no-pin' if args.no_pin else f'only cores {sorted(layout.all)}'}",
               file=sys.stderr, flush=True)
-    layouts = [False] if args.no_pin or not layout.can_pin else [True, False]
+    layouts = [False] if args.no_pin or not layout.can_pin else [True] if args.pinned_only else [True, False]
     results: dict[str, dict] = {}
     profiles: dict[str, dict[str, float]] = {}
     for mname in args.models.split(","):
@@ -728,6 +841,18 @@ def main() -> None:
                     _, cpu = rig.run("mp_default", steps=PROFILE_STEPS[mname])
                 profiles[mname] = dict(clocks.per_step(PROFILE_STEPS[mname]),
                                        **{"the rank process, every thread": cpu["rank"]})
+        fs = rig.first_steps
+        first: dict[str, Any] = {}
+        for path, (mp, mf, _) in PATHS.items():
+            if fs.get(mp) and fs.get(mf):
+                # warm-up runs included (their graphs were compiled by then: the first run of
+                # each configuration is dropped)
+                a, b = fs[mp][1:], fs[mf][1:]
+                if a and b:
+                    first[path] = (statistics.fmean(a) - statistics.fmean(b)) * 1000
+                    first["runs"] = min(len(a), len(b))
+        if mname in results:
+            results[mname]["first_step_ms"] = first
         snap = launch.close() if launch is not None else {}
         for key in (mname, f"{mname} (unpinned)"):
             if key in results and launch is not None:
@@ -761,6 +886,31 @@ def main() -> None:
                             "worst_ms": max(over), "mean_ms": statistics.fmean(over), "repeats": len(over),
                             "met": max(over) <= OVER_MF_LIMIT_MS,
                             "none_step_s": r["configs"]["none"]["step_s"]["mean"]})
+        for path, (mp, mf, bare) in PATHS.items():
+            if not all(c in r["configs"] for c in (mp, mf, bare)):
+                continue
+            reps = r["configs"]
+            base = reps[bare]["step_s"]["rep_means"]
+            mp_added = [(m - b) * 1000 for m, b in zip(reps[mp]["step_s"]["rep_means"], base)]
+            mf_added = [(m - b) * 1000 for m, b in zip(reps[mf]["step_s"]["rep_means"], base)]
+            over = [a - f for a, f in zip(mp_added, mf_added)]
+            targets.append({"model": mname, "kind": "path", "path": path, "pinned": r["pinned"],
+                            "mp_added_ms": statistics.fmean(mp_added), "mf_added_ms": statistics.fmean(mf_added),
+                            "worst_over_ms": max(over), "repeats": len(over),
+                            "met": statistics.fmean(mp_added) <= statistics.fmean(mf_added),
+                            "worst_met": max(over) <= 0.0,
+                            "bare_step_s": reps[bare]["step_s"]["mean"], "disturbed_kept": r.get("disturbed_kept")})
+        first = r.get("first_step_ms") or {}
+        if "MindFormers" in first:
+            targets.append({"model": mname, "kind": "first_step", "path": "MindFormers", "pinned": r["pinned"],
+                            "added_ms": first["MindFormers"], "limit_ms": FIRST_STEP_LIMIT_MS,
+                            "met": first["MindFormers"] <= FIRST_STEP_LIMIT_MS, "runs": first.get("runs")})
+    for mname, parts in profiles.items():
+        cpu = parts.get("callback total")
+        if cpu is not None and mname in CPU_LIMIT_MS:
+            targets.append({"model": mname, "kind": "callback_cpu", "cpu_ms": cpu * 1000, "limit_ms": CPU_LIMIT_MS[mname],
+                            "met": cpu * 1000 <= CPU_LIMIT_MS[mname],
+                            "verdict_wait_ms": parts.get("wait: the verdict (wall, less its CPU)", 0.0) * 1000})
     out = {"results": results, "targets": targets, "profile": profiles,
            "profile_steps": {m: PROFILE_STEPS[m] for m in profiles}}
     print(render(out))
@@ -808,6 +958,8 @@ def render(out: dict) -> str:
     lines.append("")
     for t in out["targets"]:
         where = "rank pinned to its own core" if t.get("pinned") else "unpinned"
+        if t.get("kind") in ("path", "first_step", "callback_cpu"):
+            continue  # below
         if t.get("kind") == "over_mf":
             lines.append(
                 f"- target ({t['model']} model, {t['none_step_s'] * 1000:.0f} ms step, {where}): default mindpulse path "
@@ -827,6 +979,25 @@ def render(out: dict) -> str:
                 f"{t['noise_floor_worst']:.3f}x" + (" — above the limit itself: on this machine a repeat's ratio moves "
                                                     "by more than the target for reasons other than monitoring"
                                                     if t["noise_floor_worst"] > t["limit"] else ""))
+    for t in out["targets"]:
+        where = "rank pinned to its own core" if t.get("pinned") else "unpinned"
+        if t.get("kind") == "path":
+            lines.append(
+                f"- target ({t['model']} model, {where}), {t['path']} path: mindpulse's mean added time "
+                f"{t['mp_added_ms']:+.2f} ms a step <= MFLossMonitor's on the same cell {t['mf_added_ms']:+.2f} ms "
+                f"(bare step {t['bare_step_s'] * 1000:.0f} ms; worst repeat of the difference {t['worst_over_ms']:+.2f} "
+                f"ms, n={t['repeats']}): {'met' if t['met'] else 'MISSED'}"
+                + ("" if t["worst_met"] or not t["met"] else " (not in every repeat)"))
+        elif t.get("kind") == "first_step":
+            lines.append(
+                f"- target ({t['model']} model, {where}): the MindFormers path's first step (its Monitor's start "
+                f"included) adds {t['added_ms']:+.1f} ms to MFLossMonitor's on the same cell (mean over "
+                f"{t['runs']} runs, graphs compiled) <= {t['limit_ms']:.0f} ms: {'met' if t['met'] else 'MISSED'}")
+        elif t.get("kind") == "callback_cpu":
+            lines.append(
+                f"- target ({t['model']} model): the callback's own CPU {t['cpu_ms']:.3f} ms a step (training "
+                f"thread, every step counted) <= {t['limit_ms']:.1f} ms: {'met' if t['met'] else 'MISSED'}; "
+                f"rank 0's wait for the checkpoint verdict: {t['verdict_wait_ms']:.3f} ms a step")
     for mname, parts in (out.get("profile") or {}).items():
         n = (out.get("profile_steps") or {}).get(mname)
         lines.append(f"\nThe rank's CPU per step by part ({mname} model, pinned; one more run of the default path over "

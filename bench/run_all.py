@@ -9,6 +9,7 @@ that ran beside heavy foreign load (or failed) is run again while the budget all
 document says which figures were taken beside foreign load.
 
 Usage: .venv/bin/python bench/run_all.py [--budget-s 3060] [--only fanin,memory] [--no-docs]
+       [--only overhead --update [--piece-args "..."]]  (one piece again, the others' figures kept)
 """
 
 from __future__ import annotations
@@ -157,6 +158,12 @@ def main() -> None:
                          "campaign)")
     ap.add_argument("--only", default="", help="comma-separated pieces (default: all)")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument("--update", action="store_true",
+                    help="with --only: the pieces run replace theirs in the last run's results (bench/results/"
+                         "run_all.json) and docs/benchmarks.md is rewritten from them (the other pieces' figures "
+                         "stay the ones that run measured)")
+    ap.add_argument("--piece-args", default="",
+                    help="with --only and one piece: the arguments it runs with instead of its planned ones")
     ap.add_argument("--docs-only", action="store_true",
                     help="rewrite docs/benchmarks.md from the last run's results (bench/results), running nothing")
     args = ap.parse_args()
@@ -187,6 +194,8 @@ def main() -> None:
         need_full = p.planned_s + sum(x.reduced_s or x.planned_s for x in rest)
         use_reduced = bool(p.reduced_args) and (slow or left < need_full * 1.1)
         piece_args = p.reduced_args if use_reduced else p.args
+        if args.piece_args:
+            piece_args = shlex.split(args.piece_args)
         planned = (p.reduced_s if use_reduced else p.planned_s) or p.planned_s
         slack = left - planned - sum(x.reduced_s or x.planned_s for x in rest)
         waited += wait_quiet(load, max(0.0, min(45.0, slack * 0.5)))
@@ -229,6 +238,14 @@ def main() -> None:
     load.stop()
     total_s = time.time() - t_start
 
+    if args.update and args.only:
+        # the pieces just run take their place in the last full run's record; docs from both
+        run = json.loads((RESULTS / "run_all.json").read_text())
+        run["attempts"].update({k: [a.__dict__ for a in v] for k, v in attempts.items()})
+        run.setdefault("updated", []).append({"pieces": sorted(attempts), "started": started, "total_s": total_s})
+        (RESULTS / "run_all.json").write_text(json.dumps(run, indent=1, default=str))
+        rewrite_docs(ap.get_default("budget_s"))  # the full run's budget: its total time is the one shown
+        return
     report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s)
     print("\n" + report["console"])
     (RESULTS / "run_all.json").write_text(json.dumps({
@@ -278,6 +295,33 @@ def targets_table(res: dict, total_s: float, budget_s: float, rules_wall_s: floa
     if ov:
         for t in ov["targets"]:
             where = "the rank pinned to its own core" if t.get("pinned") else "unpinned"
+            if t.get("kind") == "path":
+                rows.append([f"{t['path']} path: default monitoring's mean added time <= MindFormers' MFLossMonitor's "
+                             f"on the same cell ({t['model']} model, {t['bare_step_s'] * 1000:.0f} ms bare step, "
+                             f"{where})",
+                             f"{t['mp_added_ms']:+.2f} ms against {t['mf_added_ms']:+.2f} ms a step (n={t['repeats']}; "
+                             f"worst repeat of the difference {t['worst_over_ms']:+.2f} ms)",
+                             "met" if t["met"] else "missed",
+                             f"{abs(t['mp_added_ms'] - t['mf_added_ms']):.2f} ms " + ("under" if t["met"] else "over")
+                             + ("" if t["met"] else "; where the rank's time goes: the per-part table under "
+                                "'In-rank overhead'")
+                             + (f"; {t['disturbed_kept']} repeats kept from a loaded machine"
+                                if t.get("disturbed_kept") else "")])
+                continue
+            if t.get("kind") == "first_step":
+                rows.append([f"the MindFormers path's first step adds <= {t['limit_ms']:.0f} ms to MFLossMonitor's on "
+                             f"the same cell ({t['model']} model, {where}; graphs compiled)",
+                             f"{t['added_ms']:+.1f} ms (mean of {t['runs']} runs)", "met" if t["met"] else "missed",
+                             f"{abs(t['limit_ms'] - t['added_ms']):.1f} ms " + ("under" if t["met"] else "over")])
+                continue
+            if t.get("kind") == "callback_cpu":
+                rows.append([f"the callback's own CPU <= {t['limit_ms']:.1f} ms a step (training thread, every step "
+                             f"counted, collect steps included; {t['model']} model, recipe path)",
+                             f"{t['cpu_ms']:.3f} ms; rank 0's verdict wait {t['verdict_wait_ms']:.3f} ms a step",
+                             "met" if t["met"] else "missed",
+                             f"{abs(t['limit_ms'] - t['cpu_ms']):.3f} ms " + ("under" if t["met"] else "over")
+                             + ("" if t["met"] else "; by part: the per-part table under 'In-rank overhead'")])
+                continue
             if t.get("kind") == "over_mf":
                 rows.append([f"default monitoring adds at most MindFormers' MFLossMonitor's added time + "
                              f"{t['limit_ms']:.1f} ms to a step, every repeat ({t['model']} model, "
@@ -509,7 +553,8 @@ NOTES = {
         "*Baseline*: a bare `nn.TrainOneStepCell`, no callback. *mindpulse default*: the path a launch runs, with the "
         "default config: the recipe's `MonitoredTrainOneStepCell`, the `Monitor` callback over a `RankSession` whose "
         "`RankSettings` come from the launcher's own `rank_settings` (collect_freq 10, max_lag_steps 1, weight "
-        "statistics on, best checkpoint judged every 10 steps, so rank 0 waits for that verdict; the recipe's "
+        "statistics on, best checkpoint judged every 10 steps: rank 0 copies the candidate's weights to host buffers, asks "
+        "for the verdict and trains on, reading it once it came; the recipe's "
         "tokens per step and FLOPs per token, so the per-step TFLOPS work is measured), its `RelayChannel` "
         "to a real node agent started by the launcher's `NodeAgents` (relay and node pre-reduction; card telemetry "
         "on), streaming over its node uplink to the aggregator actor as `start_aggregator` starts it with the settings a launch passes "
@@ -520,6 +565,17 @@ NOTES = {
         "target is stated for a bare step of a given length (~13 ms, ~200 ms): where the model's default batch (8) "
         "gives a bare step more than 1.2x longer on the machine at hand, the batch is halved until the step is "
         "closest to that length (the batches tried and their steps are printed with each model). "
+        "*Three paths* (issue 49), each against MindFormers' `MFLossMonitor` on the same cell: the recipe's (above; "
+        "its monitored cell has no MFLossMonitor twin, so MFLossMonitor runs on the plain cell and the monitored "
+        "cell's own cost counts in mindpulse's figure); an unmodified `Model.train` script as auto-attach leaves it "
+        "(a plain `nn.TrainOneStepCell` with the gradient statistics around its reducer, and the `Monitor` "
+        "auto-attach adds, finding the train cell, batch and tokens in `Model.train`); and the MindFormers path "
+        "(MindFormers' `MFTrainOneStepCell` as the shipped YAML's runner_wrapper builds it, scale 1 and clipping to "
+        "norm 1, with `MindPulseMonitor` as a MindFormers launch adds it, against the same cell bare and with "
+        "MFLossMonitor). A path's target: its mean added time over the bare cell at most MFLossMonitor's, with the "
+        "worst repeat of the difference beside it. The MindFormers path's first step: from each run's start "
+        "(every callback's `on_train_begin`, the Monitor's start included) to its second step's start, against "
+        "MFLossMonitor's, graphs already compiled (the first run of each configuration left out). "
         "The other callbacks run on the plain cell; `LossMonitor` and "
         "`MFLossMonitor` print every step (to a log file); SummaryCollector at collect_freq 1 and 10 (like for like "
         "with mindpulse's collect_freq). A timing callback placed first stamps the start of every step, so a step's "

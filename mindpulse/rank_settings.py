@@ -54,7 +54,8 @@ class Schedule:
         return bool(self.eval_per_epoch and epoch_steps and step % epoch_steps == 0)
 
     def is_candidate(self, step: int, evaluates: bool = False, epoch_steps: int | None = None) -> bool:
-        """Whether rank 0 waits for the directive of `step` before the next one: a checkpoint
+        """Whether rank 0 asks for the directive of `step` (it waits for it only where it cannot
+        copy the weights and train on: workers/session.py `_decide_later`): a checkpoint
         may be asked for (periodic, best candidate, evaluation, the last step), and it must
         hold exactly that step's weights. No other rank ever waits for a directive."""
         return bool(step > 0 and (

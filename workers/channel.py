@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import select
 import socket
 import time
 from typing import Any
@@ -58,6 +59,8 @@ class Channel(abc.ABC):
         self._lease: Lease | None = None
         self.lost_since: float | None = None
         """When the peer stopped answering (None while it answers)."""
+        self._later: tuple[int, Directive | None] | None = None
+        """(step, its directive once read) of the decision asked by `decide_later`."""
 
     def send(self, packet: bytes) -> None:
         """Queue one encoded packet; it goes out with the next batch."""
@@ -79,6 +82,29 @@ class Channel(abc.ABC):
         """Send the queue and the decision step's packet; wait for the step's directive.
         `expect`: how many ranks of the node decide this step (None: all of them)."""
         return self._decide(self._take() + [packet], step, expect)
+
+    answers_later = False
+    """Whether `decide_later` returns before the answer (the rank may train on meanwhile)."""
+
+    def decide_later(self, packet: bytes, step: int, expect: int | None = None) -> None:
+        """Like `decide`, but the directive is taken later (`verdict`): the rank trains on
+        meanwhile. One decision at a time: the previous one's verdict is taken first. By
+        default (`answers_later` False) the decision is made now and kept; `RelayChannel`
+        writes the question and reads the answer when it has come."""
+        self._later = (step, self._decide(self._take() + [packet], step, expect))
+
+    def verdict(self, wait: bool) -> Directive | None:
+        """The directive of the decision `decide_later` asked for: None while it has not come
+        (`wait` False), or when none is pending. `wait` True blocks until it comes (at most
+        the decision timeout: then a no-directive)."""
+        later, self._later = self._later, None
+        return later[1] if later is not None else None
+
+    @property
+    def cached_lease(self) -> Lease | None:
+        """The newest lease already here (no wait, no question asked)."""
+        self._poll_lease()
+        return self._lease
 
     def lease(self, need: int) -> tuple[Lease | None, float]:
         """The lease once step `need` is reduced or a stop is decided: (lease, seconds this
@@ -168,6 +194,8 @@ class RelayChannel(Channel):
         self.board: LeaseView | None = None
         self._greeted = False
         """The relay answered this connection's first lease question (and named its board)."""
+        self._asked_on: socket.socket | None = None
+        """The connection `decide_later` asked on (a reconnection since gets no answer to it)."""
         self._no_service = False
         """The relay has no lease to give (no aggregator behind it): nothing holds the rank."""
         self._connect()
@@ -327,7 +355,43 @@ class RelayChannel(Channel):
             self._disconnect()
             return self._no_directive(step, exc)
 
+    answers_later = True
+
+    def decide_later(self, packet: bytes, step: int, expect: int | None = None) -> None:
+        if self._later is not None:
+            self.verdict(wait=True)  # one question on the connection at a time: its answer first
+        frame: dict[str, Any] = {"op": "decide", "packets": self._take() + [packet], "step": step,
+                                 "timeout": self.decision_timeout_s}
+        if expect is not None:
+            frame["expect"] = expect
+        written = self._write(frame)
+        self._later = (step, None if written else Directive.no_directive(step, "relay unreachable"))
+        self._asked_on = self.sock  # the answer comes on this connection or not at all
+
+    def verdict(self, wait: bool) -> Directive | None:
+        if self._later is None:
+            return None
+        step, known = self._later
+        if known is None:
+            if self.sock is None or self.sock is not self._asked_on:
+                known = self._no_directive(step, "the relay connection closed before the answer")
+            else:
+                if not wait:
+                    # the answer's first byte is here: the relay writes a frame whole, read it now
+                    ready, _, _ = select.select([self.sock], [], [], 0)
+                    if not ready:
+                        return None
+                try:
+                    known = Directive.decode(self._reply()["directive"])
+                except Exception as exc:  # a dead relay or a bad answer: the rank goes on without a directive
+                    self._disconnect()
+                    known = self._no_directive(step, exc)
+        self._later = None
+        return known
+
     def close(self) -> None:
+        if self._later is not None:
+            self.verdict(wait=True)  # a verdict asked for is read before the connection goes
         super().close()
         self._disconnect()
         self._drop_leases()

@@ -3,9 +3,10 @@
 Per step it builds a `StepPacket` (loss, the learning rate of the step, grad norms,
 NaN/Inf counts, step time, samples, user metrics and evaluation results, and every
 `collect_freq` steps a parameter fingerprint and rank 0's layer statistics) and ships it
-through the rank's channel. At the schedule's decision steps it waits for the directive,
-so that every rank stops after the same step, and rank 0 writes the checkpoint the
-directive asks for. It owns the rank's parts: the channel, the heartbeat, the fault
+through the rank's channel. At the schedule's decision steps rank 0 asks for the directive
+and writes the checkpoint it asks for: from a copy of that step's weights taken before it
+trains on (the verdict is read once it came), or, at the last step, after waiting for it.
+It owns the rank's parts: the channel, the heartbeat, the fault
 injector, the profiler window, the weight statistics and the checkpoint writer.
 
 Outside a launch (no settings: a user script run by hand) it has no channel: it logs
@@ -43,6 +44,7 @@ from .model_params import model_parameters
 from .profiler import ProfileWindow
 from .settings import rank_id
 from .weight_stats import DEFAULT_HIST_REGEX, WeightStats, structure_text
+from .weights_copy import WeightsCopy
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +216,10 @@ class RankSession:
         self.overflow_steps = 0
         """Steps this rank's loss-scale cell skipped for overflow (every packet carries it)."""
         self.on_directive: Callable[[Directive], None] | None = None
+        self._pending: StepPacket | None = None
+        """Rank 0's checkpoint candidate whose verdict has not been taken yet (`_decide_later`)."""
+        self._weights_copy = WeightsCopy()
+        """The weights of `_pending`'s step (rank 0), for the checkpoint its verdict may ask for."""
         self.tokens_per_step = tokens_per_step
         """Tokens this rank trains on per step (None: not known, no TFLOPS reported)."""
         self.flops_per_token = flops_per_token
@@ -251,6 +257,12 @@ class RankSession:
         if self.profile is not None:
             self.profile.end(self.step, force=True)
         if self.channel is not None:
+            if self._pending is not None:
+                step = self._pending.step
+                try:
+                    self._settle(wait=True)  # the last candidate's checkpoint is written before the end
+                except Exception as exc:  # finishing must go on: the verdict's save is lost, said
+                    self.monitor_error(f"taking the verdict of step {step}", exc)
             self.channel.flush()
         self.send_event(EventKind.END, message)
         if self.channel is not None:
@@ -322,8 +334,8 @@ class RankSession:
                 except Exception as exc:  # statistics are optional: the step's packet goes out without them
                     log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, s, exc)
         evaluates = self.evaluate is not None
-        # rank 0 waits for the verdict on a checkpoint candidate (the checkpoint must hold
-        # exactly this step's weights); nobody else ever waits for a directive
+        # rank 0 asks for the verdict on a checkpoint candidate (the checkpoint must hold
+        # exactly this step's weights: `_decide_later` copies them); nobody else asks
         decision = self.rank == 0 and self.schedule.is_candidate(s, evaluates, self.epoch_steps)
         eval_s = 0.0
         if evaluates and self.schedule.eval_due(s, self.epoch_steps):
@@ -426,7 +438,11 @@ class RankSession:
         if self.channel is None:
             log.info("[rank %d] step %d loss %s", self.rank, pkt.step, pkt.loss)
             return
-        if pkt.decision:
+        if self._pending is not None:
+            self._settle(wait=pkt.decision)  # the earlier verdict, if it came (at the next candidate: it must)
+        if pkt.decision and self._decide_later(pkt):
+            pass
+        elif pkt.decision:
             t0 = time.monotonic()
             d = self.channel.decide(pkt.encode(), pkt.step, expect=1)
             self.since_packet.monitor_wait_s += time.monotonic() - t0
@@ -435,6 +451,47 @@ class RankSession:
             self.channel.send_step(pkt.encode(), pkt.step)
         if self.stopped is None:
             self._check_lease(pkt)
+
+    def _decide_later(self, pkt: StepPacket) -> bool:
+        """Rank 0 at a checkpoint candidate that is not the run's end: copy the weights a
+        checkpoint would hold, ask for the verdict, and train on (the verdict is taken when it
+        has come, `_settle`). False where it must wait instead: the last step (nothing runs
+        after it), a stop the lease already names for this step, no train cell, or weights that
+        cannot be copied; and a channel that answers at once anyway (`answers_later` False)."""
+        assert self.channel is not None
+        if not self.channel.answers_later:
+            return False
+        total = self.schedule.total_steps
+        lease = self.channel.cached_lease
+        if (self.train_cell is None or self.checkpoints is None or (total and pkt.step >= total)
+                or (lease is not None and lease.stopping and pkt.step >= lease.stop_after)):
+            return False
+        t0 = time.perf_counter()
+        try:
+            self._weights_copy.take(self.train_cell, pkt.step)
+        except Exception as exc:  # weights numpy cannot hold (a dtype): this candidate waits for its verdict
+            log.info("[rank 0] no host copy of the weights at step %d (%s): waiting for the verdict", pkt.step, exc)
+            return False
+        finally:
+            # the copy is the checkpoint's (goodput: checkpoint time), not watching's
+            self.since_packet.checkpoint_s += time.perf_counter() - t0
+        self.channel.decide_later(pkt.encode(), pkt.step, expect=1)
+        self._pending = pkt
+        return True
+
+    def _settle(self, wait: bool) -> None:
+        """Follow the pending candidate's verdict if it came (`wait`: until it comes), writing
+        the checkpoint it asks for from the weights copied at that step."""
+        assert self.channel is not None and self._pending is not None
+        d = self.channel.verdict(wait=False)
+        if d is None and wait:  # not here yet: blocked until it comes (the packet says how long)
+            t0 = time.monotonic()
+            d = self.channel.verdict(wait=True)
+            self.since_packet.monitor_wait_s += time.monotonic() - t0
+        if d is None:
+            return
+        pkt, self._pending = self._pending, None
+        self._follow(d, pkt, weights=self._weights_copy)
 
     def _check_lease(self, pkt: StepPacket) -> None:
         """Before the step after `pkt`: every rank may run `max_lag_steps` steps ahead of the
@@ -454,6 +511,8 @@ class RankSession:
                                        reason=f"no relay for {lost:.0f}s (monitor.decision_timeout_s)"), pkt)
             return
         if lease.stopping and pkt.step >= lease.stop_after:
+            if self._pending is not None:  # the last verdict first: its save is of an earlier step
+                self._settle(wait=True)
             d = Directive(step=pkt.step, action=Action.STOP, reason=lease.reason,
                           saves=frozenset({CheckpointKind.LAST}) if lease.save_last else frozenset())
             self._follow(d, pkt)
@@ -461,12 +520,14 @@ class RankSession:
             log.warning("[rank %d] no lease for step %d after %.0fs (aggregator at step %d); continuing",
                         self.rank, pkt.step + 1, waited, lease.reduced_through)
 
-    def _follow(self, d: Directive, pkt: StepPacket) -> None:
+    def _follow(self, d: Directive, pkt: StepPacket, weights: WeightsCopy | None = None) -> None:
+        """`weights`: the copy taken at `pkt`'s step (a verdict taken later); None: the train cell
+        still holds that step's weights."""
         if d.save_kinds and self.rank == 0:
             t_save = time.perf_counter()
             self.busy = BUSY_SAVING
             try:
-                self._save(d, pkt)
+                self._save(d, pkt, weights)
             finally:
                 self.busy = None
                 self.since_packet.checkpoint_s += time.perf_counter() - t_save
@@ -475,12 +536,15 @@ class RankSession:
         if self.on_directive:
             self.on_directive(d)
 
-    def _save(self, d: Directive, pkt: StepPacket) -> None:
+    def _save(self, d: Directive, pkt: StepPacket, weights: WeightsCopy | None = None) -> None:
         if self.checkpoints is None or self.train_cell is None:
             log.warning("[rank 0] asked to save %s at step %d but no checkpoint folder or train cell is known",
                         d.save, pkt.step)
             return
-        self.checkpoints.write(d, pkt.step, pkt.epoch, self.train_cell)
+        if weights is not None and weights.step != pkt.step:
+            log.error("[rank 0] the weights copied for step %d are of step %s: not saved", pkt.step, weights.step)
+            return
+        self.checkpoints.write(d, pkt.step, pkt.epoch, weights.save_list() if weights is not None else self.train_cell)
 
     # ---- what the packets carry about the weights --------------------------------------------
     def _listed(self) -> tuple[list, HostViews]:

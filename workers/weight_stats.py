@@ -32,15 +32,19 @@ MAX_LAYERS = 2000
 
 def histogram(values: np.ndarray, bins: int = BINS) -> dict[str, list[float]]:
     v = np.asarray(values, dtype=np.float64).reshape(-1)
-    v = v[np.isfinite(v)]
-    if v.size == 0:
-        return {"edges": [], "counts": [], "min": 0.0, "max": 0.0, "num": 0, "sum": 0.0, "sum_squares": 0.0}
-    lo, hi = float(v.min()), float(v.max())
+    lo, hi = (float(v.min()), float(v.max())) if v.size else (math.nan, math.nan)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        # a NaN or an infinity among them (their min or max says so): the finite values only;
+        # otherwise no mask and no second copy (a collect step's histograms are its largest part)
+        v = v[np.isfinite(v)]
+        if v.size == 0:
+            return {"edges": [], "counts": [], "min": 0.0, "max": 0.0, "num": 0, "sum": 0.0, "sum_squares": 0.0}
+        lo, hi = float(v.min()), float(v.max())
     if lo == hi:
         hi = lo + 1e-12
     counts, edges = np.histogram(v, bins=bins, range=(lo, hi))
-    return {"edges": [float(e) for e in edges[1:]], "counts": [float(c) for c in counts], "min": lo, "max": hi,
-            "num": int(v.size), "sum": float(v.sum()), "sum_squares": float((v * v).sum())}
+    return {"edges": edges[1:].tolist(), "counts": counts.astype(np.float64).tolist(), "min": lo, "max": hi,
+            "num": int(v.size), "sum": float(v.sum()), "sum_squares": float(np.dot(v, v))}
 
 
 def structure_text(params) -> str:

@@ -381,9 +381,10 @@ class CheckpointConfig:
     best_mode: BestMode = BestMode.MIN
     """min or max."""
     best_every_steps: int = 10
-    """Consider a new best only every N steps: rank 0 waits for the aggregator's verdict
-    after each such step, so the best checkpoint holds exactly the judged weights (1:
-    every step, paying that wait every step; eval metrics are judged at evaluation steps)."""
+    """Consider a new best only every N steps: rank 0 copies the weights of each such step
+    and asks for the aggregator's verdict, training on meanwhile, so the best checkpoint holds
+    exactly the judged weights (1: every step, paying that copy every step; eval metrics are
+    judged at evaluation steps)."""
     keep_best_max: int = 1
     """Best checkpoints kept."""
     format: CkptFormat = CkptFormat.CKPT

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import time
 
+import mindspore as ms
+import numpy as np
 import pytest
+from mindspore import nn
 
 from mindpulse.directives import Directive, Lease
-from mindpulse.protocol import Action, EventKind, StepPacket, decode
+from mindpulse.protocol import Action, CheckpointKind, EventKind, StepPacket, decode
 from mindpulse.rank_settings import (
     SETTINGS_ENV,
     CheckpointSettings,
@@ -438,3 +443,160 @@ def test_the_packet_takes_the_registry_metrics_a_rank_reports(tmp_path):
     assert s.errors == 0
     s.record(1.0, probe=3)
     assert s.errors == 1, "a field no metric declares is counted as the monitor's error"
+
+
+# ---- rank 0 at a checkpoint candidate trains on instead of waiting for the verdict: it copies
+# the weights a checkpoint holds, asks, and writes the copy when the verdict comes and asks for it
+
+
+class Later(Recording):
+    """A peer whose verdict comes `delay` polls after the question (as a relay's does, while
+    the rank trains on)."""
+
+    answers_later = True
+
+    def __init__(self, plan=None, delay=2, **kw):
+        super().__init__(plan, **kw)
+        self.delay = delay
+        self.asked: list[int] = []
+        self.polls = 0
+        self.waited = 0
+
+    def decide_later(self, packet, step, expect=None):
+        assert self._later is None, "one question at a time"
+        self.asked.append(step)
+        self._later = (step, self._decide(self._take() + [packet], step, expect))
+        self.polls = 0
+
+    def verdict(self, wait):
+        if self._later is None:
+            return None
+        self.polls += 1
+        if not wait and self.polls <= self.delay:
+            return None
+        self.waited += bool(wait and self.polls <= self.delay)
+        return super().verdict(wait)
+
+
+@pytest.fixture()
+def small_cell():
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    net = nn.Dense(4, 2)
+    opt = nn.Adam(net.trainable_params(), 1e-3)
+    return net, nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+
+
+def _bump(net, value: float) -> None:
+    """Stands for a training step: every weight changes."""
+    for p in net.trainable_params():
+        p.set_data(ms.Tensor(np.full(p.shape, value, np.float32)))
+
+
+def test_rank0_trains_on_and_saves_the_candidates_own_weights(tmp_path, small_cell):
+    from mindpulse.workers.session import RankSession
+
+    net, train_cell = small_cell
+    best = {"saves": frozenset({CheckpointKind.BEST}), "metric": 0.5, "metric_name": "loss"}
+    ch = Later(plan={3: best}, delay=2)
+    run = settings(tmp_path)
+    run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, save_every=0))
+    s = RankSession(run, rank=0, channel=ch, network=net, train_cell=train_cell)
+    for step in range(1, 8):
+        _bump(net, float(step))  # the weights after step `step` are all `step`
+        s.record(1.0)
+    steps = {p.step: p for p in ch.packets if isinstance(p, StepPacket)}
+    assert ch.asked == [3, 6], "best every 3: each candidate asked without waiting"
+    assert ch.waited == 0, "every verdict had come before the next candidate needed the connection"
+    assert all(p.monitor_wait_s == 0.0 for p in steps.values()), {k: p.monitor_wait_s for k, p in steps.items()}
+    saved = ms.load_checkpoint(str(tmp_path / "checkpoints" / "step_00000003-best.ckpt"))
+    w = saved[net.weight.name].asnumpy()
+    assert np.all(w == 3.0), f"the best checkpoint of step 3 holds weights {w.ravel()[:4]}, not step 3's"
+    assert int(saved["step"].asnumpy()) == 3
+    assert any(k.startswith("moment1") or "moment" in k for k in saved), "the optimizer's state is saved too"
+    s.finish()
+
+
+def test_the_last_step_and_a_named_stop_still_wait(tmp_path, small_cell):
+    from mindpulse.workers.session import RankSession
+
+    net, train_cell = small_cell
+    ch = Later(delay=0)
+    s = RankSession(settings(tmp_path), rank=0, channel=ch, network=net, train_cell=train_cell)
+    for _ in range(10):
+        s.record(1.0)
+    decided = [p.step for p in ch.packets if isinstance(p, StepPacket) and p.decision]
+    assert 10 in decided and 10 not in ch.asked, "the run's last step is decided while rank 0 waits"
+    # a stop the lease already names for this candidate: waited for too
+    ch2 = Later(delay=0)
+    ch2._lease = Lease(reduced_through=100, stop_after=3, reason="stop")
+    ch2._fetch_lease = lambda need: (ch2._lease, 0.0)
+    s2 = RankSession(settings(tmp_path / "b"), rank=0, channel=ch2, network=net, train_cell=train_cell)
+    outcomes = [s2.record(1.0) for _ in range(3)]
+    assert outcomes[-1].stop and 3 not in ch2.asked
+
+
+def test_a_pending_verdict_is_taken_before_the_end(tmp_path, small_cell):
+    from mindpulse.workers.session import RankSession
+
+    net, train_cell = small_cell
+    ch = Later(plan={3: {"saves": frozenset({CheckpointKind.BEST}), "metric": 1.0, "metric_name": "loss"}},
+               delay=100)
+    s = RankSession(settings(tmp_path), rank=0, channel=ch, network=net, train_cell=train_cell)
+    for step in range(1, 4):
+        _bump(net, float(step))
+        s.record(1.0)
+    _bump(net, 99.0)
+    s.finish()
+    saved = ms.load_checkpoint(str(tmp_path / "checkpoints" / "step_00000003-best.ckpt"))
+    assert np.all(saved[net.weight.name].asnumpy() == 3.0)
+
+
+def test_the_relay_channel_asks_now_and_reads_the_verdict_when_it_came():
+    from mindpulse.node.relay import RelayServer
+
+    class Up:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, batch):
+            self.sent.extend(batch)
+
+        async def decide(self, batch, step, timeout):
+            await asyncio.sleep(0.3)
+            return Directive(step=step, reason=f"verdict {step}").encode()
+
+    up = Up()
+    srv = RelayServer(up.send, up.decide, local_ranks=1, pushed_leases=True)
+    c = RelayChannel("127.0.0.1", srv.start(), decision_timeout_s=5.0)
+    try:
+        t0 = time.monotonic()
+        c.decide_later(StepPacket(rank=0, step=5, loss=1.0, decision=True).encode(), 5, expect=1)
+        assert c.verdict(wait=False) is None, "the aggregator takes 0.3 s: not here yet"
+        assert time.monotonic() - t0 < 0.2, "asking did not wait for the answer"
+        c.send_step(StepPacket(rank=0, step=6, loss=1.0).encode(), 6)  # the rank trains on meanwhile
+        deadline = time.monotonic() + 5
+        d = None
+        while d is None and time.monotonic() < deadline:
+            d = c.verdict(wait=False)
+            time.sleep(0.01)
+        assert d is not None and d.reason == "verdict 5" and d.step == 5
+        assert c.verdict(wait=False) is None, "one verdict per question"
+        # a verdict waited for blocks until it comes
+        c.decide_later(StepPacket(rank=0, step=10, loss=1.0, decision=True).encode(), 10, expect=1)
+        d = c.verdict(wait=True)
+        assert d.reason == "verdict 10"
+        # a connection lost after the question: no answer is waited for on the next one
+        c.decide_later(StepPacket(rank=0, step=20, loss=1.0, decision=True).encode(), 20, expect=1)
+        c._disconnect()
+        c.send_step(StepPacket(rank=0, step=21, loss=1.0).encode(), 21)  # reconnects
+        t0 = time.monotonic()
+        d = c.verdict(wait=True)
+        assert d.reason.startswith("no directive") or "closed" in d.reason, d.reason
+        assert time.monotonic() - t0 < 1.0, "nothing was waited for on the new connection"
+        deadline = time.monotonic() + 5
+        while not up.sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert up.sent, "the step packet sent while the verdict was pending was forwarded after it"
+    finally:
+        c.close()
+        srv.stop()

@@ -1,0 +1,76 @@
+"""Rank 0's copy of a checkpoint candidate's weights, so that it need not wait for the verdict.
+
+A best checkpoint holds the weights of the step whose reduced metric was best, and only the
+aggregator knows which step that is, once every rank's packet of the step is in. Rank 0 used
+to block after each candidate step until the verdict came back (a round trip through the
+relay and the aggregator), because the next step would change the weights. Instead it now
+copies what a checkpoint holds (the train cell's parameters: the weights and the optimizer's
+state, as `CheckpointManager` saves them) into host buffers at the candidate step, trains on,
+and writes the copy if and when the verdict asks for it.
+
+The buffers are allocated once and filled in place at each candidate (no allocation a step)
+from views of the parameters' storage kept between candidates (`HostViews`: on a CPU target
+`asnumpy()` is a view, but building it costs tens of microseconds a parameter),
+and a copy is only ever waited on by the next candidate, ~`checkpoint.best_every_steps` steps
+later, by which time its verdict came long ago. Where a parameter cannot be copied to the
+host (a dtype numpy lacks), `take` raises and the session falls back to waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .fingerprint import HostViews
+from .model_params import is_model_param
+
+
+class WeightsCopy:
+    """Host buffers for one train cell's saved parameters, refilled at each candidate."""
+
+    def __init__(self) -> None:
+        self._cell: Any = None
+        self._params: list[tuple[str, Any]] = []
+        self._buffers: list[np.ndarray] = []
+        self._views: HostViews = HostViews([])
+        self.step: int | None = None
+        """The step the buffers hold (None: nothing copied yet)."""
+
+    def take(self, train_cell: Any, step: int) -> None:
+        """Copy `train_cell`'s parameters as they are now (after `step`'s update)."""
+        if train_cell is not self._cell:
+            self._list(train_cell)
+        for i, buf in enumerate(self._buffers):
+            src = self._views[i]  # on a CPU target a kept view of the parameter's storage, elsewhere a host copy
+            if src.size != buf.size or src.dtype != buf.dtype:  # the parameter was given new data
+                self._list(train_cell)
+                return self.take(train_cell, step)
+            np.copyto(buf, src)
+        self.step = step
+
+    def _list(self, train_cell: Any) -> None:
+        params = [(name, p) for name, p in train_cell.parameters_and_names() if is_model_param(p.name)]
+        seen: set[str] = set()
+        self._params = []
+        for _, p in params:
+            if p.name in seen:  # shared parameters are saved once
+                continue
+            seen.add(p.name)
+            self._params.append((p.name, p))
+        self._views = HostViews([p for _, p in self._params])
+        self._buffers = [np.empty_like(self._views[i]) for i in range(len(self._params))]
+        self._cell = train_cell
+        self.step = None
+
+    def save_list(self) -> list[dict[str, Any]]:
+        """What `mindspore.save_checkpoint` takes in place of the train cell: the copied
+        parameters by name."""
+        from mindspore import Tensor
+
+        return [{"name": name, "data": Tensor(buf.reshape(p.shape))}
+                for (name, p), buf in zip(self._params, self._buffers, strict=True)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers)
