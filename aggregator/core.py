@@ -28,7 +28,7 @@ from mindpulse.directives import Directive, Lease
 from mindpulse.goodput import GoodputClock, StepTimes
 from mindpulse.metrics_store import MetricsWriter
 from mindpulse.partial import collect_ranks
-from mindpulse.protocol import EventKind, EventPacket, Packet, TelemetryPacket
+from mindpulse.protocol import EventKind, EventPacket, HeartbeatRow, Packet, TelemetryPacket
 from mindpulse.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, straggler_scores
 from mindpulse.replay import replay_attempt
 from mindpulse.settings import AggregatorSettings, compute_drop_window
@@ -74,7 +74,7 @@ class AggregatorCore:
                                  cfg.world.device.value)
         self.intake = Intake(self.reducer, self.metrics, self.clocks, world_size=world_size,
                              start_step=self.start_step, on_event=self._on_event,
-                             on_telemetry=self._on_telemetry)
+                             on_telemetry=self._on_telemetry, on_beats=self._on_beats)
         self.sinks = Sinks(self.run_dir, tensorboard=settings.tensorboard, collect_freq=self.collect_freq,
                            straggler_threshold=self.straggler_threshold, world_size=self.world_size,
                            per_print_step=self.per_print_step, total_steps=total_steps,
@@ -230,6 +230,17 @@ class AggregatorCore:
             self.decisions.on_rank_error(pkt)
         else:
             info[pkt.kind] = pkt.message or True
+
+    def _on_beats(self, rows: list[HeartbeatRow]) -> None:
+        """A node's heartbeats, one record (node/relay.py): what a heartbeat packet does, per row."""
+        info, beat = self.rank_info, self.clocks.on_heartbeat
+        for rank, step, state, state_step, pid in rows:
+            beat(rank, step, state, state_step)
+            i = info.get(rank)
+            if i is None:
+                info[rank] = {"pid": pid}
+            elif "pid" not in i:
+                i["pid"] = pid
 
     def _on_telemetry(self, pkt: TelemetryPacket) -> None:
         cards = []
