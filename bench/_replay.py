@@ -93,16 +93,19 @@ def _pack_marked(obj: Any) -> bytes:
 
     raw = msgpack.packb(obj, default=default, use_bin_type=True)
     # an ext of 4 bytes packs as fixext4: d6 <type> <4 bytes>; a uint32 is ce <4 bytes>: one byte
-    # shorter, so the body is rebuilt around each marker
-    out, i, tag = bytearray(), 0, bytes([0xD6, _MARK_EXT])
+    # shorter, so the body is rebuilt around each marker, found with its "step" key before it
+    # (the two tag bytes alone also turn up inside floats and bins)
+    tag = _STEP_KEY + bytes([0xD6, _MARK_EXT])
+    out, i = bytearray(), 0
     while True:
         j = raw.find(tag, i)
         if j < 0:
             out += raw[i:]
             return bytes(out)
-        out += raw[i:j]
-        out += b"\xce" + raw[j + 2:j + 6]
-        i = j + 6
+        k = j + len(_STEP_KEY)
+        out += raw[i:k]
+        out += b"\xce" + raw[k + 2:k + 6]
+        i = k + 6
 
 
 class Template:
@@ -183,8 +186,10 @@ class Replay:
     benchmark, with the interface of `_node_sim.Nodes`)."""
 
     def __init__(self, aggregator: Any, groups: list[list[int]], frames: dict[int, list[bytes]], rpn: int,
-                 heartbeat_s: float, telemetry_s: float, decision_timeout_s: float, seed: int):
-        import ray
+                 heartbeat_s: float, telemetry_s: float, decision_timeout_s: float, seed: int,
+                 address: tuple[str, int, str] | None = None):
+        """`aggregator`: the actor's handle (its `uplink_address` asked through Ray), or None
+        with `address`, the uplink server's (host, port, token) (a test without Ray)."""
         from _node_sim import Beats, LeaseWatch, _Relay, loop_thread, telemetry_sample
 
         self.rpn = rpn
@@ -197,7 +202,12 @@ class Replay:
             built = [msgpack.unpackb(f) for f in frames[g[0]]]
             self.templates[g[0]] = [Template(body, n) for n, body in built]
             self.watch.watch(g[0], True)
-        resolve = lambda: tuple(ray.get(aggregator.uplink_address.remote(), timeout=60))  # noqa: E731
+        if address is not None:
+            resolve = lambda: address  # noqa: E731
+        else:
+            import ray
+
+            resolve = lambda: tuple(ray.get(aggregator.uplink_address.remote(), timeout=60))  # noqa: E731
         self.relays = {g[0]: _Relay(g[0], self.loop, self.watch) for g in groups}
         self.uplinks = {g[0]: ReplayUplink(g[0], resolve, self.relays[g[0]].set_lease) for g in groups}
         for u in self.uplinks.values():

@@ -9,6 +9,10 @@ that ran beside heavy foreign load (or failed) is run again while the budget all
 document says which figures were taken beside foreign load.
 
 Usage: .venv/bin/python bench/run_all.py [--budget-s 3060] [--only fanin,memory] [--no-docs]
+
+`--only` runs those pieces and merges them into the last run's record (bench/results/run_all.json):
+docs/benchmarks.md is then rewritten with their new figures beside the others' (the date line
+names the pieces re-run and when), unless `--no-docs`.
 """
 
 from __future__ import annotations
@@ -229,16 +233,39 @@ def main() -> None:
 
     report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s)
     print("\n" + report["console"])
-    (RESULTS / "run_all.json").write_text(json.dumps({
-        "started": started, "total_s": total_s, "waited_for_quiet_s": waited, "machine": machine,
-        "attempts": {k: [a.__dict__ for a in v] for k, v in attempts.items()}}, indent=1, default=str))
+    run = {"started": started, "total_s": total_s, "waited_for_quiet_s": waited, "machine": machine,
+           "attempts": {k: [a.__dict__ for a in v] for k, v in attempts.items()}}
+    if args.only and not args.no_docs:
+        run = merged_run(run, pieces, started)
+    (RESULTS / "run_all.json").write_text(json.dumps(run, indent=1, default=str))
     if not args.no_docs and not args.only:
         DOC.parent.mkdir(parents=True, exist_ok=True)
         DOC.write_text(report["doc"])
         print(f"\nwrote {DOC.relative_to(C.ROOT)}")
+    elif not args.no_docs:  # the pieces re-run, merged into the last full run's document
+        rewrite_docs(args.budget_s)
     print(f"total {total_s / 60:.1f} min (budget {args.budget_s / 60:.0f} min)")
     if any(not any(a.ok for a in v) for v in attempts.values()):
         sys.exit(1)
+
+
+def merged_run(run: dict, pieces: list, started: str) -> dict:
+    """A run of some pieces (`--only`) merged into the last run's record (bench/results/run_all.json):
+    the pieces re-run replace theirs, the others keep theirs, and the date line says which
+    pieces were re-run when (every figure stays the one its own run printed)."""
+    path = RESULTS / "run_all.json"
+    if not path.exists():
+        return run
+    old = json.loads(path.read_text())
+    names = [p.name for p in pieces]
+    attempts = {k: v for k, v in old.get("attempts", {}).items() if k not in names}
+    attempts.update(run["attempts"])
+    first = str(old.get("started", "")).split("; ")[0]
+    return dict(old, attempts=attempts, started=f"{first}; {', '.join(names)} re-run {started}",
+                total_s=float(old.get("total_s", 0.0)), reruns=[*old.get("reruns", []),
+                                                                  {"pieces": names, "started": started,
+                                                                   "total_s": run["total_s"],
+                                                                   "machine": run["machine"]}])
 
 
 def rewrite_docs(budget_s: float) -> None:
