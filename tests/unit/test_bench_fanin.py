@@ -259,7 +259,8 @@ def test_replayed_leader_frames_reduce_every_step_of_the_cycle_and_beyond(tmp_pa
         rep.start()
         for s in range(steps + 1):
             rep.send_step(s, False)
-            assert rep.wait(s, -1, 5.0)[1] < 5.0, f"step {s} was not reduced: {core.snapshot()['packets']}, missing {core.missing_for(s)}, {core.reducer.reduced_through}"
+            assert rep.wait(s, -1, 5.0)[1] < 5.0, \
+                f"step {s} was not reduced: {core.snapshot()['packets']}, missing ranks {core.missing_for(s)}"
         time.sleep(0.5)  # heartbeats and samples of a few flush windows
         ends = rep.close()
     finally:
