@@ -64,8 +64,9 @@ PIECES = [
     Piece("grad_cell", "grad_cell.py", ["--steps", "10", "--repeats", "5"], 80,
           ["--steps", "6", "--repeats", "3"], 50, max_s=110),
     Piece("overhead", "overhead.py", [], 430, ["--repeats-small", "5", "--repeats-larger", "2"], 260, max_s=430),
-    Piece("fanin", "fanin.py", ["--targets", "--repeats", "3", "--seconds", "15", "--agent-seconds", "20"], 290,
-          ["--targets", "--repeats", "2", "--seconds", "10", "--agent-repeats", "2", "--agent-seconds", "15"], 170),
+    # replayed senders (bench/_replay.py): 40 s a run, so the 32,768-rank target's row is over ~40 steps
+    Piece("fanin", "fanin.py", ["--targets", "--repeats", "2", "--seconds", "40", "--agent-seconds", "20"], 330,
+          ["--targets", "--repeats", "1", "--seconds", "30", "--agent-repeats", "2", "--agent-seconds", "15"], 200),
     Piece("exporter", "exporter.py", ["--scrapes", "10", "--sink-steps", "300"], 60,
           ["--scrapes", "5", "--sink-steps", "100"], 30),
     # planned times estimated from a 64-rank smoke run (3 sinks, 36 s), not yet from a timed 4,096-rank one
