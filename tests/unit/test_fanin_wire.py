@@ -187,3 +187,19 @@ def test_host_processes_of_a_known_shape_pass_and_nested_values_are_refused():
         decode(telemetry([card()], [{"rank": 0, "pid": 1, "cpu_pct": [2.0]}]))
     with pytest.raises(PacketError, match="processes"):
         decode(telemetry([card()], ["not a map"]))
+
+
+def test_the_aggregator_process_freezes_its_state_out_of_the_collectors_passes():
+    import gc
+
+    from mindpulse.aggregator.core import GC_GEN0_THRESHOLD, quiet_gc
+
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        quiet_gc()
+        assert gc.get_threshold()[0] == GC_GEN0_THRESHOLD > before[0]
+        assert gc.get_threshold()[1:] == before[1:], "only the youngest generation's threshold moves"
+        assert gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
