@@ -41,9 +41,10 @@ import msgpack
 from mindpulse.node.group import GroupLeader
 from mindpulse.uplink import Uplink
 
-CYCLE = 20
-"""Steps built before the run; a run's step s > 0 replays built step 1 + (s - 1) % CYCLE (a
-multiple of the default collect period, 10, and of the checkpoint candidates' period)."""
+CYCLE = 10
+"""Steps built before the run; a run's step s > 0 replays built step 1 + (s - 1) % CYCLE (the
+default collect period and checkpoint candidates' period, `monitor.collect_freq` and
+`checkpoint.best_every_steps`: a step keeps its collect and decide content)."""
 _STEP_KEY = msgpack.packb("step")
 _TS_KEY = msgpack.packb("ts")
 _U32 = struct.Struct(">I")
