@@ -328,9 +328,7 @@ def targets_table(res: dict, total_s: float, budget_s: float, rules_wall_s: floa
                          "per-part table under 'In-rank overhead'"])
     fi = res.get("fanin")
     if fi:
-        from fanin import p99_label, simulated
-
-        from fanin import TARGETS, judge
+        from fanin import TARGETS, judge, p99_label, simulated
 
         for j in fi["targets"]:
             now = next((t for t in TARGETS if (t["ranks"], t["rate"]) == (j["target"]["ranks"], j["target"]["rate"])),
