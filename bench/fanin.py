@@ -46,8 +46,15 @@ Separately (`--targets`), the node agent's whole process as a launch runs it
 (bench/_agent_node.py): an Atlas A3-shaped node (16 ranks, 16 cards, 10 steps/s,
 telemetry on), and 8 ranks at 20 steps/s for context.
 
+By default the senders replay pre-encoded frames (`--senders replay`, bench/_replay.py): each group
+leader's frame of a step built before the run by the same node pre-reducer and `GroupLeader`,
+replayed over one real uplink per leader with its step written in, heartbeats as one record per
+node, each node's telemetry sample encoded once, so the harness takes little of the aggregator's
+core; `--senders live` runs the leaders, their merging and the member streams described above.
+
 Usage: bench/fanin.py --ranks N --ranks-per-node 8 --rate R --seconds S [--group-size G]
-                      [--hop-groups H] [--no-tensorboard] [--sink none|mlflow|swanlab[,...]]
+                      [--senders replay|live] [--hop-groups H] [--no-tensorboard]
+                      [--sink none|mlflow|swanlab[,...]]
                       [--json [PATH]]
 Prints one JSON object (with --json) with at least: ranks, nodes, sink, asked_steps_per_s,
 achieved_steps_per_s, reduce_p50_ms, reduce_p99_ms, reduce_n, aggregator_cpu_frac,
