@@ -18,7 +18,16 @@ from typing import Any
 
 from mindpulse.metrics_store import MetricsWriter
 from mindpulse.partial import from_wire as partial_from_wire
-from mindpulse.protocol import EventPacket, Packet, PacketError, StepPacket, TelemetryPacket, decode
+from mindpulse.protocol import (
+    EventPacket,
+    HeartbeatRow,
+    Packet,
+    PacketError,
+    StepPacket,
+    TelemetryPacket,
+    decode,
+    heartbeat_rows,
+)
 from mindpulse.reducer import ReducedStep, StepReducer
 
 from .hang_clocks import HangClocks
@@ -32,7 +41,8 @@ STEP_WINDOW = 256
 class Intake:
     def __init__(self, reducer: StepReducer, metrics: MetricsWriter, clocks: HangClocks, *, world_size: int,
                  start_step: int, on_event: Callable[[EventPacket], None],
-                 on_telemetry: Callable[[TelemetryPacket], None]):
+                 on_telemetry: Callable[[TelemetryPacket], None],
+                 on_beats: Callable[[list[HeartbeatRow]], None] | None = None):
         self.reducer = reducer
         self.metrics = metrics
         self.clocks = clocks
@@ -40,6 +50,8 @@ class Intake:
         self.start_step = start_step
         self.on_event = on_event
         self.on_telemetry = on_telemetry
+        self.on_beats = on_beats
+        """A node's heartbeat record (its rows checked), in one call."""
         self.accepted = 0
         self.rejected: Counter[str] = Counter()
         self.group_partials = 0
@@ -104,12 +116,18 @@ class Intake:
         steps = batch.get("steps") or []
         if not isinstance(steps, list):
             steps = []
-        try:  # the common case costs one join: every item bytes-like
-            self.metrics.append(steps)
+        n = batch.get("steps_n")  # a group leader's: its packets back to back in one bytes
+        count = n if type(n) is int and n >= len(steps) else len(steps)
+        try:  # the common case costs one join (a group's: one bytes, written as it came)
+            self.metrics.append(steps, count)
         except TypeError:  # something else among them: store the bytes, drop the rest
             steps = [bytes(b) for b in steps if isinstance(b, (bytes, bytearray))]
+            count = len(steps)
             self.metrics.append(steps)
-        self.accepted += len(steps)
+        self.accepted += count
+        beats = batch.get("beats")
+        if beats:
+            self._beats(beats)
         for reason, n in (batch.get("rejected") or {}).items():
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 self.rejected[f"node:{reason}"[:64]] += n
@@ -127,6 +145,27 @@ class Intake:
             if not isinstance(node, int) and len(node) > 1:
                 self.group_partials += 1  # a group leader's merge of several nodes (node/group.py)
             yield from self.reducer.add_partial(node, part)
+
+    def _beats(self, rows: Any) -> None:
+        """A node's (or group's) heartbeat record: its rows checked as the packets were, in
+        one pass; a step beyond the window is refused as a packet's would be."""
+        good, bad = heartbeat_rows(rows, self.world_size)
+        if bad:
+            self.rejected["malformed"] += bad
+        limit = max(self.reducer.reduced_through, self.start_step) + STEP_WINDOW
+        if any(r[1] > limit for r in good):
+            kept = [r for r in good if r[1] <= limit]
+            self.rejected["step_out_of_window"] += len(good) - len(kept)
+            good = kept
+        if not good:
+            return
+        self.accepted += len(good)
+        if self.on_beats is None:
+            return
+        try:
+            self.on_beats(good)
+        except Exception as exc:  # one bad record must not stop the aggregator: counted, logged
+            self.count_error("a node's heartbeat record could not be applied", exc)
 
     def _accept(self, pkt: Packet) -> list[ReducedStep]:
         if isinstance(pkt, StepPacket):

@@ -15,7 +15,7 @@ What a node agent sends (node/agent.py, node/relay.py), and how it is made here:
 - **its ranks' heartbeats**: each rank's `Heartbeat.packet()` (workers/heartbeat.py) every
   `monitor.heartbeat_s`, the ranks' phases spread evenly over the interval; the beats of a
   node that fall within the relay's flush window (`relay.FLUSH_S`) go up in one batch, as
-  the relay's flush timer sends them;
+  one record of rows (`NodeBatch["beats"]`, `protocol.heartbeat_row`), as the relay sends them;
 - **its card telemetry**: one `TelemetryPacket` (`node.telemetry.telemetry_packet` of a
   sample shaped as `NodeSampler` makes it: one `card_record` per card, with its rank, and
   the host with one process entry per rank) every `monitor.telemetry_interval_s`, the
@@ -55,7 +55,7 @@ from mindpulse.directives import Lease
 from mindpulse.node.agent import NodeAgent, _forward_decide
 from mindpulse.node.relay import FLUSH_S, NodePreReducer
 from mindpulse.node.telemetry import card_record, telemetry_packet
-from mindpulse.protocol import EventKind, EventPacket, StepPacket
+from mindpulse.protocol import EventKind, EventPacket, StepPacket, heartbeat_row
 from mindpulse.uplink import Uplink
 from mindpulse.workers.heartbeat import Heartbeat
 
@@ -479,11 +479,13 @@ class Nodes:
         """Heartbeats and card samples as they fall due, one batch per node and flush window."""
         while not self._stop.wait(FLUSH_S):
             t = time.time()
-            per: dict[int, list[bytes]] = {}
+            per: dict[int, list[list[Any]]] = {}
             for r in self.beats.due(t):
                 self.beat.rank = r
-                per.setdefault(r // self.rpn, []).append(self.beat.packet().encode())
-            items = [(n, {"steps": [], "other": pk, "partials": [], "rejected": {}}) for n, pk in per.items()]
+                per.setdefault(r // self.rpn, []).append(heartbeat_row(self.beat.packet()))
+            # a node's beats as its relay sends them: one record of rows (`NodeBatch["beats"]`)
+            items = [(n, {"steps": [], "other": [], "beats": rows, "partials": [], "rejected": {}})
+                     for n, rows in per.items()]
             self.counts["heartbeats"] += sum(len(p) for p in per.values())
             if self.samples is not None:
                 for n in self.samples.due(t):

@@ -132,12 +132,17 @@ class Baseline:
 
 
 def paused(p: StepPacket | Mapping[str, Any]) -> bool:
-    """An evaluation, a checkpoint write or a profiler window since the rank's last packet."""
+    """An evaluation, a checkpoint write or a profiler window since the rank's last packet.
+    (Runs for every rank of a node twice a step: three plain tests, no generator.)"""
     if isinstance(p, Mapping):
-        vals = (p.get("eval_s"), p.get("checkpoint_s"), p.get("profile_s"))
+        e, c, f = p.get("eval_s"), p.get("checkpoint_s"), p.get("profile_s")
     else:
-        vals = (p.eval_s, p.checkpoint_s, p.profile_s)
-    return any(isinstance(v, (int, float)) and v > 0 for v in vals)
+        e, c, f = p.eval_s, p.checkpoint_s, p.profile_s
+    return _positive(e) or _positive(c) or _positive(f)
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and v > 0
 
 
 class NodeStragglers:
@@ -242,8 +247,12 @@ class NodeComputeDrops:
             recent.append(v)
             pending.append(v)
             if phase is Phase.JUDGING and len(recent) == RECENT_STEPS:
-                med, mad = b.stats()
+                # the MAD only where the level is below the ratio: the same verdict, and a
+                # healthy rank's step costs one sort of its window instead of two
+                med = median(b.values)
                 level = median(recent)
+                mad = (median([abs(x - med) for x in b.values])
+                       if med > 0 and level < FLAG_RATIO * med else 0.0)
                 if med > 0 and level < FLAG_RATIO * med and level < med - NOISE_SIGMAS * MAD_SIGMA * mad:
                     out.append([int(r), level, float(med), float(mad), len(b.values)])
                     pending.clear()

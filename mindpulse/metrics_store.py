@@ -440,9 +440,13 @@ class MetricsWriter:
             n = os.write(self._fd, view)
             view = view[n:]
 
-    def append(self, raw: list[bytes]) -> None:
-        """Append encoded packets (as they arrived), closing the segment at the cap."""
-        self.records += self._append(raw)
+    def append(self, raw: list[bytes], count: int | None = None) -> None:
+        """Append encoded packets (as they arrived), closing the segment at the cap. `count`:
+        the packets in `raw` where an item holds several back to back (a group leader's
+        steps: one bytes, written as it came; a segment closes before or after it, never
+        inside)."""
+        n = self._append(raw)
+        self.records += n if count is None or not n else count
 
     def append_reduced(self, red: ReducedStep) -> None:
         """The reduced record of a complete step (nothing while `paused`)."""

@@ -459,7 +459,7 @@ class Uplink:
 
     def _queue(self, frame: dict[str, Any], entries: Entries, force: bool = False,
                on_acked: Callable[[], None] | None = None) -> int:
-        packets = sum(len(b.get("steps") or []) + len(b.get("other") or []) for _, b in entries)
+        packets = sum(_packets(b) for _, b in entries)
         if len(self._unacked) >= self.max_unacked and not force:
             self.dropped += packets
             self.stats["dropped_frames"] += 1
@@ -531,6 +531,14 @@ class Uplink:
                 entry[2].set_result(bytes(msg["directive"]))
         if "lease" in msg:
             self.on_lease(bytes(msg["lease"]))
+
+
+def _packets(batch: dict[str, Any]) -> int:
+    """The packets a `NodeBatch` carries (a group leader's steps come joined, counted in "steps_n";
+    a heartbeat row counts as the packet it stands for)."""
+    n = batch.get("steps_n")
+    steps = n if type(n) is int else len(batch.get("steps") or [])
+    return steps + len(batch.get("other") or []) + len(batch.get("beats") or [])
 
 
 def _call(fn: Callable[[], None] | None) -> None:

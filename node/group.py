@@ -66,7 +66,10 @@ class GroupLeader:
         when a member sent a frame again, after a reconnect, while the step was held here)."""
         self._since: dict[int, float] = {}
         self._steps: list[bytes] = []
+        self._steps_n = 0
+        """Step packets in `_steps` (a member's may come joined already: its "steps_n")."""
         self._other: list[bytes] = []
+        self._beats: list[list[Any]] = []
         self._raw_receipts: list[Receipt] = []
         """The receipts of the member frames whose raw packets wait in `_steps`/`_other`."""
         self._rejected: Counter[str] = Counter()
@@ -88,13 +91,17 @@ class GroupLeader:
                 return
             steps = [b for b in batch.get("steps") or [] if isinstance(b, (bytes, bytearray))]
             other = [b for b in batch.get("other") or [] if isinstance(b, (bytes, bytearray))]
+            beats = [r for r in batch.get("beats") or [] if isinstance(r, list)]
+            n = batch.get("steps_n")
+            self._steps_n += n if type(n) is int and n >= len(steps) else len(steps)
+            self._beats += beats
             counted = [(str(reason), n) for reason, n in (batch.get("rejected") or {}).items()
                        if isinstance(n, int) and not isinstance(n, bool) and n > 0]
             self._steps += steps
             self._other += other
             for reason, n in counted:
                 self._rejected[reason] += n
-            if receipt is not None and (steps or other or counted):
+            if receipt is not None and (steps or other or beats or counted):
                 receipt.hold()  # raw packets or counts of this frame wait for the next call up
                 self._raw_receipts.append(receipt)
             for wire in batch.get("partials") or []:
@@ -145,9 +152,16 @@ class GroupLeader:
                 receipts += (r for rs in held.values() for r in rs)
                 del self._parts[step], self._since[step]
                 self._part_receipts.pop(step, None)
-            if self._steps or self._other or self._rejected:
-                raw = _batch(steps=self._steps, other=self._other, rejected=dict(self._rejected))
-                self._steps, self._other, self._rejected = [], [], Counter()
+            if self._steps or self._other or self._beats or self._rejected:
+                # the group's step packets go up as one bytes, back to back: the aggregator
+                # appends them to metrics.msgpack as they are, with no msgpack object per packet
+                # to decode from the frame (docs/architecture.md, "Where the aggregator's time goes")
+                raw = _batch(steps=[b"".join(self._steps)] if self._steps else [], other=self._other,
+                             beats=self._beats, rejected=dict(self._rejected))
+                if self._steps:
+                    raw["steps_n"] = self._steps_n
+                self._steps, self._steps_n, self._other, self._beats = [], 0, [], []
+                self._rejected = Counter()
                 receipts += self._raw_receipts
                 self._raw_receipts = []
                 if entries:  # the raw packets travel with the first entry
@@ -182,5 +196,7 @@ class GroupLeader:
 
 
 def _batch(steps: list[bytes] | None = None, other: list[bytes] | None = None,
-           partials: list[dict[str, Any]] | None = None, rejected: dict[str, int] | None = None) -> dict[str, Any]:
-    return {"steps": steps or [], "other": other or [], "partials": partials or [], "rejected": rejected or {}}
+           partials: list[dict[str, Any]] | None = None, rejected: dict[str, int] | None = None,
+           beats: list[list[Any]] | None = None) -> dict[str, Any]:
+    return {"steps": steps or [], "other": other or [], "beats": beats or [], "partials": partials or [],
+            "rejected": rejected or {}}

@@ -54,18 +54,22 @@ from mindpulse.frames import MAX_FRAME, FrameReader, decode_frame_body, encode_f
 from mindpulse.lease_board import MAX_BODY as MAX_BOARD_LEASE
 from mindpulse.lease_board import LeaseBoard
 from mindpulse.partial import collect_ranks, partial_of, to_wire
-from mindpulse.protocol import PacketError, StepPacket, decode_wire
+from mindpulse.protocol import EventKind, EventPacket, PacketError, StepPacket, decode_wire, heartbeat_row
 from mindpulse.settings import COMPUTE_DROP_WINDOW
 
 NodeBatch = dict[str, Any]
-"""{"steps": [bytes], "other": [bytes], "partials": [wire partial], "rejected": {reason: n}}"""
+"""{"steps": [bytes], "other": [bytes], "beats": [heartbeat row], "partials": [wire partial],
+"rejected": {reason: n}}; a group leader's (node/group.py) also "steps_n": its steps are then
+one bytes, the packets back to back. "beats": the node's ranks' heartbeats as one record
+(`protocol.heartbeat_row`: a row per rank, no packet of their own), so the aggregator takes
+them in one pass; liveness only, they are not kept in `metrics.msgpack`."""
 
 MAX_PENDING_STEPS = 256
 """Incomplete steps held per node; older ones are dropped (a rank that never reports)."""
 
 
 def empty_batch() -> NodeBatch:
-    return {"steps": [], "other": [], "partials": [], "rejected": {}}
+    return {"steps": [], "other": [], "beats": [], "partials": [], "rejected": {}}
 
 
 class NodePreReducer:
@@ -97,7 +101,10 @@ class NodePreReducer:
             self._reject(exc.reason)
             return False
         if not isinstance(pkt, StepPacket):
-            self.batch["other"].append(bytes(raw))
+            if type(pkt) is EventPacket and pkt.kind == EventKind.HEARTBEAT and pkt.rank in self.ranks:
+                self.batch["beats"].append(heartbeat_row(pkt))  # the node's record of its ranks' beats
+            else:
+                self.batch["other"].append(bytes(raw))
             return False
         if pkt.rank not in self.ranks:
             self._reject("rank_not_on_node")
@@ -147,11 +154,11 @@ class NodePreReducer:
         return batch
 
     def has_data(self) -> bool:
-        return any(self.batch[k] for k in ("steps", "other", "partials", "rejected"))
+        return any(self.batch[k] for k in ("steps", "other", "beats", "partials", "rejected"))
 
 
 def batch_size(batch: NodeBatch) -> int:
-    return len(batch["steps"]) + len(batch["other"])
+    return len(batch["steps"]) + len(batch["other"]) + len(batch.get("beats") or ())
 
 
 log = logging.getLogger(__name__)

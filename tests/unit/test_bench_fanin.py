@@ -8,6 +8,7 @@ No Ray here: the traffic's pieces are checked on their own; the benchmark itself
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -211,3 +212,65 @@ def test_the_sink_runs_section_is_rendered_by_the_fanin_module_under_the_exporte
     assert "fanin_sinks" in run_all.RELATED["exporter"]
     piece = next(p for p in run_all.PIECES if p.name == "fanin_sinks")
     assert "none,mlflow,swanlab" in piece.args and "4096" in piece.args and "4096" in piece.reduced_args
+
+
+def test_replayed_leader_frames_reduce_every_step_of_the_cycle_and_beyond(tmp_path):
+    """bench/_replay.py: frames built once by the node pre-reducer and the real GroupLeader,
+    replayed with their step written in past the cycle, over real uplinks to the aggregator
+    actor's uplink server (no Ray: the actor class in a loop of this process); every step is
+    reduced from every rank, nothing refused, each node's heartbeats one record."""
+    import asyncio
+    import threading
+
+    import _replay
+
+    from mindpulse.aggregator.core import AggregatorCore
+    from mindpulse.metrics_store import read_wire
+    from mindpulse.uplink import UplinkServer
+
+    ranks, rpn, steps = 64, 8, _replay.CYCLE + 5
+    p = fanin.plan(ranks, rpn, 4, 0)
+    ov = fanin.overrides_of(ranks, rpn, False, 0, 4)
+    frames = _replay.group_frames(p["groups"], ov, _replay.cycle_steps(steps), 2.0)
+    t = _replay.Template(*reversed(msgpack.unpackb(frames[0][3])))
+    assert len(t.offsets) >= 4 * rpn, "every raw packet's step and the partial's can be written in"
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
+    settings = fanin.C.aggregator_settings(*ov)
+
+    core = AggregatorCore(tmp_path / "run", ranks, 10, None, settings)
+
+    def ingest(entries):  # what the actor's ingest_nodes does: the lease pushed once a step is reduced
+        if core.ingest_nodes(entries):
+            server.push_lease()
+
+    async def directive(step, timeout):
+        return core.directive_for(step).encode()
+
+    server = UplinkServer(ingest, directive, lambda: core.lease().encode())
+    run(server.start("127.0.0.1"))
+    rep = _replay.Replay(None, p["groups"], frames, rpn, 0.2, 0.3, 10.0, 0, address=server.address)
+    try:
+        deadline = time.time() + 20
+        while rep.connected() < len(p["groups"]) and time.time() < deadline:
+            time.sleep(0.05)
+        rep.start()
+        for s in range(steps + 1):
+            rep.send_step(s, False)
+            assert rep.wait(s, -1, 5.0)[1] < 5.0, \
+                f"step {s} was not reduced: {core.snapshot()['packets']}, missing ranks {core.missing_for(s)}"
+        time.sleep(0.5)  # heartbeats and samples of a few flush windows
+        ends = rep.close()
+    finally:
+        run(server.close())
+        snap = core.snapshot()
+        core.close()
+        loop.call_soon_threadsafe(loop.stop)
+    assert ends["lost"] == 0 and ends["bad_leases"] == 0
+    assert ends["heartbeats"] > 0 and ends["telemetry"] > 0
+    assert snap["packets"]["rejected"] == 0, snap["packets"]
+    stored = [(o["rank"], o["step"]) for o in read_wire(tmp_path / "run" / "metrics.msgpack") if o.get("t") == "step"]
+    assert sorted(stored) == sorted((r, s) for s in range(steps + 1) for r in range(ranks)), \
+        "every rank's packet of every step, the replayed ones with their own step"
