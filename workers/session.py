@@ -44,7 +44,7 @@ from .model_params import model_parameters
 from .profiler import ProfileWindow
 from .settings import rank_id
 from .weight_stats import DEFAULT_HIST_REGEX, WeightStats, structure_text
-from .weights_copy import WeightsCopy
+from .weights_copy import CopyOrWait, WeightsCopy
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ class RankSession:
         self._pending: StepPacket | None = None
         """Rank 0's checkpoint candidate whose verdict has not been taken yet (`_decide_later`)."""
         self._weights_copy = WeightsCopy()
+        self._copy_or_wait = CopyOrWait()
         """The weights of `_pending`'s step (rank 0), for the checkpoint its verdict may ask for."""
         self.tokens_per_step = tokens_per_step
         """Tokens this rank trains on per step (None: not known, no TFLOPS reported)."""
@@ -445,7 +446,9 @@ class RankSession:
         elif pkt.decision:
             t0 = time.monotonic()
             d = self.channel.decide(pkt.encode(), pkt.step, expect=1)
-            self.since_packet.monitor_wait_s += time.monotonic() - t0
+            waited = time.monotonic() - t0
+            self.since_packet.monitor_wait_s += waited
+            self._copy_or_wait.waited(waited)
             self._follow(d, pkt)
         else:
             self.channel.send_step(pkt.encode(), pkt.step)
@@ -456,8 +459,9 @@ class RankSession:
         """Rank 0 at a checkpoint candidate that is not the run's end: copy the weights a
         checkpoint would hold, ask for the verdict, and train on (the verdict is taken when it
         has come, `_settle`). False where it must wait instead: the last step (nothing runs
-        after it), a stop the lease already names for this step, no train cell, or weights that
-        cannot be copied; and a channel that answers at once anyway (`answers_later` False)."""
+        after it), a stop the lease already names for this step, no train cell, weights that
+        cannot be copied, weights too large to copy or a wait measured cheaper than the copy
+        (`CopyOrWait`); and a channel that answers at once anyway (`answers_later` False)."""
         assert self.channel is not None
         if not self.channel.answers_later:
             return False
@@ -465,6 +469,8 @@ class RankSession:
         lease = self.channel.cached_lease
         if (self.train_cell is None or self.checkpoints is None or (total and pkt.step >= total)
                 or (lease is not None and lease.stopping and pkt.step >= lease.stop_after)):
+            return False
+        if not self._copy_or_wait.copies(self.train_cell):  # large weights, or a wait measured cheaper
             return False
         t0 = time.perf_counter()
         try:
@@ -474,7 +480,9 @@ class RankSession:
             return False
         finally:
             # the copy is the checkpoint's (goodput: checkpoint time), not watching's
-            self.since_packet.checkpoint_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.since_packet.checkpoint_s += took
+            self._copy_or_wait.copied(took)
         self.channel.decide_later(pkt.encode(), pkt.step, expect=1)
         self._pending = pkt
         return True

@@ -26,6 +26,57 @@ from .fingerprint import HostViews
 from .model_params import is_model_param
 
 
+MAX_COPY_BYTES = 256 * 2**20
+"""Above this a candidate waits for its verdict instead of copying. The wait is a round trip
+(a few ms); a copy costs host memory the size of the weights and the optimizer's state, and
+time that grows with it: a model of a few billion parameters would hold tens of GB on the host
+and spend seconds copying, against milliseconds of waiting. 256 MiB copies in ~0.1 s or less."""
+
+
+def saved_bytes(train_cell: Any) -> int:
+    """What a copy of `train_cell`'s saved parameters would hold, from their shapes and dtypes
+    (nothing is copied or allocated)."""
+    seen: set[str] = set()
+    total = 0
+    for _, p in train_cell.parameters_and_names():
+        if not is_model_param(p.name) or p.name in seen:
+            continue
+        seen.add(p.name)
+        total += int(np.prod(p.shape, dtype=np.int64)) * int(p.itemsize)
+    return total
+
+
+class CopyOrWait:
+    """Rank 0's choice at each candidate: copy the weights and train on, or wait for the
+    verdict, whichever costs the training thread less. Weights above `MAX_COPY_BYTES` always
+    wait; below, the first candidate copies and the next waits, each measured, and the
+    cheaper way is taken from then on (its measure updated each time it runs)."""
+
+    def __init__(self, max_bytes: int = MAX_COPY_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.copy_s: float | None = None
+        self.wait_s: float | None = None
+        self._bytes: dict[int, int] = {}
+
+    def copies(self, train_cell: Any) -> bool:
+        key = id(train_cell)
+        if key not in self._bytes:
+            self._bytes[key] = saved_bytes(train_cell)
+        if self._bytes[key] > self.max_bytes:
+            return False
+        if self.copy_s is None:
+            return True  # measure the copy first: on small weights it is the cheaper way
+        if self.wait_s is None:
+            return False  # then one wait, to compare
+        return self.copy_s <= self.wait_s
+
+    def copied(self, seconds: float) -> None:
+        self.copy_s = seconds
+
+    def waited(self, seconds: float) -> None:
+        self.wait_s = seconds
+
+
 class WeightsCopy:
     """Host buffers for one train cell's saved parameters, refilled at each candidate."""
 

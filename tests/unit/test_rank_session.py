@@ -501,6 +501,7 @@ def test_rank0_trains_on_and_saves_the_candidates_own_weights(tmp_path, small_ce
     run = settings(tmp_path)
     run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, save_every=0))
     s = RankSession(run, rank=0, channel=ch, network=net, train_cell=train_cell)
+    s._copy_or_wait.waited(1.0)  # a wait measured dearer than any copy of these weights: every candidate copies
     for step in range(1, 8):
         _bump(net, float(step))  # the weights after step `step` are all `step`
         s.record(1.0)
@@ -514,6 +515,38 @@ def test_rank0_trains_on_and_saves_the_candidates_own_weights(tmp_path, small_ce
     assert int(saved["step"].asnumpy()) == 3
     assert any(k.startswith("moment1") or "moment" in k for k in saved), "the optimizer's state is saved too"
     s.finish()
+
+
+def test_rank0_copies_or_waits_whichever_costs_it_less(tmp_path, small_cell):
+    """The first candidate copies, the next waits, each measured; then the cheaper way. Weights
+    above the copy limit always wait: a copy of a large model's weights and optimizer state
+    costs host memory and seconds, a wait milliseconds."""
+    from mindpulse.workers.session import RankSession
+    from mindpulse.workers.weights_copy import CopyOrWait, WeightsCopy, saved_bytes
+
+    net, train_cell = small_cell
+    size = saved_bytes(train_cell)
+    copy = WeightsCopy()
+    copy.take(train_cell, 0)
+    assert size == copy.nbytes > 0, "what a copy holds, known from shapes and dtypes before any is taken"
+    # an instant channel: the measured wait is cheaper than the copy, so after one of each rank 0 waits
+    ch = Later(delay=0)
+    s = RankSession(settings(tmp_path), rank=0, channel=ch, network=net, train_cell=train_cell)
+    for _ in range(9):
+        s.record(1.0)
+    assert ch.asked == [3], "best every 3: candidate 3 copied, 6 waited (measured), 9 waited (cheaper)"
+    assert s._copy_or_wait.copy_s > s._copy_or_wait.wait_s
+    # weights over the limit: no copy at all
+    big = CopyOrWait(max_bytes=size - 1)
+    assert not big.copies(train_cell) and big.copy_s is None
+    small = CopyOrWait(max_bytes=size)
+    assert small.copies(train_cell)
+    small.copied(0.002)
+    assert not small.copies(train_cell), "a wait is measured once before choosing"
+    small.waited(0.005)
+    assert small.copies(train_cell), "the copy (2 ms) is cheaper than the wait (5 ms)"
+    small.copied(0.009)
+    assert not small.copies(train_cell), "the copy's new measure (9 ms) is dearer than the wait"
 
 
 def test_the_last_step_and_a_named_stop_still_wait(tmp_path, small_cell):
