@@ -25,7 +25,6 @@ import numpy as np
 from .fingerprint import HostViews
 from .model_params import is_model_param
 
-
 MAX_COPY_BYTES = 256 * 2**20
 """Above this a candidate waits for its verdict instead of copying. The wait is a round trip
 (a few ms); a copy costs host memory the size of the weights and the optimizer's state, and
