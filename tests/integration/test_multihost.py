@@ -30,7 +30,7 @@ import pytest
 from conftest import NO_REPORT, ROOT, last_steps, mindpulse_cmd
 from netns_hosts import Testbed, can_create_namespaces
 
-from mindpulse.metrics_store import read_wire
+from mindpulse.rundir.metrics_store import read_wire
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster,
               pytest.mark.skipif(can_create_namespaces() is not None, reason=str(can_create_namespaces()))]

@@ -21,10 +21,10 @@ import _node_sim  # noqa: E402
 import fanin  # noqa: E402
 import run_all  # noqa: E402
 
-from mindpulse.directives import Lease  # noqa: E402
 from mindpulse.node.telemetry import NpuSmiSampler  # noqa: E402
-from mindpulse.partial import from_wire  # noqa: E402
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket, decode  # noqa: E402
+from mindpulse.reduction.partial import from_wire  # noqa: E402
+from mindpulse.wire.directives import Lease  # noqa: E402
+from mindpulse.wire.protocol import EventPacket, StepPacket, TelemetryPacket, decode  # noqa: E402
 
 
 def _overrides(ranks: int, rpn: int = 8) -> list[str]:

@@ -46,5 +46,5 @@ def test_every_head_module_imports_without_mindspore_or_mindformers():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not out["failed"], f"head modules that need a framework at import: {out['failed']}"
     for module in ("mindpulse.launcher.launch", "mindpulse.aggregator.core", "mindpulse.node.agent",
-                   "mindpulse.views.top", "mindpulse.launcher.rules_cmd", "mindpulse.framework_support"):
+                   "mindpulse.views.top", "mindpulse.launcher.rules_cmd", "mindpulse.frameworks.framework_support"):
         assert module in out["seen"], f"{module} was not among the modules imported"

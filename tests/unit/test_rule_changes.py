@@ -12,12 +12,12 @@ import time
 import pytest
 import yaml
 
-from mindpulse.aggregator import rule_changes as rc
 from mindpulse.aggregator.anomaly_log import read_records
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import RULE_DEFAULTS, ConfigError, RuleKind, from_dict
 from mindpulse.launcher.cli import main
-from mindpulse.protocol import Action, StepPacket
+from mindpulse.rules import changes as rc
+from mindpulse.wire.protocol import Action, StepPacket
 
 LOSS_HIGH = {"rule": "threshold", "name": "loss_high", "metric": "loss", "op": ">", "threshold": 100.0,
              "action": "stop"}

@@ -39,7 +39,7 @@ from mindpulse.node.telemetry import (
     sample_this_machine,
     telemetry_packet,
 )
-from mindpulse.protocol import TelemetryPacket, decode
+from mindpulse.wire.protocol import TelemetryPacket, decode
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "npu-smi"
