@@ -3,7 +3,8 @@ firing whose message quotes the numbers. Policies decide; the aggregator acts.
 
 Each rule gets its typed config, a `mindpulse.config.AnomalyRuleConfig` (the `anomalies`
 list of the run config) with every placeholder replaced by the rule's default
-(`RULE_DEFAULTS`, filled in by `resolve_rule` when the rule is built: `rule_config`). A plain
+(`RULE_DEFAULTS`, filled in by `resolve_rule` when the rule is built: `rule_config`, in the
+base's `mindpulse/rules/configs.py`, which names rules and chooses them as the driver does). A plain
 dict of its fields is taken too (rules.json's entries, hand-written rules).
 """
 

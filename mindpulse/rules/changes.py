@@ -11,8 +11,11 @@ Two kinds of file in the run directory carry it:
   records `summary.json` lists as `rule_changes`), the requests behind them (`applied`,
   what a restarted aggregator re-applies) and the requests refused (`rejected`).
 
-The aggregator looks for requests at most every `SCAN_EVERY_S` (when it reduces a step or
-the launcher polls it; never per packet), claims each by renaming it to `<id>.json.taken`
+This module is the driver's side and the files' format: the checks (`plan`), with the
+rules named and chosen from their configs alone (`configs.py`), so `mindpulse rules` and the
+summary run none of the aggregator's code. The aggregator (`LiveRules`,
+aggregator/live_rules.py) looks for requests at most every `SCAN_EVERY_S` (when it reduces a
+step or the launcher polls it; never per packet), claims each by renaming it to `<id>.json.taken`
 (so a client that gives up can withdraw a request nobody took, and nothing is applied
 twice), checks it exactly as the config's `anomalies` entries are checked
 (`mindpulse.config.check_rule`), applies it from the next reduced step, writes
