@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpulse.protocol import EventKind, EventPacket
+from mindpulse.wire.protocol import EventKind, EventPacket
 
 _FIXES = {
     "ModelCheckpoint": "give each rank its own directory (e.g. directory=f'ckpt/rank_{get_rank()}') or add "

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mindpulse.rundir_io import json_safe, write_atomic
+from mindpulse.rundir.rundir_io import json_safe, write_atomic
 
 JSONL = "anomalies.jsonl"
 JSON = "anomalies.json"

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from mindpulse.baselines import NodeComputeDrops
-from mindpulse.card_peaks import resolve_peak
-from mindpulse.reducer import ReducedStep
-from mindpulse.settings import COMPUTE_DROP_WINDOW
+from mindpulse.config.settings import COMPUTE_DROP_WINDOW
+from mindpulse.reduction.baselines import NodeComputeDrops
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.reporting.card_peaks import resolve_peak
 
 log = logging.getLogger(__name__)
 

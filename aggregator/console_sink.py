@@ -10,9 +10,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mindpulse import tables
-from mindpulse.directives import Directive
-from mindpulse.reducer import ReducedStep
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.reporting import tables
+from mindpulse.wire.directives import Directive
 
 from .sink import Sink
 

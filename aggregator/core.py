@@ -7,7 +7,7 @@ straggler scores, goodput, totals) → decide (a `Verdict`: firings, the directi
 its own: `intake.py` (packets and node partials in, reduction driven), `decisions.py` (rules,
 stops and rollbacks, checkpoint decisions, the lease), `hang_clocks.py` (start-up and running
 hang clocks) and `sinks.py` (every `Sink`: the console, TensorBoard, the trackers; and
-anomalies.jsonl), with the shared base's `mindpulse/replay.py` (the state of a restarted
+anomalies.jsonl), with the shared base's `mindpulse/rundir/replay.py` (the state of a restarted
 aggregator rebuilt from metrics.msgpack, the same replay the views run).
 `AggregatorActor` (below) wraps it as a Ray actor.
 """
@@ -23,18 +23,18 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mindpulse.card_peaks import peak_dtype
 from mindpulse.config import MonitorConfig
-from mindpulse.directives import Directive, Lease
-from mindpulse.goodput import GoodputClock, StepTimes
-from mindpulse.metrics_store import MetricsWriter
-from mindpulse.partial import collect_ranks
-from mindpulse.protocol import EventKind, EventPacket, HeartbeatRow, Packet, TelemetryPacket
-from mindpulse.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, straggler_scores
-from mindpulse.replay import replay_attempt
-from mindpulse.settings import AggregatorSettings, compute_drop_window
-from mindpulse.stop_decision import RollbackDecision
-from mindpulse.uplink import UplinkServer
+from mindpulse.config.settings import AggregatorSettings, compute_drop_window
+from mindpulse.reduction.partial import collect_ranks
+from mindpulse.reduction.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker, straggler_scores
+from mindpulse.reporting.card_peaks import peak_dtype
+from mindpulse.reporting.goodput import GoodputClock, StepTimes
+from mindpulse.rundir.metrics_store import MetricsWriter
+from mindpulse.rundir.replay import replay_attempt
+from mindpulse.wire.directives import Directive, Lease
+from mindpulse.wire.protocol import EventKind, EventPacket, HeartbeatRow, Packet, TelemetryPacket
+from mindpulse.wire.stop_decision import RollbackDecision
+from mindpulse.wire.uplink import UplinkServer
 
 from .advice import Advice
 from .compute import ComputeWatch
@@ -419,7 +419,7 @@ class AggregatorCore:
 
 
 # The aggregator as a Ray actor: one per run, named, async so decisions can wait. Node
-# agents stream their batches over the node uplink (mindpulse/uplink.py: its server runs in
+# agents stream their batches over the node uplink (mindpulse/wire/uplink.py: its server runs in
 # this actor's event loop, its address comes from `uplink_address`), which also pushes the
 # lease down and answers rank 0's decisions at checkpoint candidates once every rank has
 # reported that step (or after the timeout, naming the missing ranks). Ray calls remain for
@@ -496,7 +496,7 @@ class AggregatorActor:
         await self._moved(done)
         return len(done)
 
-    # ---- the node uplinks (mindpulse/uplink.py): how node agents send their steps -------------
+    # ---- the node uplinks (mindpulse/wire/uplink.py): how node agents send their steps -------------
     async def uplink_address(self) -> tuple[str, int, str]:
         """(host, port, token) of this instance's uplink server, started on first ask."""
         if self._uplink_lock is None:

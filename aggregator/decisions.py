@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import CheckpointConfig
-from mindpulse.directives import Directive, Lease
-from mindpulse.protocol import Action, CheckpointKind, EventPacket
-from mindpulse.reducer import ReducedStep
-from mindpulse.settings import AggregatorSettings
-from mindpulse.stop_decision import RollbackDecision, StopDecision
+from mindpulse.config.settings import AggregatorSettings
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.rules.configs import rule_config
+from mindpulse.wire.directives import Directive, Lease
+from mindpulse.wire.protocol import Action, CheckpointKind, EventPacket
+from mindpulse.wire.stop_decision import RollbackDecision, StopDecision
 
-from .policies import Firing, PolicyEngine, build_rules, rule_config
-from .rule_changes import LiveRules
+from .live_rules import LiveRules
+from .policies import Firing, PolicyEngine, build_rules
 
 log = logging.getLogger(__name__)
 

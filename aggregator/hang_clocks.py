@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from mindpulse.config import auto_hang_timeout
-from mindpulse.protocol import RankState
+from mindpulse.wire.protocol import RankState
 
 
 def now() -> float:

@@ -16,9 +16,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mindpulse.metrics_store import MetricsWriter
-from mindpulse.partial import from_wire as partial_from_wire
-from mindpulse.protocol import (
+from mindpulse.reduction.partial import from_wire as partial_from_wire
+from mindpulse.reduction.reducer import ReducedStep, StepReducer
+from mindpulse.rundir.metrics_store import MetricsWriter
+from mindpulse.wire.protocol import (
     EventPacket,
     HeartbeatRow,
     Packet,
@@ -28,7 +29,6 @@ from mindpulse.protocol import (
     decode,
     heartbeat_rows,
 )
-from mindpulse.reducer import ReducedStep, StepReducer
 
 from .hang_clocks import HangClocks
 

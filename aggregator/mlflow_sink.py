@@ -32,8 +32,8 @@ from typing import Any
 import yaml
 
 from mindpulse.config import MlflowConfig, RunConfig
-from mindpulse.directives import Directive
-from mindpulse.reducer import ReducedStep
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.wire.directives import Directive
 
 from .sink import Sink
 from .tracker_scalars import (

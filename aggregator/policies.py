@@ -3,14 +3,13 @@ firing whose message quotes the numbers. Policies decide; the aggregator acts.
 
 Each rule gets its typed config, a `mindpulse.config.AnomalyRuleConfig` (the `anomalies`
 list of the run config) with every placeholder replaced by the rule's default
-(`RULE_DEFAULTS`, filled in by `resolve_rule` when the rule is built: `rule_config`). A plain
+(`RULE_DEFAULTS`, filled in by `resolve_rule` when the rule is built: `rule_config`, in the
+base's `mindpulse/rules/configs.py`, which names rules and chooses them as the driver does). A plain
 dict of its fields is taken too (rules.json's entries, hand-written rules).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import math
 import statistics
 from collections import deque
@@ -18,39 +17,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mindpulse.baselines import MAD_SIGMA, RECENT_STEPS, START_WARMUP_STEPS, Baseline, Phase
-from mindpulse.config import DEFAULT_RULES, AnomalyRuleConfig, RuleKind, resolve_rule, sections_of
-from mindpulse.formatting import general
-from mindpulse.protocol import Action
-from mindpulse.reducer import ReducedStep
-
-RuleInput = AnomalyRuleConfig | Mapping[str, Any]
-"""A rule's config: typed, or the plain dict of its fields."""
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(AnomalyRuleConfig))
-_KINDS = frozenset(k.value for k in RuleKind)
-
-
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, enum.Enum) else value
-
-
-def plain_rule(cfg: RuleInput) -> dict[str, Any]:
-    """A rule's config as a plain dict (enum values as their text)."""
-    if isinstance(cfg, AnomalyRuleConfig):
-        return {f: _plain(getattr(cfg, f)) for f in _FIELDS}
-    return {k: _plain(v) for k, v in cfg.items()}
-
-
-def rule_config(cfg: RuleInput, kind: str | None = None, straggler_threshold: float | None = None) -> AnomalyRuleConfig:
-    """The typed config of a rule of `kind` (default: the config's own `rule`), every
-    placeholder filled with the rule's default; fields `AnomalyRuleConfig` does not have are
-    left out, and a kind it does not know (an extra rule) keeps the config's default `rule`."""
-    raw = plain_rule(cfg)
-    raw["rule"] = raw.get("rule") or kind or RuleKind.THRESHOLD.value
-    raw = resolve_rule(raw, straggler_threshold)
-    typed = {k: v for k, v in raw.items() if k in _FIELDS and not (k == "rule" and v not in _KINDS)}
-    return sections_of({"anomalies": [typed]}).anomalies[0]
+from mindpulse.common.formatting import general
+from mindpulse.reduction.baselines import MAD_SIGMA, RECENT_STEPS, START_WARMUP_STEPS, Baseline, Phase
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.rules.configs import RuleInput, chosen_configs, name_of, plain_rule, rule_config
+from mindpulse.wire.protocol import Action
 
 
 @dataclass
@@ -75,7 +46,7 @@ class Rule:
     def __init__(self, cfg: RuleInput):
         self.config = rule_config(cfg, self.kind)
         """The rule's typed config, every default filled in."""
-        self.name = self.config.name or self.kind
+        self.name = name_of(self.config, self.kind)
         self.action = self.config.action or Action.WARN
 
     @property
@@ -129,7 +100,7 @@ class NonFiniteRule(Rule):
 class GradExplosionRule(Rule):
     """Global grad norm above `threshold` (from the first step), or above `factor` x its
     rolling median once that baseline is established: `warmup` steps after the start, a
-    restore or a rollback left out, then a full `window` (mindpulse/baselines.py). An
+    restore or a rollback left out, then a full `window` (mindpulse/reduction/baselines.py). An
     evaluation or a checkpoint write changes no gradient, so it needs no new warm-up."""
 
     kind = "grad_explosion"
@@ -238,8 +209,6 @@ class ThresholdRule(Rule):
         self.threshold = float(c.threshold)  # type: ignore[arg-type]  # a threshold rule has one (config checks)
         self.for_steps = c.for_steps
         self.count = 0
-        if not c.name:
-            self.name = f"{self.metric}{self.op}{self.threshold:g}"
 
     def check(self, red: ReducedStep) -> Firing | None:
         v = red.metric(self.metric)
@@ -342,7 +311,7 @@ class DesyncRule(Rule):
 
 class StragglerRule(Rule):
     """A rank whose straggler score (the fastest rank's median busy time / its own, each over
-    a full window after a warm-up: `mindpulse/baselines.py`) stays below `threshold`
+    a full window after a warm-up: `mindpulse/reduction/baselines.py`) stays below `threshold`
     (monitor.straggler_threshold by default) for `patience` steps. Fires once per excursion."""
 
     kind = "straggler"
@@ -385,7 +354,7 @@ class ComputeDropRule(Rule):
     """A rank whose achieved TFLOPS (so its MFU) fall below `factor` x its own baseline while
     the other ranks hold, for `for_steps` consecutive steps: a throttled or failing card, or
     its data path. The baselines are kept where the packets are (`NodeComputeDrops`,
-    mindpulse/baselines.py: on the nodes, or in the aggregator on the flat path): each rank's
+    mindpulse/reduction/baselines.py: on the nodes, or in the aggregator on the flat path): each rank's
     median over a full window after a warm-up, and a drop must also clear that window's noise
     (`NOISE_SIGMAS` x 1.4826 MAD); the step carries only the flagged ranks.
 
@@ -456,27 +425,12 @@ RULES: dict[str, type[Rule]] = {
 
 def build_rules(configs: Sequence[RuleInput], extra_kinds: Mapping[str, type[Rule]] | None = None,
                 straggler_threshold: float | None = None) -> list[Rule]:
-    """Defaults, replaced by user entries of the same built-in kind; threshold rules added.
-    A straggler rule without a threshold takes `straggler_threshold` (monitor.straggler_threshold)."""
+    """Defaults, replaced by user entries of the same built-in kind; threshold rules added
+    (`chosen_configs`). A straggler rule without a threshold takes `straggler_threshold`
+    (monitor.straggler_threshold)."""
     kinds = dict(RULES, **(extra_kinds or {}))
-    chosen: dict[str, dict[str, Any]] = {k.value: {"rule": k.value} for k in DEFAULT_RULES if k.value in kinds}
-    for k in extra_kinds or {}:
-        chosen.setdefault(k, {"rule": k})
-    added: list[dict[str, Any]] = []
-    for c in configs:
-        plain = plain_rule(c)
-        # a user entry of a default's kind replaces the default; several entries of one
-        # kind (card_overload on temp_c and on power_w) all stay
-        chosen.pop(plain.get("rule"), None)
-        added.append(plain)
-    rules = []
-    for c in list(chosen.values()) + added:
-        if c.get("enabled", True) is False:
-            continue
-        cls = kinds.get(c["rule"])
-        if cls is not None:
-            rules.append(cls(rule_config(c, c["rule"], straggler_threshold)))
-    return rules
+    return [kinds[c["rule"]](rule_config(c, c["rule"], straggler_threshold))
+            for c in chosen_configs(configs, kinds, extra_kinds or ())]
 
 
 class PolicyEngine:

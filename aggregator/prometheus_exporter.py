@@ -2,7 +2,7 @@
 
 Where operators already look: Grafana over Prometheus, beside the cards' own exporters
 (Huawei's NPU Exporter, NVIDIA's DCGM exporter). The series come from the metric registry
-(mindpulse/metrics.py: `Reduction.prom`, `StepMetric.rank_prom`) plus what only the
+(mindpulse/registry/metrics.py: `Reduction.prom`, `StepMetric.rank_prom`) plus what only the
 aggregator knows (steps, anomalies, stragglers, checkpoints, restarts, goodput, the cards).
 
 Cost: the aggregator's thread only replaces a snapshot of plain values after each reduced
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindpulse.config import MonitorConfig, PrometheusConfig
-from mindpulse.directives import Directive
-from mindpulse.metrics import prom_help, prom_series, rank_scalars
-from mindpulse.reducer import ReducedStep
-from mindpulse.tables import CARD_EXTREMES
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.registry.metrics import prom_help, prom_series, rank_scalars
+from mindpulse.reporting.tables import CARD_EXTREMES
+from mindpulse.wire.directives import Directive
 
 from .sink import Sink
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mindpulse.directives import Directive
-from mindpulse.reducer import ReducedStep
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.wire.directives import Directive
 
 
 class Sink:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import MonitorConfig, RunConfig
-from mindpulse.reducer import ReducedStep
+from mindpulse.reduction.reducer import ReducedStep
 
 from .anomaly_log import AnomalyLog
 from .console_sink import CONSOLE_LINES, ConsoleSink

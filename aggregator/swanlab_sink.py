@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig, SwanLabConfig, SwanLabMode
-from mindpulse.directives import Directive
-from mindpulse.reducer import ReducedStep
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.wire.directives import Directive
 
 from .sink import Sink
 from .tracker_scalars import (

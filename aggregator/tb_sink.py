@@ -7,7 +7,7 @@ Events are written as they are made (no queue, no pickling); the file is flushed
 
 Tags written:
 
-* cluster scalars: the metric registry's tags (mindpulse/metrics.py, `Reduction.tb`: `loss/mean`,
+* cluster scalars: the metric registry's tags (mindpulse/registry/metrics.py, `Reduction.tb`: `loss/mean`,
   `grad_norm/global`, `lr`, `throughput/samples_per_s`, `step_time/max`, `monitor/self_s/max`, ...),
   `compute/mfu/*`, and `extra/<name>` (the ranks' mean);
 * per-rank scalars of the ranks that matter: the registry's `rank_scalars` (`StepMetric.rank_tb`:
@@ -35,13 +35,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mindpulse.common.formatting import cell, finite_float
 from mindpulse.config import MonitorConfig
-from mindpulse.directives import Directive
-from mindpulse.formatting import cell, finite_float
-from mindpulse.metrics import rank_scalars, tb_scalars
-from mindpulse.partial import collect_ranks
-from mindpulse.reducer import ReducedStep
-from mindpulse.tables import CARD_EXTREMES
+from mindpulse.reduction.partial import collect_ranks
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.registry.metrics import rank_scalars, tb_scalars
+from mindpulse.reporting.tables import CARD_EXTREMES
+from mindpulse.wire.directives import Directive
 
 from .sink import Sink
 
@@ -54,7 +54,7 @@ _CLUSTER_SCALARS: tuple[tuple[str, str, str | None], ...] = (
     ("compute/mfu/max", "mfu_max", None),
 )
 """(tag, ReducedStep field, written only when this field is not None): the metric registry's
-(mindpulse/metrics.py: `Reduction.tb`), and the MFU against the card's peak."""
+(mindpulse/registry/metrics.py: `Reduction.tb`), and the MFU against the card's peak."""
 _CARD_SCALARS: tuple[tuple[str, str], ...] = (
     ("util", "util_pct"),
     ("memory_used_mb", "memory_used_mb"),

@@ -15,11 +15,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from mindpulse.common.errors import MindpulseError
+from mindpulse.common.formatting import finite_float
 from mindpulse.config import RunConfig
-from mindpulse.errors import MindpulseError
-from mindpulse.formatting import finite_float
-from mindpulse.reducer import ReducedStep
-from mindpulse.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.rundir.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
 from .tb_sink import _CARD_SCALARS, MAX_CARD_TAGS, _node_extremes, _tag_part, step_items
 

@@ -51,12 +51,12 @@ from typing import Any
 
 import msgpack
 
-from mindpulse.directives import Lease
 from mindpulse.node.agent import NodeAgent, _forward_decide
 from mindpulse.node.relay import FLUSH_S, NodePreReducer
 from mindpulse.node.telemetry import card_record, telemetry_packet
-from mindpulse.protocol import EventKind, EventPacket, StepPacket, heartbeat_row
-from mindpulse.uplink import Uplink
+from mindpulse.wire.directives import Lease
+from mindpulse.wire.protocol import EventKind, EventPacket, StepPacket, heartbeat_row
+from mindpulse.wire.uplink import Uplink
 from mindpulse.workers.heartbeat import Heartbeat
 
 LAYERS = 291

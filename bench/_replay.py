@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 
 from mindpulse.node.group import GroupLeader
-from mindpulse.uplink import Uplink
+from mindpulse.wire.uplink import Uplink
 
 CYCLE = 10
 """Steps built before the run; a run's step s > 0 replays built step 1 + (s - 1) % CYCLE (the
@@ -242,7 +242,7 @@ class Replay:
 
     def start(self) -> None:
         """The ranks start: every rank's START event, then the heartbeats and card samples."""
-        from mindpulse.protocol import EventKind, EventPacket
+        from mindpulse.wire.protocol import EventKind, EventPacket
 
         def go() -> None:
             for g in self.groups:

@@ -43,8 +43,8 @@ WORLDS = (4096, 32768)
 def _partials(step: int, world: int, rpn: int):
     """One wire partial per node for `step`, as node agents send them (two packets kept whole
     each: the node's extremes)."""
-    from mindpulse.partial import partial_of, to_wire
-    from mindpulse.protocol import StepPacket
+    from mindpulse.reduction.partial import partial_of, to_wire
+    from mindpulse.wire.protocol import StepPacket
 
     out = []
     for n in range(world // rpn):
@@ -57,7 +57,7 @@ def _partials(step: int, world: int, rpn: int):
 
 
 def _telemetry(world: int, rpn: int, cards_per_node: int) -> list[bytes]:
-    from mindpulse.protocol import TelemetryPacket
+    from mindpulse.wire.protocol import TelemetryPacket
 
     nodes = world // rpn
     return [TelemetryPacket(node=f"node{n}-host{n}", ts=time.time(), source="npu-smi", cards=[
@@ -112,7 +112,7 @@ def sink_overrides(name: str, port: int = 0) -> list[str]:
 
 def sink_cost(name: str, steps: int) -> dict:
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.protocol import StepPacket
+    from mindpulse.wire.protocol import StepPacket
 
     missing = C.tracker_missing(name) if name in C.TRACKER_SINKS else None
     if missing:

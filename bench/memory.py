@@ -36,8 +36,8 @@ def main() -> None:
     t0 = time.time()
 
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.directives import Directive
-    from mindpulse.protocol import StepPacket
+    from mindpulse.wire.directives import Directive
+    from mindpulse.wire.protocol import StepPacket
 
     settings = C.aggregator_settings(f"output.tensorboard={str(args.tensorboard == 'on').lower()}")
     tmp = Path(tempfile.mkdtemp(prefix="mindpulse-bench-memory-"))

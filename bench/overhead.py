@@ -597,7 +597,7 @@ PARTS = {
         ("mindpulse.workers.session", "RankSession", "_fingerprint"),
         ("mindpulse.workers.weight_stats", "WeightStats", "collect"),
         ("mindpulse.workers.weight_stats", "WeightStats", "keep_previous")],
-    "packet encode": [("mindpulse.protocol", "StepPacket", "encode")],
+    "packet encode": [("mindpulse.wire.protocol", "StepPacket", "encode")],
     "channel send": [("mindpulse.workers.channel", "RelayChannel", "send_step")],
     VERDICT: [("mindpulse.workers.channel", "RelayChannel", "decide"),
               ("mindpulse.workers.channel", "RelayChannel", "decide_later"),

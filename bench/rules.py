@@ -186,7 +186,7 @@ def rule_span(cfg: Any, kind: str) -> int:
         span += int(cfg.monitor.straggler_window)
     if kind in ("straggler", "compute_drop"):
         try:  # the timing baselines' fixed warm-up after the start, where the rules have one
-            from mindpulse.baselines import START_WARMUP_STEPS
+            from mindpulse.reduction.baselines import START_WARMUP_STEPS
         except ImportError:
             START_WARMUP_STEPS = 0  # noqa: N806
         span += START_WARMUP_STEPS
@@ -213,7 +213,7 @@ def launch(args: list[str], timeout_s: float, lock: str | None) -> dict[str, Any
     """One `mindpulse launch` with `args`: its console lines and anomaly records stamped as seen,
     its summary, its step packets' times; the run directory removed after."""
     from mindpulse.aggregator.anomaly_log import read_records
-    from mindpulse.metrics_store import read_wire
+    from mindpulse.rundir.metrics_store import read_wire
 
     tmp = Path(tempfile.mkdtemp(prefix="mindpulse-bench-rules-"))
     out_root = tmp / "runs"

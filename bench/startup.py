@@ -46,7 +46,7 @@ def _first_steps(texts: list[str]) -> dict[int, tuple[float, float]]:
 
 
 def run_mindpulse(tmp: Path, steps: int) -> dict:
-    from mindpulse.metrics_store import read_wire
+    from mindpulse.rundir.metrics_store import read_wire
 
     root = tmp / "runs"
     cmd = [sys.executable, "-m", "mindpulse.launcher.cli", "launch", "--set", f"job.script={SCRIPT}",

@@ -68,7 +68,7 @@ def watch_ranks(proc: subprocess.Popen, timeout_s: float) -> dict[int, float]:
 
 
 def one_run(steps: int) -> dict:
-    from mindpulse.metrics_store import read_wire
+    from mindpulse.rundir.metrics_store import read_wire
 
     tmp = Path(tempfile.mkdtemp(prefix="mindpulse-bench-stop-"))
     try:

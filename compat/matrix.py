@@ -1,6 +1,6 @@
 """The compatibility matrix: which framework pairs run which features.
 
-The supported ranges and the MindFormers pairs come from mindpulse/framework_support.py; the
+The supported ranges and the MindFormers pairs come from mindpulse/frameworks/framework_support.py; the
 MindSpore releases between and above the MindFormers pairs run the script paths alone (they
 have no MindFormers release of their own). MindFormers 2.x is tried, not supported: its
 requirements are checked against the index and the pair that can be installed is run.
@@ -12,7 +12,7 @@ import enum
 
 from venvs import Pair
 
-from mindpulse.framework_support import MINDFORMERS_PAIRS, Framework, check_version
+from mindpulse.frameworks.framework_support import MINDFORMERS_PAIRS, Framework, check_version
 
 
 class Feature(str, enum.Enum):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from venvs import ROOT, unpublished_requirements
 
-from mindpulse.framework_support import MINDFORMERS_BELOW
+from mindpulse.frameworks.framework_support import MINDFORMERS_BELOW
 
 WORKERS = ROOT / "workers"
 

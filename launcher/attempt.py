@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import AUTO_HANG_MIN_S, RunConfig
-from mindpulse.rundir_io import write_atomic
+from mindpulse.rundir.rundir_io import write_atomic
 
 from . import interrupts as waits
 from .interrupts import Interrupts
@@ -76,10 +76,10 @@ class Attempt:
     def start(self) -> dict[Any, RefOwner]:
         import ray
 
-        from mindpulse.aggregator.core import actor_name, start_aggregator
-        from mindpulse.card_peaks import peak_dtype
+        from mindpulse.reporting.card_peaks import peak_dtype
 
         from . import mindformers_plan
+        from .doors import aggregator_actor_name, start_aggregator
         from .preflight import check_cluster
         from .resume import best_seed
 
@@ -118,7 +118,7 @@ class Attempt:
         self.nodes.wait_ready()
         self._check_shared_output()
         settings = rank_settings(cfg, run_dir=str(self.run_dir), run_id=self.run_id, attempt=self.index,
-                                 aggregator=actor_name(self.name), ray_address=self.session.address,
+                                 aggregator=aggregator_actor_name(self.name), ray_address=self.session.address,
                                  relays=self.nodes.relays(), resume=self.resume, relay_token=relay_token,
                                  task=self.task)
         write_atomic(Path(settings_path), settings.to_json().encode())

@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mindpulse.common.formatting import number
 from mindpulse.config import RunConfig
-from mindpulse.fault_specs import CHECK_FAULTS, parse_fault
-from mindpulse.formatting import number
-from mindpulse.protocol import Action, EventKind
+from mindpulse.config.fault_specs import CHECK_FAULTS, parse_fault
+from mindpulse.wire.protocol import Action, EventKind
 
 from .preflight import LaunchRefused
 
@@ -209,8 +209,8 @@ def _read_results(check_dir: Path) -> dict[int, dict[str, Any]]:
     """Each rank's newest `card_check` event from the check's metrics.msgpack."""
     import json
 
-    from mindpulse.metrics_store import read_packets
-    from mindpulse.protocol import EventPacket
+    from mindpulse.rundir.metrics_store import read_packets
+    from mindpulse.wire.protocol import EventPacket
 
     out: dict[int, dict[str, Any]] = {}
     path = check_dir / "metrics.msgpack"

@@ -180,10 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "telemetry":
             return _telemetry(args)
         if args.command == "pretrain":
-            from mindpulse.workers.recipes import llama_finetune
+            from .doors import pretrain_recipe_base
 
-            out = args.out or llama_finetune.BASE_CKPT
-            res = llama_finetune.pretrain(out, steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+            res, out = pretrain_recipe_base(args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr)
             print(json.dumps(dict(res, out=str(out))))
             return 0
     except ConfigError as exc:
@@ -241,36 +240,36 @@ def _print_plan(cfg: RunConfig, specs: list[RankSpec]) -> None:
 
 def _telemetry(args) -> int:
     if args.telemetry_command == "parse-npu-smi":
-        from mindpulse.node.npu_smi import parse_npu_smi
-        from mindpulse.node.samplers.npu_smi import records_of_listing
-        from mindpulse.tables import card_table
+        from mindpulse.reporting.tables import card_table
+
+        from .doors import read_npu_smi_listing
 
         try:
             data = args.file.read_bytes()
         except OSError as exc:
             print(f"mindpulse: cannot read {args.file}: {exc}", file=sys.stderr)
             return int(ExitCode.USAGE)
-        res = parse_npu_smi(data.decode("utf-8", errors="replace"))
-        for w in res.warnings:
+        fields, records, warnings = read_npu_smi_listing(data.decode("utf-8", errors="replace"))
+        for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         if args.json:
-            print(json.dumps([c.to_dict() for c in res.cards], indent=2))
+            print(json.dumps(fields, indent=2))
         else:
             # what mindpulse reports from this listing, in the card table every view prints
             # (--json: every field the parser read)
-            print(card_table([dict(c, node=args.file.name) for c in records_of_listing(res.cards)]))
+            print(card_table([dict(c, node=args.file.name) for c in records]))
         return 0
-    from mindpulse.node.telemetry import TelemetryUnavailable, sample_this_machine
+    from .doors import NoTelemetry, sample_this_machine
 
     try:
         sample = sample_this_machine(args.device)
-    except TelemetryUnavailable as exc:
+    except NoTelemetry as exc:
         print(f"mindpulse: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
     if args.json:
         print(json.dumps(sample, indent=2, default=str))
     else:
-        from mindpulse.tables import card_table
+        from mindpulse.reporting.tables import card_table
 
         print(f"source: {sample.get('source')}  node: {sample.get('node')}")
         print(card_table(sample.get("cards", [])))

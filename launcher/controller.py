@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig
-from mindpulse.stop_decision import RollbackDecision, StopDecision
+from mindpulse.wire.stop_decision import RollbackDecision, StopDecision
 
 from .attempt import Attempt, logs_dir_of
 from .failure_policy import Decision, FailurePolicy
@@ -114,7 +114,7 @@ class Controller:
         # its aggregator, which takes the manifest's best) reads it
         for line in supersede_newer(self.history.resume):
             self.console.say(f"mindpulse: {line}")
-        from mindpulse.goodput import combine
+        from mindpulse.reporting.goodput import combine
 
         self._attempt_started = time.time()
         kept = combine(self.history.clocks, self.started, self._attempt_started, self.history.attempts)
@@ -172,7 +172,7 @@ class Controller:
         resume.update(skip_batches=int(before.get("skip_batches") or 0) + skipped, lr_factor=rb.lr_factor,
                       lr_until_step=to_step + rb.lr_steps, rollbacks=counts)
         if point is None:  # back to the start: no checkpoint of the abandoned line stays latest or best
-            from mindpulse.checkpoint_manifest import supersede_after
+            from mindpulse.rundir.checkpoint_manifest import supersede_after
 
             try:
                 supersede_after(ckpt_dir, 0, note="rolled back to the start")

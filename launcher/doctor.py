@@ -2,7 +2,7 @@
 
 For every node that may host the config's ranks (launcher/node_probes.py: a pinned Ray task
 per node on a Ray cluster, this machine for the embedded one) the node probe
-(node/framework_probe.py) reports what the ranks there will find, and
+(mindpulse/frameworks/framework_probe.py) reports what the ranks there will find, and
 launcher/framework_check.py judges it against the supported ranges. `doctor` prints one
 table per node with the fixes and exits 0 when everything fits, 2 when something does not;
 it runs MindSpore's one-op smoke test too. `launch` runs the probe without the smoke test
@@ -33,14 +33,14 @@ def probe_kwargs(cfg: RunConfig, smoke: bool) -> dict[str, Any]:
 def start(cfg: RunConfig, smoke: bool = False) -> LocalCall | None:
     """The embedded cluster's probe, started now (it runs while Ray starts); None on a Ray
     cluster, whose nodes are probed once connected (`answers`)."""
-    from mindpulse.node.framework_probe import probe_node_dict
+    from mindpulse.frameworks.framework_probe import probe_node_dict
 
     return call_local(probe_node_dict, probe_kwargs(cfg, smoke)) if not cfg.ray.address else None
 
 
 def answers(cfg: RunConfig, local: LocalCall | None, smoke: bool = False) -> list[NodeAnswer]:
     """Every node's probe: the local one's answer, or (connected to a Ray cluster) each eligible node's."""
-    from mindpulse.node.framework_probe import probe_node_dict
+    from mindpulse.frameworks.framework_probe import probe_node_dict
 
     if local is not None:
         return local.wait()
@@ -55,7 +55,7 @@ def answers(cfg: RunConfig, local: LocalCall | None, smoke: bool = False) -> lis
 
 
 def verdicts(cfg: RunConfig, got: list[NodeAnswer]) -> list[tuple[NodeAnswer, list[Verdict]]]:
-    from mindpulse.node.framework_probe import NodeProbe
+    from mindpulse.frameworks.framework_probe import NodeProbe
 
     out = []
     for a in got:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindpulse.framework_support import FrameworkVersionError
+from mindpulse.frameworks.framework_support import FrameworkVersionError
 
 from .spec import RunResult, RunStatus
 
@@ -58,7 +58,7 @@ class FailurePolicy:
     def _newest_valid(self) -> tuple[Any, list[str]]:
         """A malformed manifest is refused (a note) like a bad file: the restart then starts
         from the point this attempt started from."""
-        from mindpulse.checkpoint_manifest import ManifestError, choose_resume
+        from mindpulse.rundir.checkpoint_manifest import ManifestError, choose_resume
 
         if not (self.checkpoints_dir / "manifest.json").exists():
             return None, []

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from mindpulse.input_paths import INPUT_MISSING
+from mindpulse.inputs.input_paths import INPUT_MISSING
 
 from .spec import RankOutcome
 
@@ -29,7 +29,7 @@ class FailureKind(str, enum.Enum):
     """A host stopped answering: a lost link or a network partition."""
     INPUT = "input"
     """A file the config names is missing on a rank's node (the rank's start checks them:
-    mindpulse/input_paths.py); a restart would fail the same way."""
+    mindpulse/inputs/input_paths.py); a restart would fail the same way."""
 
 
 def failure_kind(result: Any) -> FailureKind:

@@ -5,7 +5,7 @@ MindFormers job MindFormers, for an Ascend job the CANN toolkit and driver, for 
 msrun command) with what was found, what is wanted and, when it does not fit, the fix.
 `FAIL` refuses a launch (and makes `mindpulse doctor` exit 2); `WARN` is said and the
 launch goes on (a MindFormers whose VERSION_MAP.json names another MindSpore, a driver
-folder without npu-smi); `OK` and `INFO` are shown. The ranges are `mindpulse.framework_support`'s.
+folder without npu-smi); `OK` and `INFO` are shown. The ranges are `mindpulse.frameworks.framework_support`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mindpulse.config import Backend, Device, RunConfig
-from mindpulse.framework_support import (
+from mindpulse.frameworks.framework_probe import NodeProbe
+from mindpulse.frameworks.framework_support import (
     INSTALL_HINT,
     MINDFORMERS_PAIRS,
     Fit,
@@ -25,7 +26,6 @@ from mindpulse.framework_support import (
     needed,
     supported_range,
 )
-from mindpulse.node.framework_probe import NodeProbe
 
 DEVICE_PLUGIN = {Device.CPU: "CPU", Device.GPU: "GPU", Device.ASCEND: "Ascend"}
 """MindSpore's name of each `world.device` (its device target and plugin)."""

@@ -1,5 +1,5 @@
 """The config's files checked on the head before anything starts: what a rank would open
-(`mindpulse/input_paths.py`, the same check each rank repeats at its start on its own node),
+(`mindpulse/inputs/input_paths.py`, the same check each rank repeats at its start on its own node),
 a script that would not compile, and the folders the aggregator writes on this machine (a
 tracker's). A problem refuses the launch (exit 2) naming the key and the file, instead of
 ranks that fail one by one after Ray, the aggregator and every rank have started."""
@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 from mindpulse.config import RecipeConfig, RunConfig
-from mindpulse.input_paths import input_problems
-from mindpulse.recipe_corpus import TRAIN_NAME, shipped, too_small
+from mindpulse.inputs.input_paths import input_problems
+from mindpulse.inputs.recipe_corpus import TRAIN_NAME, shipped, too_small
 
 from .preflight import LaunchRefused
 
@@ -46,7 +46,7 @@ def check_script_compiles(script: str) -> None:
 
 def check_corpus(cfg: RunConfig, recipe: RecipeConfig) -> None:
     """The recipe's training text must give every rank one step or more an epoch
-    (mindpulse/recipe_corpus.py, the rule the ranks' data stream applies)."""
+    (mindpulse/inputs/recipe_corpus.py, the rule the ranks' data stream applies)."""
     path = Path(recipe.train_file) if recipe.train_file else shipped(TRAIN_NAME)
     what = f"job.recipe.train_file {path}" if recipe.train_file else f"the shipped corpus {path}"
     size = path.stat().st_size

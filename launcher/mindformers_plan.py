@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import ConfigError, RunConfig
+from mindpulse.config.mindformers_yaml import MFJobConfig, MindFormersConfigError, mf_config_for_rank
 from mindpulse.config.validation import check_mindformers_source
-from mindpulse.mindformers_yaml import MFJobConfig, MindFormersConfigError, mf_config_for_rank
 
 from .paths import resolve_input
 from .preflight import LaunchRefused

@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mindpulse.input_paths import INPUT_MISSING
-from mindpulse.node.msrun_output import KILLED_OTHERS
+from mindpulse.frameworks.msrun_text import KILLED_OTHERS
+from mindpulse.inputs.input_paths import INPUT_MISSING
 
 from .failures import VICTIM, signal_name, traceback_from_log
 from .spec import RankOutcome

@@ -69,7 +69,10 @@ class NodeAgents:
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
-        from mindpulse.node.agent import WORKER_ENV, NodeAgent, driver_identity
+        from mindpulse.lifetime.process_identity import driver_identity
+        from mindpulse.lifetime.rank_processes import WORKER_ENV
+
+        from .doors import node_agent_class
 
         w = self.cfg.world
         bundles, strategy = placement_bundles(self.cfg)
@@ -91,7 +94,7 @@ class NodeAgents:
         # its watchdog ends the node's processes of the run when the launcher is gone
         driver = driver_identity()
         for n in range(w.nodes):
-            self.agents.append(ray.remote(NodeAgent).options(
+            self.agents.append(ray.remote(node_agent_class()).options(
                 num_cpus=0, scheduling_strategy=self.bundle(n),
                 runtime_env={"env_vars": dict(WORKER_ENV)}, max_restarts=0,
                 # threaded: run_msrun holds one thread for the whole job; kill_ranks, stop,

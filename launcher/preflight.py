@@ -13,8 +13,8 @@ import socket
 import sys
 from typing import Any
 
+from mindpulse.common.errors import MindpulseError
 from mindpulse.config import Backend, Device, RunConfig
-from mindpulse.errors import MindpulseError
 
 
 class LaunchRefused(MindpulseError, RuntimeError):

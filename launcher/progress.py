@@ -10,7 +10,7 @@ import re
 import time
 from typing import Any, TextIO
 
-from mindpulse.formatting import clock
+from mindpulse.common.formatting import clock
 
 PLAIN_EVERY_S = 30.0
 

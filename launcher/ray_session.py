@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mindpulse.config import RunConfig
-from mindpulse.node.agent import WORKER_ENV
+from mindpulse.lifetime.rank_processes import WORKER_ENV
 
 from .preflight import LaunchRefused
 
@@ -333,7 +333,7 @@ def kill_run(tag: str, tracked: dict[int, float], rounds: int = 4) -> list[int]:
     launcher is gone, or its run ended and these are stragglers."""
     import time
 
-    from mindpulse.processes import end_processes
+    from mindpulse.lifetime.processes import end_processes
 
     killed: list[int] = []
     for _ in range(rounds):
@@ -353,8 +353,8 @@ def reap(launcher_pid: int, launcher_ct: float, tag: str, poll_s: float = 1.0) -
     import shutil
     import time
 
-    from mindpulse.process_identity import process_alive
-    from mindpulse.processes import descendants
+    from mindpulse.lifetime.process_identity import process_alive
+    from mindpulse.lifetime.processes import descendants
 
     tracked: dict[int, float] = {}
     done = False

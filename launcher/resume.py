@@ -20,7 +20,7 @@ def resolve_resume(run_dir: Path, which: str = "latest") -> tuple[dict[str, Any]
     message and the next valid one is used; none valid, or a malformed manifest, is a
     usage error (exit 2) that names the file.
     """
-    from mindpulse.checkpoint_manifest import ManifestError
+    from mindpulse.rundir.checkpoint_manifest import ManifestError
 
     try:
         return _resolve(Path(run_dir), which)
@@ -29,7 +29,7 @@ def resolve_resume(run_dir: Path, which: str = "latest") -> tuple[dict[str, Any]
 
 
 def _resolve(run_dir: Path, which: str) -> tuple[dict[str, Any], Path]:
-    from mindpulse.checkpoint_manifest import choose_resume, known_entries, verify
+    from mindpulse.rundir.checkpoint_manifest import choose_resume, known_entries, verify
 
     run_dir = run_dir.resolve()
     cfg_path = run_dir / "config.yaml"
@@ -70,8 +70,8 @@ def carry_tracker_runs(resumed_run: Path, run_dir: Path, enabled: Iterable[str])
     A RUN_DIR without one carries nothing; one that cannot be read is said, naming the file, and
     the trackers start new runs. `enabled`: the trackers this launch's config turns on, the only
     ones said to continue (the others' ids are kept for a later launch). Returns lines to show."""
-    from mindpulse.rundir_io import write_json_atomic
-    from mindpulse.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
+    from mindpulse.rundir.rundir_io import write_json_atomic
+    from mindpulse.rundir.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
     try:
         runs = TrackerIds(Path(resumed_run)).read()
@@ -92,7 +92,7 @@ def supersede_newer(resume: dict[str, Any] | None) -> list[str]:
     `latest` and `best` mean the line this attempt continues. One place for `--resume` and
     for a restart (which resumes from the newest valid one: only refused files are newer).
     A start from scratch (None) or a file in no manifest cuts nothing. Returns lines to show."""
-    from mindpulse.checkpoint_manifest import ManifestError, read_manifest, supersede_after
+    from mindpulse.rundir.checkpoint_manifest import ManifestError, read_manifest, supersede_after
 
     if resume is None:
         return []
@@ -114,7 +114,7 @@ def supersede_newer(resume: dict[str, Any] | None) -> list[str]:
 def best_seed(ckpt_dir: Path) -> dict[str, Any] | None:
     """The best checkpoint the run's manifest lists (a whole file), as the aggregator's
     starting best: {metric, metric_name, step, path}; None when there is none."""
-    from mindpulse.checkpoint_manifest import ManifestError, read_manifest, verify
+    from mindpulse.rundir.checkpoint_manifest import ManifestError, read_manifest, verify
 
     try:
         best = [e for e in read_manifest(ckpt_dir) if e.kind == "best" and e.metric is not None]
@@ -131,7 +131,7 @@ def rollback_point(ckpt_dir: Path, before_step: int) -> tuple[dict[str, Any] | N
     """The newest valid checkpoint strictly before `before_step` (a rollback's target), as a
     resume dict, or None (no such checkpoint: the rollback starts from the beginning);
     with the files refused on the way (their sha256 or size does not match)."""
-    from mindpulse.checkpoint_manifest import ManifestError, read_manifest, verify
+    from mindpulse.rundir.checkpoint_manifest import ManifestError, read_manifest, verify
 
     try:
         entries = [e for e in read_manifest(ckpt_dir) if e.step < before_step]

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mindpulse.aggregator import rule_changes as rc
 from mindpulse.config import ConfigError, RunConfig, from_dict, read_yaml
+from mindpulse.rules import changes as rc
 
 from .spec import ExitCode
 

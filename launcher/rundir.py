@@ -48,7 +48,7 @@ def make_run_dir(cfg: RunConfig, base: Path | None = None) -> Path:
 
 def run_modes(cfg: RunConfig) -> tuple[int, int]:
     """(file mode, folder mode) of the run directory's contents, from `output.mode`."""
-    from mindpulse.rundir_io import modes_of
+    from mindpulse.rundir.rundir_io import modes_of
 
     return modes_of(getattr(cfg.output, "mode", "private"))
 
@@ -65,13 +65,13 @@ def make_dir(path: Path, dmode: int) -> Path:
 def apply_run_mode(run_dir: Path, cfg: RunConfig) -> list[str]:
     """Every folder and file of the run directory gets `output.mode`'s permissions (what
     msrun, MindSpore or TensorBoard wrote there with their own umask included)."""
-    from mindpulse.rundir_io import apply_mode
+    from mindpulse.rundir.rundir_io import apply_mode
 
     return apply_mode(run_dir, getattr(cfg.output, "mode", "private"))
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    from mindpulse.rundir_io import write_atomic as _write_atomic
+    from mindpulse.rundir.rundir_io import write_atomic as _write_atomic
 
     _write_atomic(path, data)
 
@@ -82,7 +82,7 @@ def write_config(run_dir: Path, cfg: RunConfig) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    from mindpulse.rundir_io import write_json_atomic
+    from mindpulse.rundir.rundir_io import write_json_atomic
 
     write_json_atomic(path, obj)
 

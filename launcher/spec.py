@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindpulse.config import Device, RunConfig, monitor_settings_of, schedule_of
-from mindpulse.rank_settings import (
+from mindpulse.config.rank_settings import (
     NODE_RANK_ENV,
     SETTINGS_ENV,
     CheckpointSettings,
@@ -22,7 +22,7 @@ from mindpulse.rank_settings import (
     RankSettings,
     ResumePoint,
 )
-from mindpulse.settings import AggregatorSettings, BestSeed, NodeSettings, compute_drop_window
+from mindpulse.config.settings import AggregatorSettings, BestSeed, NodeSettings, compute_drop_window
 
 
 class RunStatus(str, enum.Enum):

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindpulse.aggregator.rule_changes import changes_in
 from mindpulse.config import RunConfig
-from mindpulse.metrics import totals
+from mindpulse.registry.metrics import totals
+from mindpulse.rules.changes import changes_in
 
 from .rundir import write_json
 from .spec import ExitCode, RunResult, RunStatus
@@ -78,7 +78,7 @@ def _say_final_summary(cfg: RunConfig, run_dir: Path, summary: dict[str, Any], s
     anomalies, attempts and ranks. The metrics are read once, for this and the report; with
     `output.report` off only the summary and the side files are (cheap for a run of any size).
     Returns what was read, for the report."""
-    from mindpulse.tables import summary_table, totals_table
+    from mindpulse.reporting.tables import summary_table, totals_table
 
     say("")
     try:
@@ -145,7 +145,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, result: RunResult, snap: dict[s
         "started": started,
         "wall_time_s": time.time() - started,
     }
-    from mindpulse.goodput import combine
+    from mindpulse.reporting.goodput import combine
 
     # each attempt's clock as the controller kept it; a summary written without them (the
     # launcher lost its history) falls back to the final snapshot's

@@ -123,14 +123,15 @@ class RayWorkerGroup(WorkerGroup):
         launcher waits for the agents. The job starts in `start`: `run` reads the settings."""
         import ray
 
-        from mindpulse.node.agent import WORKER_ENV
-        from mindpulse.workers.rank_actor import RankActor
+        from mindpulse.lifetime.rank_processes import WORKER_ENV
+
+        from .doors import rank_actor_class
 
         for spec in specs:
             opts = rank_actor_options(self.cfg, spec, {**WORKER_ENV, **loopback_env(sched_host), **spec.env},
                                       scheduling_strategy=self.nodes.bundle(spec.node),
                                       name=f"{self.actor_prefix}-rank-{spec.rank}")
-            self.actors.append(ray.remote(RankActor).options(**opts).remote(
+            self.actors.append(ray.remote(rank_actor_class()).options(**opts).remote(
                 spec.rank, str(self.logs_dir / f"rank_{spec.rank}.log")))
 
     def start(self, specs: list[RankSpec], sched_host: str, sched_port: int,
@@ -211,7 +212,7 @@ class RayWorkerGroup(WorkerGroup):
         all nodes at once."""
         import ray
 
-        from mindpulse.node.agent import RANK_EXIT_GRACE_S
+        from mindpulse.lifetime.rank_processes import RANK_EXIT_GRACE_S
 
         refs = []
         for agent in self.nodes.agents:

@@ -28,23 +28,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mindpulse.config.settings import NodeSettings
+from mindpulse.lifetime.process_identity import process_alive, same_process_table
+from mindpulse.lifetime.processes import descendants, die_with_parent_preexec, end_process_tree, end_processes
+from mindpulse.lifetime.rank_processes import RANK_EXIT_GRACE_S, WORKER_ENV
 from mindpulse.node.relay import NodeBatch
-from mindpulse.process_identity import process_alive, process_identity, same_process_table
-from mindpulse.processes import descendants, die_with_parent_preexec, end_process_tree, end_processes
-from mindpulse.rundir_io import open_log_fd
-from mindpulse.settings import NodeSettings
-from mindpulse.uplink import Receipt, Uplink, UplinkServer
+from mindpulse.rundir.rundir_io import open_log_fd
+from mindpulse.wire.uplink import Receipt, Uplink, UplinkServer
 
 if TYPE_CHECKING:
     from mindpulse.node.group import GroupLeader
 
 log = logging.getLogger(__name__)
-
-# Every Ray worker (and subprocess) that imports mindspore needs the pure-Python protobuf from
-# the start (Ray imports protobuf first; mindspore's generated code then fails to load). The one
-# definition: the launcher gives it to every actor it starts, this agent to what it spawns.
-WORKER_ENV = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
-
 
 DRIVER_CHECK_S = 1.0
 """How often the watchdog looks for the driver (and for new processes under msrun)."""
@@ -52,11 +47,6 @@ UPLINK_CLOSE_S = 10.0
 """At the end, how long a node waits for its last frames to be acknowledged."""
 REMOTE_DRIVER_CHECK_S = 5.0
 """How often it asks Ray whether a driver on another machine is gone (a GCS call)."""
-
-
-def driver_identity() -> dict[str, Any]:
-    """The launcher's process, as the node agents' watchdogs look for it."""
-    return process_identity()
 
 
 def node_ip() -> str:
@@ -126,7 +116,7 @@ class NodeAgent:
                                         straggler_window=settings.straggler_window,
                                         collect_freq=settings.collect_freq, world_size=settings.world_size,
                                         compute_window=settings.compute_window)
-        # steps go up, and the lease comes down, over one stream (mindpulse/uplink.py): to the
+        # steps go up, and the lease comes down, over one stream (mindpulse/wire/uplink.py): to the
         # aggregator, or to the group's leader; the relay sends into it and takes its leases
         # straight (`_route`)
         self.uplink = Uplink(node, self._resolve_up, self._on_lease, max_unacked=self.MAX_UNACKED)
@@ -299,7 +289,8 @@ class NodeAgent:
         scheduler, which waits for the killed ranks' heartbeats to time out
         (node/msrun_output.py): after MSRUN_GRACE_S the agent ends msrun and everything under
         it, so the launcher learns of the failure seconds after it, not half a minute."""
-        from mindpulse.node.msrun_output import KILLED_OTHERS, LogScanner
+        from mindpulse.frameworks.msrun_text import KILLED_OTHERS
+        from mindpulse.node.msrun_output import LogScanner
 
         assert self.msrun is not None
         scanner = LogScanner(log_path, KILLED_OTHERS)
@@ -446,7 +437,7 @@ class NodeAgent:
 
     def saving_now(self, ckpt_dir: str) -> dict[str, Any] | None:
         """Rank 0's save-in-progress marker in `ckpt_dir` on this host (`rundir_io.saving_now`)."""
-        from mindpulse.rundir_io import saving_now
+        from mindpulse.rundir.rundir_io import saving_now
 
         return saving_now(ckpt_dir)
 
@@ -552,8 +543,6 @@ class NodeAgent:
         return end_processes(targets)  # no grace: the driver is gone, nobody will stop them
 
 
-RANK_EXIT_GRACE_S = 5.0
-"""How long a rank process may take to exit once its run ended, before it is killed."""
 CHILD_END_GRACE_S = 5.0
 """How long msrun or the scheduler (and each process under it, every one in its process
 group) may take to end on SIGTERM before SIGKILL, and then to be gone after it: msrun's

@@ -15,7 +15,7 @@ each group's first node agent leads it:
 - the lease the aggregator pushes to it, it pushes on to its members.
 
 Members reach their leader, and leaders the aggregator, over the node uplink
-(mindpulse/uplink.py: one TCP stream each, frames acknowledged and sent again after a
+(mindpulse/wire/uplink.py: one TCP stream each, frames acknowledged and sent again after a
 reconnect); the leader agent (node/agent.py) runs the server its members connect to and
 feeds this class. A member's frame is acknowledged only once everything in it has been
 acknowledged by the aggregator (each piece holds the frame's `Receipt` until the frame it
@@ -36,8 +36,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.partial import NodePartial, from_wire, merge, to_wire
-from mindpulse.uplink import Receipt
+from mindpulse.reduction.partial import NodePartial, from_wire, merge, to_wire
+from mindpulse.wire.uplink import Receipt
 
 log = logging.getLogger(__name__)
 

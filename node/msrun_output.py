@@ -1,15 +1,14 @@
 """What a node's msrun writes that the node agent acts on while msrun runs.
 
 msrun (MindSpore 2.9, `parallel/cluster/process_entity/_api.py`) polls its workers once a
-second; when one has exited with an error it writes `KILLED_OTHERS` and SIGKILLs the rest.
+second; when one has exited with an error it writes `KILLED_OTHERS`
+(`mindpulse/frameworks/msrun_text.py`) and SIGKILLs the rest.
 The job is over then, but msrun still waits for its scheduler, and the scheduler waits for
 the killed ranks' heartbeats to time out (MS_NODE_TIMEOUT, 30 s by default) before it
 exits: measured, 37 s from the failure to msrun's exit on a 2-rank CPU run.
 """
 
 from __future__ import annotations
-
-KILLED_OTHERS = "There's worker exits with exception, kill all other workers."
 
 
 class LogScanner:

@@ -1,8 +1,8 @@
 """Per-node packet relay: the node's ranks talk to their NodeAgent over loopback, the
-agent sends the aggregator one batch per step over its uplink (mindpulse/uplink.py), so
+agent sends the aggregator one batch per step over its uplink (mindpulse/wire/uplink.py), so
 the aggregator's load grows with nodes, not ranks.
 
-Wire: the relay frames (mindpulse/frames.py), a 4-byte big-endian length and a msgpack map
+Wire: the relay frames (mindpulse/wire/frames.py), a 4-byte big-endian length and a msgpack map
 (no pickle):
   {"op": "send", "packets": [bytes, ...], "step": s?}            no answer
   {"op": "decide", "packets": [...], "step": s, "timeout": t, "expect": n?}
@@ -14,7 +14,7 @@ Wire: the relay frames (mindpulse/frames.py), a 4-byte big-endian length and a m
 A `send` that carries a rank's packet of step s says so; once every rank of the node has
 sent step s, the batch goes out at once (the aggregator reduces a step as soon as every
 node's part is in). Leases come down to the node (pushed over its uplink) and are written
-once to the node's lease board (mindpulse/lease_board.py), a shared-memory page every rank
+once to the node's lease board (mindpulse/wire/lease_board.py), a shared-memory page every rank
 of the node reads before each step: nothing is sent per rank and step. A rank asks the
 relay only at its first lease (the answer names the board) and when the board's lease
 does not yet let it start its next step; it then blocks until the answer. At a
@@ -47,15 +47,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mindpulse.baselines import NodeComputeDrops, NodeStragglers
 from mindpulse.config import MonitorConfig
-from mindpulse.directives import Directive, Lease
-from mindpulse.frames import MAX_FRAME, FrameReader, decode_frame_body, encode_frame, frame_int, frame_timeout
-from mindpulse.lease_board import MAX_BODY as MAX_BOARD_LEASE
-from mindpulse.lease_board import LeaseBoard
-from mindpulse.partial import collect_ranks, partial_of, to_wire
-from mindpulse.protocol import EventKind, EventPacket, PacketError, StepPacket, decode_wire, heartbeat_row
-from mindpulse.settings import COMPUTE_DROP_WINDOW
+from mindpulse.config.settings import COMPUTE_DROP_WINDOW
+from mindpulse.reduction.baselines import NodeComputeDrops, NodeStragglers
+from mindpulse.reduction.partial import collect_ranks, partial_of, to_wire
+from mindpulse.wire.directives import Directive, Lease
+from mindpulse.wire.frames import MAX_FRAME, FrameReader, decode_frame_body, encode_frame, frame_int, frame_timeout
+from mindpulse.wire.lease_board import MAX_BODY as MAX_BOARD_LEASE
+from mindpulse.wire.lease_board import LeaseBoard
+from mindpulse.wire.protocol import EventKind, EventPacket, PacketError, StepPacket, decode_wire, heartbeat_row
 
 NodeBatch = dict[str, Any]
 """{"steps": [bytes], "other": [bytes], "beats": [heartbeat row], "partials": [wire partial],

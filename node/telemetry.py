@@ -14,7 +14,7 @@ Each returns *card records*: plain dicts with exactly the keys of :data:`CARD_KE
 (:func:`pick_sampler`). A :class:`NodeSampler` puts the node name and the ranks of each
 card into the records, adds host and per-rank process statistics, and either samples once
 (:meth:`NodeSampler.sample_once`) or on a daemon thread (:meth:`NodeSampler.start`). Its
-sample dict has the fields of :class:`mindpulse.protocol.TelemetryPacket` (``node``, ``ts``,
+sample dict has the fields of :class:`mindpulse.wire.protocol.TelemetryPacket` (``node``, ``ts``,
 ``source``, ``cards``, ``host``) plus ``warnings``; :func:`telemetry_packet` turns it into a
 packet.
 
@@ -302,9 +302,9 @@ class NodeSampler:
 
 
 def telemetry_packet(sample: dict[str, Any]):
-    """The :class:`mindpulse.protocol.TelemetryPacket` of a :meth:`NodeSampler.sample_once` dict;
+    """The :class:`mindpulse.wire.protocol.TelemetryPacket` of a :meth:`NodeSampler.sample_once` dict;
     its warnings travel in ``host["warnings"]``."""
-    from mindpulse.protocol import TelemetryPacket
+    from mindpulse.wire.protocol import TelemetryPacket
 
     host = dict(sample.get("host") or {})
     if sample.get("warnings"):

@@ -157,7 +157,7 @@ def run_cli(tmp_path, request):
 
 def last_steps(run_dir: Path) -> dict[int, int]:
     """Each rank's newest step in a run's metrics (every segment)."""
-    from mindpulse.metrics_store import read_wire
+    from mindpulse.rundir.metrics_store import read_wire
 
     out: dict[int, int] = {}
     if not (Path(run_dir) / "metrics.msgpack").exists():

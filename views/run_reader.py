@@ -1,8 +1,8 @@
 """One reader of a run directory for the offline views (`top`, `report`).
 
 It reads the run's metrics incrementally (every segment: `metrics.000001.msgpack`, ... then
-`metrics.msgpack`, see mindpulse/metrics_store.py), skipping and counting damaged bytes,
-tells its records apart with the aggregator's own replay (mindpulse/replay.py), reads the run's resolved config
+`metrics.msgpack`, see mindpulse/rundir/metrics_store.py), skipping and counting damaged bytes,
+tells its records apart with the aggregator's own replay (mindpulse/rundir/replay.py), reads the run's resolved config
 (`config.yaml`) and `summary.json`, and completes steps with the aggregator's own
 `StepReducer` and scores stragglers with its `StragglerTracker` built from the run's config. A
 view therefore shows what the aggregator computed, not a second implementation of step
@@ -24,11 +24,11 @@ from typing import Any
 import yaml
 
 from mindpulse.config import RunConfig, sections_of
-from mindpulse.metrics_store import METRICS, closed_segments
-from mindpulse.packet_stream import iter_stream
-from mindpulse.protocol import EventPacket, Packet, StepPacket
-from mindpulse.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker
-from mindpulse.replay import RecordReplay, step_from_record
+from mindpulse.reduction.reducer import ReducedStep, RunTotals, StepReducer, StragglerTracker
+from mindpulse.rundir.metrics_store import METRICS, closed_segments
+from mindpulse.rundir.replay import RecordReplay, step_from_record
+from mindpulse.wire.packet_stream import iter_stream
+from mindpulse.wire.protocol import EventPacket, Packet, StepPacket
 
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
@@ -645,7 +645,7 @@ class RunReader:
         if isinstance(peak, (int, float)) and not isinstance(peak, bool) and peak > 0:
             return float(peak)
         if self._peak_found is None:
-            from mindpulse.card_peaks import resolve_peak
+            from mindpulse.reporting.card_peaks import resolve_peak
 
             self._peak_found = resolve_peak(self.config.world.peak_tflops, self.run_dir, [])[0] or 0.0
         return self._peak_found or None

@@ -31,12 +31,12 @@ try:  # POSIX terminals; elsewhere the terminal view refreshes without keys
 except ImportError:  # pragma: no cover
     termios = tty = None  # type: ignore[assignment]
 
-from mindpulse.formatting import is_number
-from mindpulse.metrics_store import closed_segments
-from mindpulse.protocol import EventPacket, Packet, StepPacket, TelemetryPacket
-from mindpulse.reducer import ReducedStep
-from mindpulse.tables import MAX_TABLE_RANKS, card_table, cluster_table
+from mindpulse.common.formatting import is_number
+from mindpulse.reduction.reducer import ReducedStep
+from mindpulse.reporting.tables import MAX_TABLE_RANKS, card_table, cluster_table
+from mindpulse.rundir.metrics_store import closed_segments
 from mindpulse.views.run_reader import CONFIG, METRICS, SUMMARY, MetricsTail, RunReader
+from mindpulse.wire.protocol import EventPacket, Packet, StepPacket, TelemetryPacket
 
 MAX_ERROR_LINES = 3
 PAGE_RANKS = MAX_TABLE_RANKS

@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpulse.protocol import EventKind, EventPacket
-from mindpulse.rank_settings import RankSettings
+from mindpulse.config.rank_settings import RankSettings
+from mindpulse.wire.protocol import EventKind, EventPacket
 
 from .channel import connect
 from .errors import StopTraining

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from mindpulse.config import from_dict
-from mindpulse.protocol import EventKind, EventPacket
-from mindpulse.rank_settings import RankSettings
+from mindpulse.config.rank_settings import RankSettings
+from mindpulse.wire.protocol import EventKind, EventPacket
 
 from .faults import card_check_repeats
 from .settings import rank_id

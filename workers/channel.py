@@ -29,10 +29,17 @@ import time
 from typing import Any
 
 from mindpulse.config import MonitorConfig
-from mindpulse.directives import Directive, Lease
-from mindpulse.frames import FRAME_HEADER_BYTES, MAX_FRAME, FrameReader, decode_frame_body, encode_frame, frame_length
-from mindpulse.lease_board import LeaseView
-from mindpulse.rank_settings import RankSettings
+from mindpulse.config.rank_settings import RankSettings
+from mindpulse.wire.directives import Directive, Lease
+from mindpulse.wire.frames import (
+    FRAME_HEADER_BYTES,
+    MAX_FRAME,
+    FrameReader,
+    decode_frame_body,
+    encode_frame,
+    frame_length,
+)
+from mindpulse.wire.lease_board import LeaseView
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +180,10 @@ def _grants(lease: Lease | None, need: int) -> bool:
 
 
 class RelayChannel(Channel):
-    """Frames (mindpulse/frames.py's `encode_frame`) to the node agent's relay on this machine.
+    """Frames (mindpulse/wire/frames.py's `encode_frame`) to the node agent's relay on this machine.
 
     Packets and decisions go on one connection. Leases are read from the node's lease
-    board (mindpulse/lease_board.py: shared memory the agent writes each new lease to), so
+    board (mindpulse/wire/lease_board.py: shared memory the agent writes each new lease to), so
     taking the lease before a step is a read of mapped memory: no socket, no round trip.
     A second connection asks the relay for leases only at the first lease (the answer
     names the board) and when the board's lease does not let this rank start its next

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from mindpulse.checkpoint_manifest import (
+from mindpulse.config import OutputConfig
+from mindpulse.rundir.checkpoint_manifest import (
     KINDS,
     CkptEntry,
     ManifestError,
@@ -34,14 +35,13 @@ from mindpulse.checkpoint_manifest import (
     sha256_of,
     write_manifest,
 )
-from mindpulse.config import OutputConfig
-from mindpulse.protocol import CheckpointKind
-from mindpulse.rundir_io import (  # the run directory's I/O
+from mindpulse.rundir.rundir_io import (  # the run directory's I/O
     SAVING_MARKER,
     fsync_dir,
     mark_saving,
     modes_of,
 )
+from mindpulse.wire.protocol import CheckpointKind
 
 from .model_params import is_model_param
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mindpulse.directives import Directive
-from mindpulse.protocol import EventKind
-from mindpulse.rank_settings import RankSettings
+from mindpulse.config.rank_settings import RankSettings
+from mindpulse.wire.directives import Directive
+from mindpulse.wire.protocol import EventKind
 
 from .checkpoint import CheckpointManager
 

@@ -1,6 +1,6 @@
 """Exceptions shared by the rank-side code (no MindSpore import: the rank actor uses it)."""
 
-from mindpulse.errors import MindpulseError
+from mindpulse.common.errors import MindpulseError
 
 
 class StopTraining(MindpulseError):

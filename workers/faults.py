@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from mindpulse.fault_specs import Fault, FaultKind, parse_fault
+from mindpulse.config.fault_specs import Fault, FaultKind, parse_fault
 
 from .model_params import model_parameters
 from .settings import load_settings

@@ -6,7 +6,7 @@ the same judgement made again where the import happens (defence in depth, and th
 check on paths the driver does not probe: a node whose environment changed since, a rank
 started by hand with msrun). A rank that would import a missing or unsupported framework
 ends at once with exit code 2 and one line naming its node, what it found, the range and the
-fix (`mindpulse.framework_support`), instead of a ModuleNotFoundError's traceback from deep
+fix (`mindpulse.frameworks.framework_support`), instead of a ModuleNotFoundError's traceback from deep
 inside the job.
 
 Neither framework is imported here: the package `import` would load is found with
@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mindpulse.framework_support import Framework, FrameworkVersionError, VersionCheck, check_version
+from mindpulse.frameworks.framework_support import Framework, FrameworkVersionError, VersionCheck, check_version
 
 REFUSED_EXIT = 2
 """A rank's exit code when it refuses its framework: the code a launch gives bad input."""

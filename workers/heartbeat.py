@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.protocol import EventKind, EventPacket, RankState
-from mindpulse.rank_settings import RankSettings
+from mindpulse.config.rank_settings import RankSettings
+from mindpulse.wire.protocol import EventKind, EventPacket, RankState
 
 log = logging.getLogger(__name__)
 

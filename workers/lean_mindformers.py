@@ -28,7 +28,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from mindpulse.errors import MindpulseError
+from mindpulse.common.errors import MindpulseError
 
 LEFT_OUT = ("nltk", "datasets", "jieba", "rouge_chinese")
 """Imported by MindFormers' package at start, used only by features the recipe does not use

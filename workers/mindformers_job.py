@@ -5,7 +5,7 @@ The same path as MindFormers' `run_mindformer.py --config X.yaml` (1.7-1.9):
 `Trainer(config).train()` (run_mindformer.py calls `train()` for run_mode finetune too: in
 MindFormers 1.9 `Trainer.finetune()` without a checkpoint argument drops the YAML's
 `load_checkpoint`). The YAML is read and the launcher's settings applied by
-`mindpulse.mindformers_yaml` (shared with the driver, which checked the same at launch); here:
+`mindpulse.config.mindformers_yaml` (shared with the driver, which checked the same at launch); here:
 
 1. `prepare_dataset`: a byte-level `.txt` corpus converted to MindRecord.
 2. `run_trainer`: the CPU patches (`cpu_fallbacks`), MindFormers' context and Trainer with
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mindpulse.mindformers_yaml import (
+from mindpulse.config.mindformers_yaml import (
     BYTE_CORPUS_SUFFIX,
     DATA_LOADER_KEY,
     MFJobConfig,
@@ -154,7 +154,7 @@ def run_for_rank(settings: Any, rank: int) -> None:
     import logging
 
     from mindpulse.config import from_dict
-    from mindpulse.mindformers_yaml import mf_config_for_rank
+    from mindpulse.config.mindformers_yaml import mf_config_for_rank
 
     from .faults import cell_faults_armed
     from .mindformers_monitor import MindPulseMonitor  # registers it in MindFormers' registry

@@ -19,9 +19,9 @@ from typing import Any
 from mindspore import Tensor, nn
 from mindspore.train.callback import Callback
 
-from mindpulse.directives import Directive
-from mindpulse.metrics import cell_stats
-from mindpulse.rank_settings import RankSettings
+from mindpulse.config.rank_settings import RankSettings
+from mindpulse.registry.metrics import cell_stats
+from mindpulse.wire.directives import Directive
 
 from .channel import Channel
 from .errors import StopTraining
@@ -36,7 +36,7 @@ __all__ = ["Monitor", "StepOutcome", "lr_of_step"]
 
 STEP_STATS = cell_stats()
 """What a step's outputs (or the statistics wrapper) may add to its packet: the registry's CELL
-metrics (mindpulse/metrics.py)."""
+metrics (mindpulse/registry/metrics.py)."""
 
 
 def lr_of_step(optimizer: Any, step_index: int) -> float | None:
@@ -234,7 +234,7 @@ class Monitor(Callback):
     def record(self, loss: Any, **fields: Any) -> StepOutcome:
         """Report one step's numbers directly (the next step unless `step=` is given): the
         fields of `RankSession.record` (`step`, and the registry's metrics a rank reports:
-        `mindpulse.metrics.reported()`: epoch, lr, grad_norm, grad_norm_local, nan_count, inf_count,
+        `mindpulse.registry.metrics.reported()`: epoch, lr, grad_norm, grad_norm_local, nan_count, inf_count,
         step_time_s, data_wait_s, compute_s, samples, tokens, loss_scale, overflow, extra); numbers
         may be Python numbers, numpy scalars or MindSpore tensors."""
         return self.session.record(loss, **fields)

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from mindpulse.rank_settings import RankSettings
+from mindpulse.config.rank_settings import RankSettings
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import socket
 import sys
 from typing import Any
 
-from mindpulse.processes import die_with_parent
-from mindpulse.rundir_io import open_log_fd
+from mindpulse.lifetime.processes import die_with_parent
+from mindpulse.rundir.rundir_io import open_log_fd
 
 
 def _redirect_output(log_path: str) -> None:

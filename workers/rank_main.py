@@ -25,9 +25,9 @@ if __package__ in (None, ""):  # run as a file by msrun: make `mindpulse` import
     sys.path.pop(0)
 
 from mindpulse.config import RunConfig, from_dict  # noqa: E402
-from mindpulse.framework_support import FrameworkVersionError, needed  # noqa: E402
-from mindpulse.input_paths import INPUT_MISSING, InputMissing, input_problems  # noqa: E402
-from mindpulse.rank_settings import SETTINGS_ENV, RankSettings  # noqa: E402
+from mindpulse.config.rank_settings import SETTINGS_ENV, RankSettings  # noqa: E402
+from mindpulse.frameworks.framework_support import FrameworkVersionError, needed  # noqa: E402
+from mindpulse.inputs.input_paths import INPUT_MISSING, InputMissing, input_problems  # noqa: E402
 from mindpulse.workers import framework_check  # noqa: E402
 from mindpulse.workers.errors import StopTraining  # noqa: E402
 from mindpulse.workers.heartbeat import dump_stacks_on_sigusr1  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mindpulse.framework_support import Framework, FrameworkVersionError
+from mindpulse.frameworks.framework_support import Framework, FrameworkVersionError
 from mindpulse.workers import framework_check
 from mindpulse.workers.settings import load_settings
 

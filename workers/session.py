@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindpulse.config import RunConfig, monitor_settings_of, schedule_of
-from mindpulse.directives import Directive
-from mindpulse.metrics import reported
-from mindpulse.protocol import Action, CheckpointKind, EventKind, EventPacket, RankState, StepPacket
-from mindpulse.rank_settings import RankSettings, Schedule
+from mindpulse.config.rank_settings import RankSettings, Schedule
+from mindpulse.registry.metrics import reported
+from mindpulse.wire.directives import Directive
+from mindpulse.wire.protocol import Action, CheckpointKind, EventKind, EventPacket, RankState, StepPacket
 
 from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
@@ -320,7 +320,8 @@ class RankSession:
         unknown = set(fields) - _REPORTED_NAMES
         if unknown:
             raise TypeError(f"{sorted(unknown)}: not a step metric a rank reports (those are "
-                            f"{', '.join(sorted(_REPORTED_NAMES))}; a new one is declared in mindpulse/metrics.py)")
+                            f"{', '.join(sorted(_REPORTED_NAMES))}; a new one is declared in "
+                            "mindpulse/registry/metrics.py)")
         overflow = as_flag(fields.get("overflow"))
         self.step = s = step if step is not None else self.step + 1
         if overflow:

@@ -9,8 +9,8 @@ import functools
 import os
 from pathlib import Path
 
-from mindpulse.errors import MindpulseError
-from mindpulse.rank_settings import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
+from mindpulse.common.errors import MindpulseError
+from mindpulse.config.rank_settings import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
 
 
 class SettingsError(MindpulseError, RuntimeError):

@@ -12,6 +12,14 @@ The modules behind it, one job each:
   `--set` overrides, a config from some of its sections.
 - `derived.py`: what the config resolves to while the job runs (the `auto` hang limit, the
   schedule of special steps, a rank monitor's settings).
+
+And what each part is told, built from it (imported by their own paths, not re-exported here):
+
+- `settings.py`: the launcher -> aggregator and launcher -> node agent contracts
+  (`AggregatorSettings`, `NodeSettings`).
+- `rank_settings.py`: what a rank is told (`RankSettings`, in its run's job.json).
+- `fault_specs.py`: the faults a run rehearses, as the config and the command line write them.
+- `mindformers_yaml.py`: a MindFormers YAML read without MindFormers.
 """
 
 from mindpulse.config.derived import (

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
+from mindpulse.config.rank_settings import MonitorSettings, Schedule
 from mindpulse.config.schema import Device, RunConfig
-from mindpulse.rank_settings import MonitorSettings, Schedule
 
 AUTO_HANG_MIN_S = 60.0
 """`monitor.hang_timeout_s: auto`: never below this (published detectors name a stuck rank in 15-30 s;

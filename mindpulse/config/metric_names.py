@@ -7,11 +7,11 @@ change without touching the checks that use them (`validation.py`).
 from __future__ import annotations
 
 from mindpulse.config.schema import RunConfig
-from mindpulse.metrics import FIXED_REDUCED, aliases, reduced_fields
+from mindpulse.registry.metrics import FIXED_REDUCED, aliases, reduced_fields
 
 REDUCED_METRICS = ("step", *reduced_fields(), *FIXED_REDUCED)
 """The numeric fields of the aggregator's `ReducedStep`, which rules and the best checkpoint can
-name: from the metric registry (mindpulse/metrics.py); tests/unit/test_config.py checks them
+name: from the metric registry (mindpulse/registry/metrics.py); tests/unit/test_config.py checks them
 against `ReducedStep`."""
 METRIC_ALIASES = tuple(aliases())
 """`ReducedStep.metric`'s other names (the registry's aliases: loss for loss_mean, ...)."""

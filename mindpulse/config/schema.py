@@ -14,8 +14,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mindpulse.protocol import Action
-from mindpulse.rank_settings import periodic_due
+from mindpulse.config.rank_settings import periodic_due
+from mindpulse.wire.protocol import Action
 
 
 class Backend(str, enum.Enum):
@@ -409,7 +409,7 @@ class CheckpointConfig:
         return self.best_metric.startswith("eval_")
 
     def periodic_due(self, step: int) -> bool:
-        """Whether a periodic checkpoint is due after `step` (`mindpulse.rank_settings.periodic_due`)."""
+        """Whether a periodic checkpoint is due after `step` (`mindpulse.config.rank_settings.periodic_due`)."""
         return periodic_due(step, self.save_checkpoint_steps)
 
     def best_due(self, step: int) -> bool:

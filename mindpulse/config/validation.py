@@ -17,7 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from mindpulse.common.errors import MindpulseError
 from mindpulse.config.derived import schedule_of
+from mindpulse.config.fault_specs import FaultKind, parse_fault
 from mindpulse.config.metric_names import RECIPE_METRICS, known_metrics
 from mindpulse.config.schema import (
     CARD_LIMITS,
@@ -32,9 +34,7 @@ from mindpulse.config.schema import (
     RuleKind,
     RunConfig,
 )
-from mindpulse.errors import MindpulseError
-from mindpulse.fault_specs import FaultKind, parse_fault
-from mindpulse.protocol import RULE_ACTIONS, Action
+from mindpulse.wire.protocol import RULE_ACTIONS, Action
 
 
 class ConfigError(MindpulseError, ValueError):
@@ -344,8 +344,8 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 
 def _validate_mindformers(mf: MindFormersJobConfig) -> None:
-    """What can be checked without the YAML (the launch reads it: mindpulse.mindformers_yaml)."""
-    from mindpulse.mindformers_yaml import RUN_MODES, MindFormersConfigError, split_key
+    """What can be checked without the YAML (the launch reads it: mindpulse.config.mindformers_yaml)."""
+    from mindpulse.config.mindformers_yaml import RUN_MODES, MindFormersConfigError, split_key
 
     if not mf.config:
         raise ConfigError("job.mindformers.config: must not be empty; give the MindFormers YAML to train")

@@ -12,8 +12,8 @@ import abc
 import threading
 from typing import Any, TypedDict, cast
 
-from mindpulse.errors import MindpulseError
-from mindpulse.formatting import finite_float
+from mindpulse.common.errors import MindpulseError
+from mindpulse.common.formatting import finite_float
 
 __all__ = [
     "CARD_KEYS",

@@ -239,7 +239,7 @@ class NpuSmiSampler(Sampler):
                 return _RunResult(None, problem=f"`{cmd}` failed ({exc})")
 
     def _kill(self, proc: subprocess.Popen) -> None:
-        """A timed-out npu-smi: killed at once, no grace (mindpulse/processes.py's
+        """A timed-out npu-smi: killed at once, no grace (mindpulse/lifetime/processes.py's
         `end_processes` waits a grace for a clean exit, which a hung query never makes), and one
         stuck in the driver is left to reap later instead of blocking the sampling thread."""
         try:

@@ -9,9 +9,9 @@ import tempfile
 import atheris
 
 with atheris.instrument_imports():
-    from mindpulse import protocol as packets
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.protocol import EventKind, EventPacket, PacketError, StepPacket, TelemetryPacket
+    from mindpulse.wire import protocol as packets
+    from mindpulse.wire.protocol import EventKind, EventPacket, PacketError, StepPacket, TelemetryPacket
 
 
 def seeds() -> list[bytes]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mindpulse.metrics_store import REDUCED, read_records
+from mindpulse.rundir.metrics_store import REDUCED, read_records
 from mindpulse.views.run_reader import RunReader
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import NO_REPORT, ROOT, last_steps, mindpulse_cmd
 
-from mindpulse.metrics_store import read_records, read_wire, with_attempts
-from mindpulse.protocol import from_wire
-from mindpulse.reducer import reduce_all
+from mindpulse.reduction.reducer import reduce_all
+from mindpulse.rundir.metrics_store import read_records, read_wire, with_attempts
+from mindpulse.wire.protocol import from_wire
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -9,8 +9,8 @@ import json
 import pytest
 from straggler_check import assert_offline_straggler_scores_are_the_live_ones
 
-from mindpulse.metrics_store import read_packets
-from mindpulse.protocol import StepPacket
+from mindpulse.rundir.metrics_store import read_packets
+from mindpulse.wire.protocol import StepPacket
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

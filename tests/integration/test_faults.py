@@ -14,7 +14,7 @@ import psutil
 import pytest
 from conftest import NO_REPORT, ROOT, _run_processes, last_steps, mindpulse_cmd
 
-from mindpulse.metrics_store import read_wire
+from mindpulse.rundir.metrics_store import read_wire
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

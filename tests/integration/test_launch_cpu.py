@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from straggler_check import assert_offline_straggler_scores_are_the_live_ones
 
-from mindpulse.metrics_store import read_wire
+from mindpulse.rundir.metrics_store import read_wire
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "user_train.py"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from mindpulse.metrics_store import read_records
+from mindpulse.rundir.metrics_store import read_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 CONFIG = ROOT / "cluster_configs" / "mindformers_finetune.yaml"

@@ -23,7 +23,7 @@ STEPS = 12
 RANK_SCRIPT = textwrap.dedent("""\
     import json, sys
     from mindspore.train import Callback
-    from mindpulse import mindformers_yaml as my
+    from mindpulse.config import mindformers_yaml as my
     from mindpulse.workers import mindformers_job as mj
 
     class Record(Callback):

@@ -30,7 +30,7 @@ import pytest
 from conftest import NO_REPORT, ROOT, last_steps, mindpulse_cmd
 from netns_hosts import Testbed, can_create_namespaces
 
-from mindpulse.metrics_store import read_wire
+from mindpulse.rundir.metrics_store import read_wire
 
 # one multi-host test bed at a time: every bed uses the same subnet (tests/netns_hosts.py)
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.xdist_group("netns"),

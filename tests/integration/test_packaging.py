@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT
 from headless_venv import headless_venv
 
-from mindpulse.framework_support import Framework, check_version
+from mindpulse.frameworks.framework_support import Framework, check_version
 
 pytestmark = [pytest.mark.slow]
 FRAMEWORKS = {"mindspore", "mindformers"}

@@ -251,7 +251,7 @@ def test_with_msrun_nothing_outlives_a_killed_launcher(tmp_path):
         run.wait_for_step(2)
         # the node's card telemetry runs while msrun does (the agent answers next to run_msrun:
         # a threaded actor; as an async one it sampled only once msrun had ended)
-        from mindpulse.metrics_store import read_wire
+        from mindpulse.rundir.metrics_store import read_wire
 
         deadline = time.time() + 15
         while not any(o.get("t") == "telemetry" for o in read_wire(run.run_dir / "metrics.msgpack")):

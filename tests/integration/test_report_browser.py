@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
 from mindpulse.views.report import PLOT_NAMES, build_report
+from mindpulse.wire.protocol import EventPacket, StepPacket, TelemetryPacket
 
 pytestmark = pytest.mark.slow
 

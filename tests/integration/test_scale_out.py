@@ -17,7 +17,7 @@ import pytest
 from conftest import NO_REPORT, ROOT, mindpulse_cmd
 
 from mindpulse.launcher.spec import free_port
-from mindpulse.metrics_store import read_wire
+from mindpulse.rundir.metrics_store import read_wire
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 RAY = str(Path(sys.executable).parent / "ray")

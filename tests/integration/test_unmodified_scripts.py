@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.metrics_store import read_records
+from mindpulse.rundir.metrics_store import read_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "plain_train.py"
@@ -157,7 +157,7 @@ def test_a_run_mindformer_style_script_gets_the_same(run_cli, tmp_path):
     MindFormers' own outputs are read (no second pass over the gradients)."""
     import yaml
 
-    from mindpulse.mindformers_yaml import load_mf_config
+    from mindpulse.config.mindformers_yaml import load_mf_config
     from mindpulse.workers.mindformers_job import byte_corpus_to_mindrecord
 
     cfg = load_mf_config(MF_YAML)

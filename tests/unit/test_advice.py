@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from mindpulse.aggregator.advice import Advice
-from mindpulse.protocol import EventKind, EventPacket
+from mindpulse.wire.protocol import EventKind, EventPacket
 
 
 def _dir_event(rank: int, callback: str, directory: str) -> EventPacket:

@@ -9,8 +9,8 @@ import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.sink import Sink
-from mindpulse.metrics_store import read_packets, read_wire
-from mindpulse.protocol import Action, EventPacket, StepPacket
+from mindpulse.rundir.metrics_store import read_packets, read_wire
+from mindpulse.wire.protocol import Action, EventPacket, StepPacket
 
 
 def step(rank, s, loss=1.0, decision=True, **kw):
@@ -155,7 +155,7 @@ def test_the_decisions_return_their_findings_and_write_to_no_view(tmp_path):
         "tensorboard": False, "anomalies": [{"rule": "threshold", "name": "loss_high", "metric": "loss",
                                              "threshold": 5.0, "action": "warn"}]})
     core.ingest([step(0, 1, loss=1.0)])
-    from mindpulse.reducer import reduce_step
+    from mindpulse.reduction.reducer import reduce_step
 
     verdict = core.decisions.on_reduced(reduce_step(2, {0: StepPacket(rank=0, step=2, loss=7.0)}, 1), False)
     assert [a["rule"] for a in verdict.anomalies] == ["loss_high"] and verdict.directive.step == 2
@@ -266,7 +266,7 @@ def test_forged_ranks_and_future_steps_touch_no_clock_and_are_not_stored(tmp_pat
 
 
 def test_bad_nested_content_is_refused_by_the_codec_and_a_bad_packet_costs_only_itself(tmp_path):
-    from mindpulse.protocol import PacketError, TelemetryPacket, decode
+    from mindpulse.wire.protocol import PacketError, TelemetryPacket, decode
 
     for cards in ([{"card": 0, "util_pct": "x"}], [{"card": [1, 2]}], [{"ranks": ["a"]}], ["not a map"]):
         with pytest.raises(PacketError):
@@ -290,7 +290,7 @@ def test_a_batch_completing_two_steps_settles_each(tmp_path):
     """The packet path's loop (`AggregatorCore._decide`): a node batch whose partials complete
     steps 3 and 4 (a node catching up) returns both, and step 3's NaN stops the run at
     3 + lag, as if it had arrived alone."""
-    from mindpulse.partial import partial_of, to_wire
+    from mindpulse.reduction.partial import partial_of, to_wire
 
     core = AggregatorCore(tmp_path, world_size=2, settings={"tensorboard": False, "monitor": {"max_lag_steps": 1},
                                                              "world": {"nodes": 1, "ranks_per_node": 2}})

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mindpulse.node import ascend_versions as av
+from mindpulse.frameworks import ascend_versions as av
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
 ASCEND = FIX / "ascend"

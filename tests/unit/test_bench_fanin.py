@@ -22,10 +22,10 @@ import _node_sim  # noqa: E402
 import fanin  # noqa: E402
 import run_all  # noqa: E402
 
-from mindpulse.directives import Lease  # noqa: E402
 from mindpulse.node.telemetry import NpuSmiSampler  # noqa: E402
-from mindpulse.partial import from_wire  # noqa: E402
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket, decode  # noqa: E402
+from mindpulse.reduction.partial import from_wire  # noqa: E402
+from mindpulse.wire.directives import Lease  # noqa: E402
+from mindpulse.wire.protocol import EventPacket, StepPacket, TelemetryPacket, decode  # noqa: E402
 
 
 def _overrides(ranks: int, rpn: int = 8) -> list[str]:
@@ -225,8 +225,8 @@ def test_replayed_leader_frames_reduce_every_step_of_the_cycle_and_beyond(tmp_pa
     import _replay
 
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.metrics_store import read_wire
-    from mindpulse.uplink import UplinkServer
+    from mindpulse.rundir.metrics_store import read_wire
+    from mindpulse.wire.uplink import UplinkServer
 
     ranks, rpn, steps = 64, 8, _replay.CYCLE + 5
     p = fanin.plan(ranks, rpn, 4, 0)

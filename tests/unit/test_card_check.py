@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from mindpulse.config import ConfigError, from_dict
-from mindpulse.fault_specs import Fault, FaultKind, parse_fault
+from mindpulse.config.fault_specs import Fault, FaultKind, parse_fault
+from mindpulse.config.rank_settings import RankSettings
 from mindpulse.launcher import card_check
 from mindpulse.launcher.card_check import build_report, format_table, judge, verdict_message
 from mindpulse.launcher.preflight import LaunchRefused
 from mindpulse.launcher.spec import ExitCode, RunStatus
-from mindpulse.protocol import Action
-from mindpulse.rank_settings import RankSettings
+from mindpulse.wire.protocol import Action
 
 ROOT = Path(__file__).resolve().parents[2]
 

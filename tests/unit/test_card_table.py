@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from mindpulse.tables import CARD_ROWS_PER_KIND, MAX_CARD_ROWS, card_table
+from mindpulse.reporting.tables import CARD_ROWS_PER_KIND, MAX_CARD_ROWS, card_table
 
 
 def _cards(nodes: int, per_node: int = 8) -> list[dict]:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mindspore import nn
 
-import mindpulse.checkpoint_manifest as manifest
-from mindpulse.checkpoint_manifest import choose_resume, read_manifest, verify
+import mindpulse.rundir.checkpoint_manifest as manifest
+from mindpulse.rundir.checkpoint_manifest import choose_resume, read_manifest, verify
 from mindpulse.workers import checkpoint as ck
 from mindpulse.workers.checkpoint import CheckpointManager
 
@@ -156,8 +156,8 @@ def _settings(run_dir, **config):
 
 def _saving_channel():
     """A channel whose every decision says "save the best", the metric falling."""
-    from mindpulse.directives import Directive, Lease
-    from mindpulse.protocol import decode
+    from mindpulse.wire.directives import Directive, Lease
+    from mindpulse.wire.protocol import decode
     from mindpulse.workers.channel import Channel
 
     class SavingChannel(Channel):
@@ -186,7 +186,7 @@ def test_a_failing_save_is_reported_and_training_goes_on(tmp_path, cell):
     """The checkpoints folder is gone (a file stands in its place) when rank 0 saves: the
     real save fails, a clear error goes to the aggregator, the previous best and the
     manifest stay valid, and no exception reaches the training loop."""
-    from mindpulse.protocol import EventKind
+    from mindpulse.wire.protocol import EventKind
     from mindpulse.workers.monitor import Monitor
 
     channel = _saving_channel()
@@ -212,7 +212,7 @@ def test_a_failing_save_is_reported_and_training_goes_on(tmp_path, cell):
 
 
 def test_a_checkpoints_folder_that_cannot_be_made_does_not_kill_the_rank(tmp_path, cell):
-    from mindpulse.protocol import EventKind
+    from mindpulse.wire.protocol import EventKind
     from mindpulse.workers.monitor import Monitor
 
     (tmp_path / "checkpoints").write_text("a file where the folder must be")
@@ -232,7 +232,7 @@ def test_checkpoint_files_follow_the_output_mode(tmp_path, cell, mode, file_mode
     st = _settings(tmp_path, **({"output": {"mode": mode}} if mode else {}))
     events = []
     writer = CheckpointWriter.for_run(st, lambda kind, msg: events.append((kind, msg)))
-    from mindpulse.directives import Directive
+    from mindpulse.wire.directives import Directive
 
     writer.write(Directive(step=2, save="periodic,best", metric=1.0, metric_name="loss"), 2, 1, cell)
     ckpt_dir = tmp_path / "checkpoints"
@@ -479,7 +479,7 @@ def test_a_restart_after_a_malformed_manifest_notes_it_and_keeps_its_resume_poin
 def test_a_restarted_aggregator_keeps_the_earlier_better_best(tmp_path, cell):
     from mindpulse.aggregator.core import AggregatorCore
     from mindpulse.launcher.resume import best_seed
-    from mindpulse.protocol import StepPacket
+    from mindpulse.wire.protocol import StepPacket
 
     ckpt_dir = tmp_path / "checkpoints"
     _line(ckpt_dir, cell)
@@ -511,7 +511,7 @@ def test_a_write_in_progress_is_marked_for_the_launcher_and_unmarked_when_it_end
     """While rank 0 writes, its checkpoints folder says so (step and writer): the launcher
     lets the write finish before it stops the ranks after another rank failed. The marker
     goes when the write ends, whole or failed."""
-    from mindpulse.rundir_io import SAVING_MARKER, saving_now
+    from mindpulse.rundir.rundir_io import SAVING_MARKER, saving_now
 
     m = CheckpointManager(tmp_path, keep_periodic=3)
     seen = []

@@ -19,7 +19,7 @@ import matrix  # noqa: E402
 import mindformers_next  # noqa: E402
 import venvs  # noqa: E402
 
-from mindpulse.framework_support import MINDFORMERS_PAIRS  # noqa: E402
+from mindpulse.frameworks.framework_support import MINDFORMERS_PAIRS  # noqa: E402
 
 F = matrix.Feature
 
@@ -36,7 +36,7 @@ def test_every_supported_pair_is_in_the_matrix_with_its_features():
 
 
 def test_the_ci_pairs_are_the_oldest_mindformers_pair_and_the_newest_mindspore():
-    from mindpulse.framework_support import MINDSPORE_BELOW
+    from mindpulse.frameworks.framework_support import MINDSPORE_BELOW
 
     oldest, newest = (p for p, _ in matrix.oldest_and_newest())
     oldest_mf = min(MINDFORMERS_PAIRS, key=lambda v: tuple(map(int, v.split("."))))
@@ -47,7 +47,7 @@ def test_the_ci_pairs_are_the_oldest_mindformers_pair_and_the_newest_mindspore()
     major, minor = (int(x) for x in MINDSPORE_BELOW.split(".")[:2])
     assert max(versions)[:2] == (major, minor - 1), max(versions)
     # and the oldest tested is the range's first release
-    from mindpulse.framework_support import MINDSPORE_MIN
+    from mindpulse.frameworks.framework_support import MINDSPORE_MIN
 
     assert min(versions) == tuple(map(int, MINDSPORE_MIN.split("."))), min(versions)
 

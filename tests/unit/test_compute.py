@@ -10,8 +10,10 @@ import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.aggregator.policies import ComputeDropRule
-from mindpulse.baselines import NodeComputeDrops
-from mindpulse.card_peaks import (
+from mindpulse.reduction.baselines import NodeComputeDrops
+from mindpulse.reduction.partial import from_wire, merge, partial_of, to_wire
+from mindpulse.reduction.reducer import StepReducer, finalize, reduce_step
+from mindpulse.reporting.card_peaks import (
     CARD_PEAKS,
     DTYPES,
     NO_PUBLIC_PEAK,
@@ -21,10 +23,8 @@ from mindpulse.card_peaks import (
     peak_dtype,
     resolve_peak,
 )
-from mindpulse.partial import from_wire, merge, partial_of, to_wire
-from mindpulse.protocol import StepPacket
-from mindpulse.reducer import StepReducer, finalize, reduce_step
-from mindpulse.tables import card_table, cluster_table
+from mindpulse.reporting.tables import card_table, cluster_table
+from mindpulse.wire.protocol import StepPacket
 from mindpulse.workers.flops import achieved_tflops, decoder_flops_per_token
 
 

@@ -245,8 +245,8 @@ def test_reduced_metrics_match_the_reducer():
     import typing
 
     from mindpulse.config import METRIC_ALIASES, REDUCED_METRICS
-    from mindpulse.metrics import aliases as registry_aliases
-    from mindpulse.reducer import ReducedStep
+    from mindpulse.reduction.reducer import ReducedStep
+    from mindpulse.registry.metrics import aliases as registry_aliases
 
     def numeric(tp) -> bool:  # int, float, or either | None
         if typing.get_origin(tp) is None:
@@ -257,7 +257,7 @@ def test_reduced_metrics_match_the_reducer():
     hints = typing.get_type_hints(ReducedStep)
     numeric_fields = {f.name for f in dataclasses.fields(ReducedStep) if numeric(hints[f.name])}
     assert set(REDUCED_METRICS) == numeric_fields
-    # every alias names a reduced field (the registry's, mindpulse/metrics.py)
+    # every alias names a reduced field (the registry's, mindpulse/registry/metrics.py)
     assert set(METRIC_ALIASES) == set(registry_aliases())
     assert set(registry_aliases().values()) <= set(REDUCED_METRICS)
     red = ReducedStep(nonfinite_ranks=[], **{n: 2 for n in REDUCED_METRICS})
@@ -387,9 +387,9 @@ def test_env_keeps_what_users_set(key):
 def test_every_variable_mindpulse_gives_ranks_is_refused_in_env(backend, device):
     """The denylist covers what the launcher actually sets (a new variable there must be added)."""
     from mindpulse.config import env_reserved
+    from mindpulse.config.rank_settings import NODE_RANK_ENV, SETTINGS_ENV
     from mindpulse.launcher.spec import rank_specs, scheduler_env
-    from mindpulse.node.agent import WORKER_ENV
-    from mindpulse.rank_settings import NODE_RANK_ENV, SETTINGS_ENV
+    from mindpulse.lifetime.rank_processes import WORKER_ENV
 
     cfg = from_dict({"backend": backend, "world": {"device": device, "nodes": 2}})
     keys = {k for s in rank_specs(cfg) for k in s.env} | set(scheduler_env(cfg)) | set(WORKER_ENV)
@@ -470,7 +470,7 @@ def test_graph_mode_recipe_in_data_parallel_on_cpu_is_refused_before_launch():
 
 def test_the_rank_and_the_aggregator_agree_on_periodic_checkpoint_steps():
     """Rank 0 waits for a verdict exactly at the steps where the aggregator asks for a
-    periodic save: both read `mindpulse.rank_settings.periodic_due`."""
+    periodic save: both read `mindpulse.config.rank_settings.periodic_due`."""
     from mindpulse.config import schedule_of
 
     for every in (0, 1, 3, 10):

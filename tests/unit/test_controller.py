@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from mindpulse.config import from_dict
+from mindpulse.config.rank_settings import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
 from mindpulse.launcher import controller as controller_mod
 from mindpulse.launcher.controller import Controller, ControllerState
 from mindpulse.launcher.failure_policy import Decision, FailurePolicy
@@ -17,7 +18,6 @@ from mindpulse.launcher.progress import Console
 from mindpulse.launcher.rundir import PidFile
 from mindpulse.launcher.spec import RankOutcome, RunResult, RunStatus, rank_settings, rank_specs
 from mindpulse.launcher.supervision import Interrupts
-from mindpulse.rank_settings import NODE_RANK_ENV, SETTINGS_ENV, RankSettings
 
 FAILED = RunResult(status=RunStatus.FAILED, outcomes={0: RankOutcome(rank=0, exit_code=1, error="boom")},
                    message="rank 0 failed: boom", order=[0])
@@ -25,7 +25,7 @@ OK = RunResult(status=RunStatus.SUCCEEDED, outcomes={0: RankOutcome(rank=0, exit
 
 
 def _checkpoint(ckpt_dir: Path, step: int) -> str:
-    from mindpulse.checkpoint_manifest import CkptEntry, sha256_of, write_manifest
+    from mindpulse.rundir.checkpoint_manifest import CkptEntry, sha256_of, write_manifest
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}-periodic.ckpt"

@@ -15,7 +15,7 @@ from mindpulse.config import from_dict
 from mindpulse.launcher.rundir import write_config
 from mindpulse.launcher.spec import RankOutcome, RunResult, RunStatus
 from mindpulse.launcher.summary import RunHistory, write_summary
-from mindpulse.protocol import StepPacket, TelemetryPacket
+from mindpulse.wire.protocol import StepPacket, TelemetryPacket
 
 WORLD = 2
 STEPS = 8
@@ -77,7 +77,7 @@ def test_the_console_summary_starts_with_status_and_why_and_shows_dates(tmp_path
     # and in the totals table (the console's text without one)
     assert "ranks blocked on the monitor 0.180 s in all; ranks spent in mindpulse's code 0.027 s in all" in (
         "\n".join(out))
-    from mindpulse.tables import totals_table
+    from mindpulse.reporting.tables import totals_table
 
     rows = totals_table(summary).splitlines()
     assert any(ln.startswith("monitor wait s (all ranks)") and ln.endswith("0.180") for ln in rows), rows

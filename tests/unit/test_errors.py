@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.errors import MindpulseError
+from mindpulse.common.errors import MindpulseError
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"mindpulse": "mindpulse", "launcher": "mindpulse.launcher", "node": "mindpulse.node",
@@ -81,7 +81,7 @@ def test_every_exception_the_package_defines_derives_from_mindpulse_error():
             bases = _base_names(cls)
             if any(b.endswith(("Error", "Exception")) for b in bases) and not ours & set(bases):
                 wrong.append(f"{path.relative_to(ROOT)}:{cls.lineno} {cls.name}({', '.join(bases)})")
-    assert not wrong, ("these exceptions must derive from mindpulse.errors.MindpulseError (keep their other "
+    assert not wrong, ("these exceptions must derive from mindpulse.common.errors.MindpulseError (keep their other "
                        "bases: `class X(MindpulseError, ValueError)`):\n" + "\n".join(wrong))
     for qualname in NOT_MINDPULSE_ERRORS:
         module, _, cls = qualname.rpartition(".")
@@ -91,7 +91,7 @@ def test_every_exception_the_package_defines_derives_from_mindpulse_error():
 
 def test_project_errors_keep_their_builtin_kind():
     from mindpulse.config import ConfigError
-    from mindpulse.protocol import PacketError
+    from mindpulse.wire.protocol import PacketError
 
     with pytest.raises(ValueError):
         raise ConfigError("world.nodes: 0 is not a positive integer")

@@ -8,10 +8,18 @@ import pytest
 
 import mindpulse.aggregator.hang_clocks as clocks_mod
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.metrics_store import read_wire
 from mindpulse.node.group import GroupLeader
 from mindpulse.node.relay import NodePreReducer
-from mindpulse.protocol import EventKind, EventPacket, PacketError, StepPacket, decode, heartbeat_row, heartbeat_rows
+from mindpulse.rundir.metrics_store import read_wire
+from mindpulse.wire.protocol import (
+    EventKind,
+    EventPacket,
+    PacketError,
+    StepPacket,
+    decode,
+    heartbeat_row,
+    heartbeat_rows,
+)
 from mindpulse.workers.heartbeat import Heartbeat
 
 RPN, NODES = 2, 3
@@ -140,7 +148,7 @@ def test_a_groups_joined_step_packets_are_stored_as_the_packets_were(tmp_path):
 
 
 def test_a_joined_batch_rolls_the_segment_before_or_after_it_never_inside(tmp_path):
-    from mindpulse.metrics_store import MetricsWriter, segment_paths
+    from mindpulse.rundir.metrics_store import MetricsWriter, segment_paths
 
     w = MetricsWriter(tmp_path / "metrics.msgpack", max_file_size=16384)  # three segments: none old enough to thin
     packets = [packet(r, s).encode() for s in range(1, 30) for r in range(4)]
@@ -163,7 +171,7 @@ def card(**kw):
 
 
 def telemetry(cards, processes=None):
-    from mindpulse.protocol import TelemetryPacket
+    from mindpulse.wire.protocol import TelemetryPacket
 
     host = {"cpu_pct": 1.0, "processes": processes or [{"rank": 0, "pid": 1, "cpu_pct": 2.0}]}
     return TelemetryPacket(node="n0", ts=1.0, cards=cards, host=host).encode()

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from mindpulse import formatting as fmt
+from mindpulse.common import formatting as fmt
 
 
 def test_missing_is_a_dash_and_a_broken_figure_stays_visible():

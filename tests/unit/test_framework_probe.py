@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.node.framework_probe import NodeProbe, probe_node
+from mindpulse.frameworks.framework_probe import NodeProbe, probe_node
 
 
 def package(root: Path, name: str, body: str) -> Path:
@@ -101,8 +101,8 @@ def test_a_local_call_that_is_cancelled_leaves_no_process(tmp_path):
     """A launch refused before it read the probe's answer (Ray did not start) ends the probe."""
     import time
 
+    from mindpulse.frameworks.framework_probe import probe_node_dict
     from mindpulse.launcher.node_probes import call_local
-    from mindpulse.node.framework_probe import probe_node_dict
 
     slow = package(tmp_path / "slow", "mindspore", "import time\ntime.sleep(60)\n")
     call = call_local(probe_node_dict, {"env": {"PYTHONPATH": str(slow)}, "python": sys.executable,

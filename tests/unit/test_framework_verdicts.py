@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from mindpulse.config import RunConfig, load_config
-from mindpulse.framework_support import INSTALL_HINT, Framework, needed
+from mindpulse.frameworks.ascend_versions import CannToolkit, NpuSmi, VersionFile
+from mindpulse.frameworks.framework_probe import MindSporeInfo, NodeProbe, Package
+from mindpulse.frameworks.framework_support import INSTALL_HINT, Framework, needed
 from mindpulse.launcher.doctor import refusal, verdicts
 from mindpulse.launcher.framework_check import Level, failures, judge, mindformers_source
 from mindpulse.launcher.node_probes import NodeAnswer
-from mindpulse.node.ascend_versions import CannToolkit, NpuSmi, VersionFile
-from mindpulse.node.framework_probe import MindSporeInfo, NodeProbe, Package
 
 SITE = "/venv/lib/python3.11/site-packages"
 

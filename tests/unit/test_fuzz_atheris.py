@@ -15,7 +15,7 @@ def test_atheris_finds_no_crash_in_the_aggregator_input(tmp_path):
     script = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_aggregator.py"
     seeds = tmp_path / "corpus"
     seeds.mkdir()
-    from mindpulse.protocol import StepPacket
+    from mindpulse.wire.protocol import StepPacket
 
     (seeds / "step").write_bytes(StepPacket(rank=1, step=2, loss=0.5, fingerprint="ab", decision=True).encode())
     sys.path.insert(0, str(script.parent))

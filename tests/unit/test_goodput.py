@@ -8,8 +8,8 @@ import pytest
 from test_policies import _steps
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.goodput import CAUSES, GoodputClock, StepTimes, combine, goodput
-from mindpulse.metrics_store import read_records
+from mindpulse.reporting.goodput import CAUSES, GoodputClock, StepTimes, combine, goodput
+from mindpulse.rundir.metrics_store import read_records
 
 T0 = 1_000_000.0
 

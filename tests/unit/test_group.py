@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.metrics_store import read_wire
 from mindpulse.node import group as group_mod
 from mindpulse.node.group import GroupLeader
 from mindpulse.node.relay import NodePreReducer
-from mindpulse.protocol import EventPacket, StepPacket
-from mindpulse.reducer import reduce_step
+from mindpulse.reduction.reducer import reduce_step
+from mindpulse.rundir.metrics_store import read_wire
+from mindpulse.wire.protocol import EventPacket, StepPacket
 
 NODES, RPN = 3, 2
 
@@ -97,7 +97,7 @@ def test_a_members_frame_is_done_only_once_its_step_went_up_and_a_frame_sent_aga
     acknowledges a frame once its receipt is done): a partial held for the rest of the group
     keeps its frame's receipt; a frame sent again (a reconnect) while that partial is held
     waits with it, rather than being acknowledged as a duplicate."""
-    from mindpulse.uplink import Receipt
+    from mindpulse.wire.uplink import Receipt
 
     core = AggregatorCore(tmp_path, world_size=2 * RPN, settings={"tensorboard": False,
                                                                    "world": {"nodes": 2, "ranks_per_node": RPN}})
@@ -140,7 +140,7 @@ def test_rank_0s_decision_reaches_the_aggregator_when_its_packet_is_no_extreme(t
     """A best checkpoint off a collect step: rank 0's packet asks for the verdict, and a node
     partial keeps it whole although rank 0 is at no end of any metric (it was dropped, so the
     aggregator never judged that step and no best checkpoint was saved)."""
-    from mindpulse.protocol import CheckpointKind
+    from mindpulse.wire.protocol import CheckpointKind
 
     world = 2 * 4
     core = AggregatorCore(tmp_path, world_size=world, settings={

@@ -8,8 +8,8 @@ import pytest
 import mindpulse.aggregator.hang_clocks as core_mod
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import ConfigError, from_dict
-from mindpulse.fault_specs import parse_fault
-from mindpulse.protocol import EventKind, EventPacket, StepPacket
+from mindpulse.config.fault_specs import parse_fault
+from mindpulse.wire.protocol import EventKind, EventPacket, StepPacket
 from mindpulse.workers.faults import FaultInjector
 from mindpulse.workers.heartbeat import Heartbeat
 from mindpulse.workers.session import RankSession

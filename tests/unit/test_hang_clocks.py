@@ -9,7 +9,7 @@ import pytest
 
 from mindpulse.aggregator import hang_clocks
 from mindpulse.aggregator.hang_clocks import HangClocks
-from mindpulse.protocol import RankState
+from mindpulse.wire.protocol import RankState
 
 
 @pytest.mark.parametrize("seed", range(40))

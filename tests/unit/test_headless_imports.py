@@ -9,8 +9,11 @@ import subprocess
 import sys
 import textwrap
 
-HEAD_PACKAGES = ("mindpulse", "mindpulse.config", "mindpulse.launcher", "mindpulse.aggregator", "mindpulse.node",
-                 "mindpulse.node.npu_smi", "mindpulse.node.samplers", "mindpulse.views", "mindpulse.views.report")
+HEAD_PACKAGES = ("mindpulse", "mindpulse.common", "mindpulse.registry", "mindpulse.wire", "mindpulse.reduction",
+                 "mindpulse.config", "mindpulse.rundir", "mindpulse.lifetime", "mindpulse.frameworks",
+                 "mindpulse.inputs", "mindpulse.reporting", "mindpulse.rules", "mindpulse.launcher",
+                 "mindpulse.aggregator", "mindpulse.node", "mindpulse.node.npu_smi", "mindpulse.node.samplers",
+                 "mindpulse.views", "mindpulse.views.report")
 
 PROBE = textwrap.dedent("""\
     import importlib, json, pkgutil, sys
@@ -39,6 +42,12 @@ PROBE = textwrap.dedent("""\
 
 def test_every_head_module_imports_without_mindspore_or_mindformers():
     import json
+    import pkgutil
+
+    import mindpulse
+
+    base = {f"mindpulse.{m.name}" for m in pkgutil.iter_modules(mindpulse.__path__) if m.ispkg}
+    assert base - set(HEAD_PACKAGES) == set(), "base packages the probe below would not import"
 
     code = f"PACKAGES = {HEAD_PACKAGES!r}\n" + PROBE
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -46,5 +55,6 @@ def test_every_head_module_imports_without_mindspore_or_mindformers():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not out["failed"], f"head modules that need a framework at import: {out['failed']}"
     for module in ("mindpulse.launcher.launch", "mindpulse.aggregator.core", "mindpulse.node.agent",
-                   "mindpulse.views.top", "mindpulse.launcher.rules_cmd", "mindpulse.framework_support"):
+                   "mindpulse.views.top", "mindpulse.launcher.rules_cmd", "mindpulse.frameworks.framework_support",
+                   "mindpulse.rules.changes", "mindpulse.wire.uplink"):
         assert module in out["seen"], f"{module} was not among the modules imported"

@@ -81,3 +81,46 @@ def test_no_import_cycle_between_modules(tmp_path, monkeypatch):
 
 def _is_package_init(graph, module: str) -> bool:
     return any(m.startswith(module + ".") for m in graph.modules)
+
+
+def _base_packages() -> list[str]:
+    return sorted(p.name for p in (ROOT / "mindpulse").iterdir() if (p / "__init__.py").is_file())
+
+
+def test_the_base_is_sub_packages_each_installed_and_documented():
+    """The shared base holds no flat module but its `__init__.py`: every module is in a
+    sub-package named for what it holds, which pyproject installs and docs/architecture.md's
+    base table lists with each of its modules."""
+    import tomllib
+
+    flat = sorted(p.name for p in (ROOT / "mindpulse").glob("*.py") if p.name != "__init__.py")
+    assert not flat, f"modules directly under mindpulse/ (put each in the sub-package of its concern): {flat}"
+    installed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("| base package |"):]
+    table = table[:table.index("\n\n")]
+    for pkg in _base_packages():
+        assert f"mindpulse.{pkg}" in installed, f"mindpulse/{pkg}/ is not in pyproject's [tool.setuptools] packages"
+        row = next((line for line in table.splitlines() if line.startswith(f"| `{pkg}/` |")), None)
+        assert row is not None, f"docs/architecture.md's base table has no row for mindpulse/{pkg}/"
+        for mod in sorted((ROOT / "mindpulse" / pkg).glob("*.py")):
+            if mod.name != "__init__.py":
+                assert f"`{mod.name}`" in row, f"docs/architecture.md's row for {pkg}/ does not name {mod.name}"
+
+
+def test_the_launcher_reaches_other_places_only_through_its_doors():
+    """One module of the driver imports aggregator, node agent or rank code (the import
+    contracts' one exception): every other launcher module imports none of it, lazily or not."""
+    import ast
+
+    others = ("mindpulse.aggregator", "mindpulse.node", "mindpulse.workers")
+    found = []
+    for path in sorted((ROOT / "launcher").rglob("*.py")):
+        if path.name == "doors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                      if any(n == o or n.startswith(o + ".") for o in others)]
+    assert not found, "the driver imports another place's code outside launcher/doors.py:\n" + "\n".join(found)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mindpulse.config import from_dict
-from mindpulse.input_paths import INPUT_MISSING, InputPath, Want, input_problems, path_problem, rank_inputs
+from mindpulse.inputs.input_paths import INPUT_MISSING, InputPath, Want, input_problems, path_problem, rank_inputs
 from mindpulse.launcher.failure_policy import Decision, FailurePolicy
 from mindpulse.launcher.failures import VICTIM, FailureKind, describe_failure, failure_kind, format_failure
 from mindpulse.launcher.spec import RankOutcome, RunResult, RunStatus, rank_settings
@@ -117,7 +117,7 @@ def test_the_corpus_rule_is_the_data_streams(size, ok):
     """The launch refuses by the arithmetic the ranks' data stream applies: `ByteWindows` raises
     exactly where `too_small` says so."""
     np = pytest.importorskip("numpy")
-    from mindpulse.recipe_corpus import too_small
+    from mindpulse.inputs.recipe_corpus import too_small
     from mindpulse.workers.recipes.llama_finetune import ByteWindows
 
     tokens = np.zeros(size, np.int32)

@@ -232,7 +232,7 @@ def test_run_directory_files_follow_the_output_mode(tmp_path, mode, fmode, dmode
 
 
 def test_write_atomic_fsyncs_the_folder_after_the_rename(tmp_path, monkeypatch):
-    from mindpulse import rundir_io
+    from mindpulse.rundir import rundir_io
 
     # os is one module for the whole process: a thread another test left behind (a metrics
     # store closing late) may fsync while this runs, so only this thread's calls count.

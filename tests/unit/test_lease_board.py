@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from mindpulse.directives import Lease
-from mindpulse.frames import FrameReader, encode_frame
-from mindpulse.lease_board import PREFIX, SIZE, STALE_AFTER_S, LeaseBoard, LeaseView
+from mindpulse.wire.directives import Lease
+from mindpulse.wire.frames import FrameReader, encode_frame
+from mindpulse.wire.lease_board import PREFIX, SIZE, STALE_AFTER_S, LeaseBoard, LeaseView
 
 
 def test_a_reader_sees_each_new_lease_once_and_nothing_in_between(tmp_path):
@@ -46,7 +46,7 @@ def test_a_new_board_removes_the_boards_of_agents_killed_outright(tmp_path):
         return path
 
     # a board whose writer died: written by a process that is gone (its lock went with it)
-    child = subprocess.run([sys.executable, "-c", "import sys; from mindpulse.lease_board import LeaseBoard; "
+    child = subprocess.run([sys.executable, "-c", "import sys; from mindpulse.wire.lease_board import LeaseBoard; "
                             "b = LeaseBoard(sys.argv[1]); print(b.path)", str(tmp_path)],
                            capture_output=True, text=True, check=True)
     stale = child.stdout.strip()

@@ -9,10 +9,10 @@ import msgpack
 import pytest
 
 from mindpulse.aggregator.policies import NonFiniteRule, ThresholdRule
-from mindpulse.partial import from_wire, merge, partial_of, to_wire
-from mindpulse.protocol import StepPacket
-from mindpulse.protocol import from_wire as packet_from_wire
-from mindpulse.reducer import RunTotals, finalize, reduce_step
+from mindpulse.reduction.partial import from_wire, merge, partial_of, to_wire
+from mindpulse.reduction.reducer import RunTotals, finalize, reduce_step
+from mindpulse.wire.protocol import StepPacket
+from mindpulse.wire.protocol import from_wire as packet_from_wire
 
 
 def pk(rank, step, scale=1024.0, overflow=False, skipped=0, **kw):

@@ -1,4 +1,4 @@
-"""A step metric is declared once, in the metric registry (mindpulse/metrics.py), and every view
+"""A step metric is declared once, in the metric registry (mindpulse/registry/metrics.py), and every view
 shows it: a synthetic count, `probe_count`, declared by one `StepMetric` and nothing else, is
 reported by the ranks' code to their `RankSession.record` by name, and found on the console,
 in TensorBoard, on `/metrics`, in `summary.json` and in the report (a count, not seconds). The
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent('''
     import json, sys, time, urllib.request
     from pathlib import Path
 
-    import mindpulse.metrics as m
+    import mindpulse.registry.metrics as m
 
     # the one declaration
     m.STEP_METRICS = m.STEP_METRICS + (m.StepMetric(
@@ -121,7 +121,7 @@ def test_a_metric_declared_once_shows_in_every_view(tmp_path):
 
 
 def test_a_total_is_written_in_its_metric_unit():
-    from mindpulse.metrics import total_words, with_unit
+    from mindpulse.registry.metrics import total_words, with_unit
 
     assert with_unit(0.18, "s") == "0.180 s"
     assert with_unit(15, "") == "15" and with_unit(15.0, "") == "15", "a count is no duration"

@@ -10,9 +10,10 @@ import os
 import msgpack
 import pytest
 
-from mindpulse import metrics_store as ms
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.metrics_store import (
+from mindpulse.reduction.reducer import reduce_step
+from mindpulse.rundir import metrics_store as ms
+from mindpulse.rundir.metrics_store import (
     ATTEMPT,
     REDUCED,
     THINNED,
@@ -26,12 +27,11 @@ from mindpulse.metrics_store import (
     reduced_record,
     with_attempts,
 )
-from mindpulse.packet_stream import iter_stream
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
-from mindpulse.reducer import reduce_step
 from mindpulse.views.report import build_report, load_run
 from mindpulse.views.run_reader import RunReader
 from mindpulse.views.top import RunView
+from mindpulse.wire.packet_stream import iter_stream
+from mindpulse.wire.protocol import EventPacket, StepPacket, TelemetryPacket
 
 WORLD = 2
 COLLECT = 5

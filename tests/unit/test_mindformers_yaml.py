@@ -1,4 +1,4 @@
-"""A MindFormers job's config (mindpulse/mindformers_yaml.py) is read and checked without MindSpore:
+"""A MindFormers job's config (mindpulse/config/mindformers_yaml.py) is read and checked without MindSpore:
 each mistake is reported naming the file and the key, and the launcher's settings replace the
 YAML's without changing the config they were applied to."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mindpulse.mindformers_yaml import (
+from mindpulse.config.mindformers_yaml import (
     LaunchSettings,
     MindFormersConfigError,
     apply_launch_settings,
@@ -171,7 +171,7 @@ def test_a_launch_checkpoint_that_does_not_exist_is_refused(tmp_path):
 
 
 def test_reading_a_config_does_not_import_mindspore():
-    code = ("import sys; from mindpulse.mindformers_yaml import load_mf_config; "
+    code = ("import sys; from mindpulse.config.mindformers_yaml import load_mf_config; "
             f"load_mf_config({str(SHIPPED)!r}); "
             "bad = sorted(m for m in ('mindspore', 'mindformers') if m in sys.modules); print(bad); "
             "sys.exit(1 if bad else 0)")
@@ -180,10 +180,10 @@ def test_reading_a_config_does_not_import_mindspore():
 
 
 def test_the_compute_dtype_of_mfus_peak_is_read_from_the_yaml(tmp_path):
-    """MFU's peak is taken in the dtype the model computes in (mindpulse/card_peaks.py)."""
-    from mindpulse.card_peaks import peak_dtype
+    """MFU's peak is taken in the dtype the model computes in (mindpulse/reporting/card_peaks.py)."""
     from mindpulse.config import from_dict
     from mindpulse.launcher.mindformers_plan import compute_dtype
+    from mindpulse.reporting.card_peaks import peak_dtype
 
     def job(config: Path, overrides: dict | None = None):
         return from_dict({"job": {"mindformers": {"config": str(config), "overrides": overrides or {}}}})

@@ -140,7 +140,8 @@ def test_a_rank_that_reported_its_own_exit_keeps_it(code):
 
 def test_the_agents_log_scanner_finds_msruns_give_up_line_across_reads(tmp_path):
     """The node agent reads msrun's log as msrun appends to it; the line may arrive in pieces."""
-    from mindpulse.node.msrun_output import KILLED_OTHERS, LogScanner
+    from mindpulse.frameworks.msrun_text import KILLED_OTHERS
+    from mindpulse.node.msrun_output import LogScanner
 
     log = tmp_path / "msrun_node0.log"
     scan = LogScanner(str(log), KILLED_OTHERS)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindpulse.directives import Directive
-from mindpulse.packet_stream import iter_stream
-from mindpulse.protocol import (
+from mindpulse.wire.directives import Directive
+from mindpulse.wire.packet_stream import iter_stream
+from mindpulse.wire.protocol import (
     MAX_PACKET_BYTES,
     SCHEMA_VERSION,
     Action,
@@ -124,7 +124,7 @@ def test_a_known_packet_shape_still_has_its_values_checked_and_builds_the_same_p
     """The field types of a packet shape are checked once (then looked up): a later packet
     of that shape is still refused for its values, a packet of another shape is checked
     whole, and a complete packet built without `__init__` equals one built with it."""
-    from mindpulse.protocol import _MAX_SHAPES, _SHAPES, from_wire
+    from mindpulse.wire.protocol import _MAX_SHAPES, _SHAPES, from_wire
 
     good = StepPacket(rank=3, step=17, loss=1.25, samples=8, extra={"acc": 0.5})
     wire = msgpack.unpackb(good.encode())

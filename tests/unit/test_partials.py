@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindpulse.baselines import NodeStragglers
-from mindpulse.partial import exact, exact_sum, from_wire, partial_of, to_wire
-from mindpulse.protocol import StepPacket
-from mindpulse.reducer import StepReducer, StragglerTracker, reduce_step, straggler_scores
+from mindpulse.reduction.baselines import NodeStragglers
+from mindpulse.reduction.partial import exact, exact_sum, from_wire, partial_of, to_wire
+from mindpulse.reduction.reducer import StepReducer, StragglerTracker, reduce_step, straggler_scores
+from mindpulse.wire.protocol import StepPacket
 
 values = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=64),
                    st.floats(min_value=-1e6, max_value=1e6))
@@ -135,7 +135,7 @@ def test_a_nodes_relay_pre_reduces_and_the_aggregator_merges_one_partial_per_nod
 
     from mindpulse.aggregator.core import AggregatorCore
     from mindpulse.node.relay import NodePreReducer, RelayServer
-    from mindpulse.protocol import EventPacket
+    from mindpulse.wire.protocol import EventPacket
     from mindpulse.workers.channel import RelayChannel
 
     core = AggregatorCore(tmp_path, world_size=4, settings={"tensorboard": False,
@@ -169,7 +169,7 @@ def test_a_nodes_relay_pre_reduces_and_the_aggregator_merges_one_partial_per_nod
     assert {r: i["pid"] for r, i in core.rank_info.items()} == {r: 100 + r for r in range(4)}, "events pass through"
     assert core.rejected == {"node:malformed": 1}, core.rejected
     core.close()
-    stored = [o for o in __import__("mindpulse.metrics_store", fromlist=["x"]).read_wire(
+    stored = [o for o in __import__("mindpulse.rundir.metrics_store", fromlist=["x"]).read_wire(
         tmp_path / "metrics.msgpack") if o.get("t") == "step"]
     assert sorted(o["rank"] for o in stored) == [0, 1, 2, 3], "raw step packets are stored as the nodes sent them"
 
@@ -180,7 +180,7 @@ def test_node_partials_drive_the_hang_clock(tmp_path):
     import time
 
     from mindpulse.aggregator.core import AggregatorCore
-    from mindpulse.partial import to_wire
+    from mindpulse.reduction.partial import to_wire
 
     core = AggregatorCore(tmp_path, world_size=2, settings={"tensorboard": False,
                                                              "world": {"nodes": 1, "ranks_per_node": 2},
@@ -201,7 +201,7 @@ def test_extremes_name_the_first_rank_and_put_nan_and_inf_first(items, biggest):
     """The extreme over ranks is the smallest (biggest) value, ties to the lowest rank, and
     any NaN/Inf wins (lowest such rank): checked against a plain sort of the definition,
     for the all-finite shortcut and the general loop alike."""
-    from mindpulse.partial import argext
+    from mindpulse.reduction.partial import argext
 
     vals = [(r, v) for r, v in items if v is not None]
     got = argext(items, biggest)
@@ -221,7 +221,7 @@ def test_extremes_name_the_first_rank_and_put_nan_and_inf_first(items, biggest):
 @given(st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), max_size=12))
 @settings(max_examples=300, deadline=None)
 def test_a_sum_and_its_sum_of_squares_from_one_pass_are_the_exact_ones(xs):
-    from mindpulse.partial import exact_sums
+    from mindpulse.reduction.partial import exact_sums
 
     assert exact_sums(xs) == (sum(exact(x) for x in xs), sum(exact(x) ** 2 for x in xs))
     assert exact_sums(xs, squares=False) == (sum(exact(x) for x in xs), 0)

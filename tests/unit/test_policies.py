@@ -18,9 +18,9 @@ from mindpulse.aggregator.policies import (
     ThresholdRule,
     build_rules,
 )
-from mindpulse.protocol import Action as DirectiveAction
-from mindpulse.protocol import StepPacket, TelemetryPacket
-from mindpulse.reducer import reduce_step
+from mindpulse.reduction.reducer import reduce_step
+from mindpulse.wire.protocol import Action as DirectiveAction
+from mindpulse.wire.protocol import StepPacket, TelemetryPacket
 
 
 def red(step, losses, grad_norm=1.0, locals_=None, **kw):
@@ -89,7 +89,7 @@ def test_a_restore_or_rollback_warms_the_loss_and_gradient_baselines_up_again():
 
 
 def test_timing_baselines_wait_for_a_warm_up_and_a_full_window_and_rewarm_after_a_pause():
-    from mindpulse.baselines import PAUSE_WARMUP_STEPS, START_WARMUP_STEPS, Baseline, Phase
+    from mindpulse.reduction.baselines import PAUSE_WARMUP_STEPS, START_WARMUP_STEPS, Baseline, Phase
 
     b = Baseline(window=3, warmup=START_WARMUP_STEPS)
     phases = [b.observe(s) for s in range(1, START_WARMUP_STEPS + 1)]
@@ -240,7 +240,7 @@ def test_desync_names_ranks_off_the_majority_and_ties_keep_rank0():
 
 def test_straggler_scores_and_rule():
     from mindpulse.aggregator.policies import StragglerRule
-    from mindpulse.reducer import StragglerTracker
+    from mindpulse.reduction.reducer import StragglerTracker
 
     tr = StragglerTracker(window=5, warmup=2)
     rule = StragglerRule({"threshold": 0.8, "patience": 1})
@@ -273,7 +273,7 @@ def test_warm_up_steps_name_no_straggler():
     """A healthy run's first steps (compiles, cold caches) differ by rank: the seed article's
     program named rank 1 a straggler at step 7 on a half-full window."""
     from mindpulse.aggregator.policies import StragglerRule
-    from mindpulse.reducer import StragglerTracker
+    from mindpulse.reduction.reducer import StragglerTracker
 
     tr = StragglerTracker(window=10)
     rule = StragglerRule({"threshold": 0.7, "patience": 2})

@@ -1,4 +1,4 @@
-"""Ending processes and the parent-death signal (mindpulse/processes.py), with real
+"""Ending processes and the parent-death signal (mindpulse/lifetime/processes.py), with real
 processes: a child that ends when asked, one that ignores SIGTERM, one in a process group
 of its own, and a process tree like msrun's."""
 
@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from mindpulse.processes import descendants, end_process_tree, end_processes
+from mindpulse.lifetime.processes import descendants, end_process_tree, end_processes
 
 # a child that says it is ready only once its SIGTERM handler is in place
 STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -153,7 +153,7 @@ def test_descendants_of_a_gone_process_are_none():
 def test_a_process_with_the_parent_death_signal_dies_with_its_parent():
     parent = _python("""
         import subprocess, sys, time
-        code = ("import time; from mindpulse.processes import die_with_parent; "
+        code = ("import time; from mindpulse.lifetime.processes import die_with_parent; "
                 "print(die_with_parent(), flush=True); time.sleep(60)")
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         armed = child.stdout.readline().strip()

@@ -55,7 +55,7 @@ def _python(code: str, **kw) -> subprocess.Popen:
 def test_a_child_started_with_the_death_signal_dies_with_its_parent():
     parent = _python("""
         import subprocess, sys, signal, time
-        from mindpulse.processes import die_with_parent_preexec
+        from mindpulse.lifetime.processes import die_with_parent_preexec
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
                                  preexec_fn=die_with_parent_preexec(signal.SIGKILL))
         print(child.pid, flush=True)
@@ -76,8 +76,8 @@ class WatchedAgent:
 
     @staticmethod
     def make(driver: dict):
+        from mindpulse.config.settings import NodeSettings
         from mindpulse.node.agent import NodeAgent
-        from mindpulse.settings import NodeSettings
 
         class Agent(NodeAgent):
             exited = False
@@ -92,7 +92,7 @@ class WatchedAgent:
 @pytest.mark.slow  # real processes killed and reaped: seconds each
 @pytest.mark.cluster
 def test_the_agents_watchdog_ends_the_nodes_run_processes_when_the_driver_dies():
-    from mindpulse.process_identity import host_identity
+    from mindpulse.lifetime.process_identity import host_identity
 
     driver = subprocess.Popen(SLEEP)
     rank = subprocess.Popen(SLEEP, start_new_session=True)
@@ -122,7 +122,7 @@ def test_the_agents_watchdog_ends_the_nodes_run_processes_when_the_driver_dies()
 
 
 def test_a_driver_on_another_machine_is_not_judged_by_this_process_table():
-    from mindpulse.process_identity import host_identity
+    from mindpulse.lifetime.process_identity import host_identity
 
     agent = WatchedAgent.make(dict(host_identity(), boot_id="another-kernel", pid=1, create_time=0.0))
     try:

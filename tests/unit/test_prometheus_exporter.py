@@ -15,7 +15,7 @@ import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import ConfigError, from_dict
-from mindpulse.protocol import EventKind, EventPacket, StepPacket, TelemetryPacket
+from mindpulse.wire.protocol import EventKind, EventPacket, StepPacket, TelemetryPacket
 
 
 def free_port() -> int:
@@ -150,7 +150,7 @@ def test_beyond_256_ranks_only_the_cards_and_ranks_that_matter_have_series(tmp_p
 
     from mindpulse.aggregator.prometheus_exporter import CARDS_THAT_MATTER, PrometheusExporter
     from mindpulse.config import PrometheusConfig
-    from mindpulse.reducer import reduce_step
+    from mindpulse.reduction.reducer import reduce_step
 
     exp = PrometheusExporter(PrometheusConfig(port=free_port()), run="big", world_size=1024, ranks_per_node=8)
     try:
@@ -241,7 +241,7 @@ def test_a_big_jobs_card_view_is_the_plain_reading_of_every_nodes_newest_sample(
         _NodeCards,
         _NodeSpreads,
     )
-    from mindpulse.tables import CARD_EXTREMES
+    from mindpulse.reporting.tables import CARD_EXTREMES
 
     rng = random.Random(7)
     spreads, nodes = _NodeSpreads(), {}

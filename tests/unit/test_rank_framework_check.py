@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mindpulse.config import from_dict
-from mindpulse.framework_support import Fit, Framework, FrameworkVersionError, needed
+from mindpulse.frameworks.framework_support import Fit, Framework, FrameworkVersionError, needed
 from mindpulse.workers import framework_check
 from mindpulse.workers.framework_check import check, find, put_first
 

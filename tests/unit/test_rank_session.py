@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 from mindspore import nn
 
-from mindpulse.directives import Directive, Lease
-from mindpulse.protocol import Action, CheckpointKind, EventKind, StepPacket, decode
-from mindpulse.rank_settings import (
+from mindpulse.config.rank_settings import (
     SETTINGS_ENV,
     CheckpointSettings,
     MonitorSettings,
@@ -23,6 +21,8 @@ from mindpulse.rank_settings import (
     ResumePoint,
     Schedule,
 )
+from mindpulse.wire.directives import Directive, Lease
+from mindpulse.wire.protocol import Action, CheckpointKind, EventKind, StepPacket, decode
 from mindpulse.workers.channel import BATCH_PACKETS, ActorChannel, Channel, RelayChannel, connect
 from mindpulse.workers.settings import SettingsError, settings_at
 
@@ -355,7 +355,7 @@ def test_monitor_self_s_counts_mindpulses_own_time_and_leaves_out_evaluation(tmp
     (it is counted after that packet was built); an evaluation's time is the user's, not ours."""
     import time
 
-    from mindpulse.reducer import RunTotals, reduce_step
+    from mindpulse.reduction.reducer import RunTotals, reduce_step
     from mindpulse.workers.session import RankSession
 
     class SlowChannel(Recording):
@@ -392,8 +392,8 @@ def test_monitor_self_s_shows_in_the_table_tensorboard_and_rules(tmp_path):
     from mindpulse.aggregator.policies import ThresholdRule
     from mindpulse.aggregator.tb_sink import TensorBoardSink
     from mindpulse.config import ConfigError, from_dict
-    from mindpulse.reducer import reduce_step
-    from mindpulse.tables import cluster_table
+    from mindpulse.reduction.reducer import reduce_step
+    from mindpulse.reporting.tables import cluster_table
 
     def red(step):
         return reduce_step(step, {r: StepPacket(rank=r, step=step, loss=1.0, step_time_s=0.1,
@@ -417,13 +417,13 @@ def test_monitor_self_s_shows_in_the_table_tensorboard_and_rules(tmp_path):
 
 
 def test_the_packet_takes_the_registry_metrics_a_rank_reports(tmp_path):
-    """`RankSession.record` fills the packet from the registry (mindpulse/metrics.py): each
+    """`RankSession.record` fills the packet from the registry (mindpulse/registry/metrics.py): each
     metric a rank reports, coerced by its type; the seconds between packets are `SincePacket`'s,
     the monitor's `STEP_STATS` the registry's cell metrics; a field no metric declares is a
     monitor error (counted), never an exception in the training loop."""
     import numpy as np
 
-    from mindpulse.metrics import Source, cell_stats, reported, since_fields
+    from mindpulse.registry.metrics import Source, cell_stats, reported, since_fields
     from mindpulse.workers.monitor import STEP_STATS
     from mindpulse.workers.session import RankSession, SincePacket
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mindpulse.protocol import StepPacket
-from mindpulse.reducer import StepReducer, reduce_all, reduce_step
+from mindpulse.reduction.reducer import StepReducer, reduce_all, reduce_step
+from mindpulse.wire.protocol import StepPacket
 
 
 def pkt(rank, step, loss=1.0, **kw):

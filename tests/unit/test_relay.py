@@ -7,10 +7,10 @@ import struct
 import threading
 import time
 
-from mindpulse.directives import Directive, Lease
-from mindpulse.frames import decode_frame_body, encode_frame
 from mindpulse.node.relay import RelayServer
-from mindpulse.protocol import Action, StepPacket, decode
+from mindpulse.wire.directives import Directive, Lease
+from mindpulse.wire.frames import decode_frame_body, encode_frame
+from mindpulse.wire.protocol import Action, StepPacket, decode
 from mindpulse.workers.channel import RelayChannel as RelayClient
 
 
@@ -257,7 +257,7 @@ def test_a_frame_with_bad_insides_is_counted_and_the_connection_goes_on():
 
 
 def test_a_lease_too_long_for_the_board_goes_on_it_with_its_reason_cut():
-    from mindpulse.lease_board import LeaseView
+    from mindpulse.wire.lease_board import LeaseView
 
     up = Upstream()
     srv = RelayServer(up.send, up.decide, local_ranks=1, pushed_leases=True)

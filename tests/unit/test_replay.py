@@ -1,12 +1,12 @@
-"""The one replay of metrics.msgpack (mindpulse/replay.py), as the restarted aggregator and
+"""The one replay of metrics.msgpack (mindpulse/rundir/replay.py), as the restarted aggregator and
 the offline views read it."""
 
 from __future__ import annotations
 
-from mindpulse.metrics_store import ATTEMPT, REDUCED, THINNED, reduced_record
-from mindpulse.protocol import StepPacket
-from mindpulse.reducer import StepReducer, reduce_step
-from mindpulse.replay import RecordReplay, replay_attempt, step_from_record
+from mindpulse.reduction.reducer import StepReducer, reduce_step
+from mindpulse.rundir.metrics_store import ATTEMPT, REDUCED, THINNED, reduced_record
+from mindpulse.rundir.replay import RecordReplay, replay_attempt, step_from_record
+from mindpulse.wire.protocol import StepPacket
 
 
 def test_records_are_told_apart_with_their_attempt():
@@ -37,7 +37,7 @@ def test_a_reduced_record_stands_only_for_a_step_the_packets_did_not_complete():
 
 
 def test_replay_attempt_reads_one_attempts_records(tmp_path):
-    from mindpulse.metrics_store import MetricsWriter
+    from mindpulse.rundir.metrics_store import MetricsWriter
 
     w = MetricsWriter(tmp_path / "metrics.msgpack", attempt=0)
     w.append([StepPacket(rank=0, step=1).encode()])

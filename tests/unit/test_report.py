@@ -14,9 +14,9 @@ from html.parser import HTMLParser
 import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
-from mindpulse.reducer import reduce_all
+from mindpulse.reduction.reducer import reduce_all
 from mindpulse.views.report import PLOT_NAMES, build_report, final_tables, headline, load_run
+from mindpulse.wire.protocol import EventPacket, StepPacket, TelemetryPacket
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WORLD = 2

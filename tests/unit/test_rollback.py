@@ -11,10 +11,10 @@ from test_policies import _steps
 
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import ConfigError, from_dict
+from mindpulse.config.rank_settings import ResumePoint
 from mindpulse.launcher.controller import carry_rollbacks
 from mindpulse.launcher.resume import rollback_point
-from mindpulse.protocol import Action
-from mindpulse.rank_settings import ResumePoint
+from mindpulse.wire.protocol import Action
 from mindpulse.workers.recipes.llama_finetune import ByteWindows
 
 RULE = {"rule": "threshold", "name": "loss_high", "metric": "loss", "threshold": 4.0, "action": "rollback",

@@ -12,12 +12,12 @@ import time
 import pytest
 import yaml
 
-from mindpulse.aggregator import rule_changes as rc
 from mindpulse.aggregator.anomaly_log import read_records
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import RULE_DEFAULTS, ConfigError, RuleKind, from_dict
 from mindpulse.launcher.cli import main
-from mindpulse.protocol import Action, StepPacket
+from mindpulse.rules import changes as rc
+from mindpulse.wire.protocol import Action, StepPacket
 
 LOSS_HIGH = {"rule": "threshold", "name": "loss_high", "metric": "loss", "op": ">", "threshold": 100.0,
              "action": "stop"}
@@ -46,6 +46,32 @@ def make_run(tmp_path, **extra):
     settings = {"anomalies": plain["anomalies"], "monitor": plain["monitor"], "eval": plain["eval"],
                 "tensorboard": False, "config_yaml": text}
     return run_dir, cfg, settings
+
+
+def test_the_drivers_rules_are_the_aggregators_without_its_code():
+    """`mindpulse rules` lists and checks a run's rules from their configs alone (the base's
+    rules/ package); the aggregator builds them with its rule classes. Both give the same
+    rules in the same order, named alike, with the same resolved configs: a threshold rule
+    named by its condition, two rules of one kind, a turned-off default, a straggler rule
+    taking monitor.straggler_threshold."""
+    from mindpulse.aggregator.policies import build_rules
+
+    cfg = from_dict({"anomalies": [
+        {"rule": "threshold", "metric": "grad_norm", "op": ">=", "threshold": 2.5, "for_steps": 3},
+        {"rule": "card_overload", "metric": "power_w", "threshold": 300},
+        {"rule": "card_overload", "metric": "temp_c"},
+        {"rule": "loss_spike", "enabled": False},
+        {"rule": "straggler", "patience": 4},
+    ], "monitor": {"straggler_threshold": 0.35}})
+    st = cfg.monitor.straggler_threshold
+    driver = [(e.name, e.cfg, e.enabled) for e in rc.entries_from_config(cfg)]
+    live = rc.entries_of(build_rules(cfg.anomalies, straggler_threshold=st), cfg.anomalies, st)
+    aggregator = [(e.name, e.cfg, e.enabled) for e in live]
+    assert driver == aggregator, f"the driver's rules {driver}\ndiffer from the aggregator's {aggregator}"
+    names = [n for n, _, _ in driver]
+    assert "grad_norm>=2.5" in names and names.count("card_overload") == 2, names
+    assert ("loss_spike", False) in [(n, on) for n, _, on in driver], driver
+    assert next(c for n, c, _ in driver if n == "straggler")["threshold"] == 0.35, driver
 
 
 def core_of(run_dir, settings, **kw):

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from mindpulse.rundir_io import open_log_fd
+from mindpulse.rundir.rundir_io import open_log_fd
 
 
 @pytest.mark.parametrize("folder_mode, file_mode", [(0o700, 0o600), (0o755, 0o644), (0o750, 0o640)])

@@ -9,10 +9,10 @@ from pathlib import Path
 import yaml
 
 from mindpulse.config import RunConfig
-from mindpulse.protocol import EventPacket, StepPacket
-from mindpulse.reducer import ReducedStep, StragglerTracker, reduce_all
+from mindpulse.reduction.reducer import ReducedStep, StragglerTracker, reduce_all
 from mindpulse.views.report import load_run
 from mindpulse.views.run_reader import RunReader
+from mindpulse.wire.protocol import EventPacket, StepPacket
 
 T0 = 1_700_000_000.0
 
@@ -165,8 +165,8 @@ def test_damaged_config_falls_back_to_defaults_with_a_note(tmp_path):
 def test_reader_follows_segments_closed_while_it_reads(tmp_path, monkeypatch):
     """The aggregator closes metrics.msgpack (a numbered name, a new file) under a live reader:
     every packet is read once, in order, and steps complete as the aggregator completed them."""
-    from mindpulse import metrics_store as ms
-    from mindpulse.metrics_store import MetricsWriter, closed_segments
+    from mindpulse.rundir import metrics_store as ms
+    from mindpulse.rundir.metrics_store import MetricsWriter, closed_segments
 
     monkeypatch.setattr(ms, "KEEP_FULL_SEGMENTS", 1000)
     run = tmp_path / "run"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mindpulse.rundir_io import SAVING_MARKER, mark_saving, saving_now
+from mindpulse.rundir.rundir_io import SAVING_MARKER, mark_saving, saving_now
 
 
 def test_a_marker_whose_writer_lives_is_a_write_in_progress(tmp_path):
@@ -25,7 +25,7 @@ def test_a_marker_whose_writer_lives_is_a_write_in_progress(tmp_path):
 
 def test_a_marker_left_by_a_dead_writer_is_not(tmp_path):
     """A rank 0 killed mid-write leaves its marker: the launcher must not wait for it."""
-    code = f"from mindpulse.rundir_io import mark_saving; mark_saving({str(tmp_path)!r}, 7)"
+    code = f"from mindpulse.rundir.rundir_io import mark_saving; mark_saving({str(tmp_path)!r}, 7)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     note = saving_now(tmp_path)
     assert note is not None and note["step"] == 7 and not note["alive"], note
@@ -56,7 +56,7 @@ def test_a_marker_that_cannot_be_written_is_no_error(tmp_path):
 
 
 def test_slow_save_is_a_fault_of_rank_0_only():
-    from mindpulse.fault_specs import FaultKind, parse_fault
+    from mindpulse.config.fault_specs import FaultKind, parse_fault
 
     f = parse_fault("slow_save@0:4", world_size=2)
     assert f.kind is FaultKind.SLOW_SAVE and (f.rank, f.step) == (0, 4) and str(f) == "slow_save@0:4"
@@ -117,7 +117,7 @@ def test_the_slow_save_check_accepts_exactly_the_steps_the_aggregator_asks_a_sav
     are the steps `slow_save@0:S` is accepted at."""
     from mindpulse.aggregator.core import AggregatorCore
     from mindpulse.config import ConfigError, from_dict
-    from mindpulse.protocol import StepPacket
+    from mindpulse.wire.protocol import StepPacket
 
     total = 24
     base = {"train": {"steps": total}, "checkpoint": checkpoint, "eval": evals}

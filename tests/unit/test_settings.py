@@ -7,11 +7,11 @@ import msgpack
 import pytest
 
 from mindpulse.config import RULE_DEFAULTS, MonitorConfig, RuleKind, from_dict, load_config
-from mindpulse.directives import Directive
+from mindpulse.config.settings import COMPUTE_DROP_WINDOW, AggregatorSettings, BestSeed, NodeSettings
 from mindpulse.launcher.spec import aggregator_settings, node_settings
-from mindpulse.protocol import CheckpointKind, EventPacket, PacketError, RankState, decode
-from mindpulse.settings import COMPUTE_DROP_WINDOW, AggregatorSettings, BestSeed, NodeSettings
-from mindpulse.stop_decision import RollbackDecision, StopDecision
+from mindpulse.wire.directives import Directive
+from mindpulse.wire.protocol import CheckpointKind, EventPacket, PacketError, RankState, decode
+from mindpulse.wire.stop_decision import RollbackDecision, StopDecision
 from mindpulse.workers.heartbeat import BUSY_SAVING, Heartbeat
 
 

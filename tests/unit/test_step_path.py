@@ -114,9 +114,9 @@ def test_one_step_enters_the_documented_modules(tmp_path, monkeypatch):
     from mindspore.train.callback import Callback
 
     from mindpulse.aggregator.core import AggregatorActor
+    from mindpulse.config.settings import AggregatorSettings, NodeSettings
     from mindpulse.launcher.progress import Console
     from mindpulse.node.agent import NodeAgent
-    from mindpulse.settings import AggregatorSettings, NodeSettings
     from mindpulse.workers.channel import RelayChannel
     from mindpulse.workers.monitor import Monitor
 

@@ -9,8 +9,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mindpulse.aggregator.tb_sink import TensorBoardSink
-from mindpulse.protocol import StepPacket, TelemetryPacket, decode
-from mindpulse.reducer import reduce_all
+from mindpulse.reduction.reducer import reduce_all
+from mindpulse.wire.protocol import StepPacket, TelemetryPacket, decode
 
 STEPS = 10
 NAN_STEP = 7

@@ -39,7 +39,7 @@ from mindpulse.node.telemetry import (
     sample_this_machine,
     telemetry_packet,
 )
-from mindpulse.protocol import TelemetryPacket, decode
+from mindpulse.wire.protocol import TelemetryPacket, decode
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "npu-smi"
@@ -662,6 +662,21 @@ def test_sample_this_machine(no_ascend):
     assert any("no Ascend telemetry" in w for w in auto["warnings"])
     with pytest.raises(TelemetryUnavailable):
         sample_this_machine("ascend")
+
+
+def test_telemetry_sample_command_runs_the_node_sampler_through_the_drivers_door(no_ascend, capsys):
+    """`mindpulse telemetry sample` runs the node agent's sampler in the driver
+    (launcher/doors.py): a sample as JSON, and a missing source ends it with exit 2 and the
+    node's reason."""
+    import json
+
+    from mindpulse.launcher.cli import main
+
+    assert main(["telemetry", "sample", "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "psutil"
+    assert main(["telemetry", "sample", "--device", "ascend"]) == 2
+    err = capsys.readouterr().err
+    assert "no Ascend telemetry on this machine" in err, err
 
 
 # ---------------------------------------------------------------------------------- NVML

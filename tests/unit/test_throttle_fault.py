@@ -9,7 +9,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
-from mindpulse.fault_specs import FaultKind, parse_fault
+from mindpulse.config.fault_specs import FaultKind, parse_fault
 from mindpulse.workers import faults
 from mindpulse.workers.faults import FaultInjector
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
 from mindpulse.views import top
 from mindpulse.views.top import RunView, main_top, newest_run
+from mindpulse.wire.protocol import EventPacket, StepPacket, TelemetryPacket
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2

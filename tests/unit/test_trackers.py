@@ -16,9 +16,9 @@ import pytest
 from mindpulse.aggregator.core import AggregatorCore
 from mindpulse.config import ConfigError, from_dict
 from mindpulse.launcher.preflight import LaunchRefused, check_local, check_trackers
-from mindpulse.metrics import tb_scalars
-from mindpulse.metrics_store import read_records
-from mindpulse.protocol import EventKind, EventPacket, StepPacket, TelemetryPacket
+from mindpulse.registry.metrics import tb_scalars
+from mindpulse.rundir.metrics_store import read_records
+from mindpulse.wire.protocol import EventKind, EventPacket, StepPacket, TelemetryPacket
 
 mlflow = pytest.importorskip("mlflow", reason="pip install 'mindpulse[mlflow]'")
 swanlab = pytest.importorskip("swanlab", reason="pip install 'mindpulse[swanlab]'")
@@ -293,8 +293,8 @@ def test_an_unknown_tracker_option_is_a_config_error_naming_it(section, key):
 def _resumable(run_dir: Path, cfg) -> None:
     """What `--resume RUN_DIR` reads of a run directory: its config.yaml and a checkpoint its
     manifest lists (step 3)."""
-    from mindpulse.checkpoint_manifest import CkptEntry, sha256_of, write_manifest
     from mindpulse.launcher.rundir import write_config
+    from mindpulse.rundir.checkpoint_manifest import CkptEntry, sha256_of, write_manifest
 
     write_config(run_dir, cfg)
     ckpt = run_dir / "checkpoints" / "step_00000003-periodic.ckpt"

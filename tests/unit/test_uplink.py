@@ -1,4 +1,4 @@
-"""The node uplink (mindpulse/uplink.py): node batches reach a real aggregator core over a
+"""The node uplink (mindpulse/wire/uplink.py): node batches reach a real aggregator core over a
 real socket, the lease comes back pushed, nothing is lost across a server restart, and a
 peer without the token or speaking garbage is cut off."""
 
@@ -12,12 +12,12 @@ import time
 import pytest
 
 from mindpulse.aggregator.core import AggregatorCore
-from mindpulse.directives import Directive, Lease
-from mindpulse.frames import encode_frame
-from mindpulse.metrics_store import read_wire
 from mindpulse.node.relay import NodePreReducer
-from mindpulse.protocol import Action, StepPacket
-from mindpulse.uplink import Uplink, UplinkServer
+from mindpulse.rundir.metrics_store import read_wire
+from mindpulse.wire.directives import Directive, Lease
+from mindpulse.wire.frames import encode_frame
+from mindpulse.wire.protocol import Action, StepPacket
+from mindpulse.wire.uplink import Uplink, UplinkServer
 
 
 class Loop:
@@ -344,7 +344,7 @@ class _StreamWriter:
 
 def frames(data: bytes) -> list[dict]:
     """The frames one write held, decoded."""
-    from mindpulse.frames import decode_frame_body
+    from mindpulse.wire.frames import decode_frame_body
 
     out, at = [], 0
     while at < len(data):

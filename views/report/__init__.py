@@ -13,7 +13,7 @@ One module a job, each reading the one before it:
 * `text` — `final_tables`: the console text;
 * `html` — the page, and `build_report`, which writes it with the figures.
 
-Every number, size, duration and date is written by `mindpulse.formatting`.
+Every number, size, duration and date is written by `mindpulse.common.formatting`.
 """
 
 from .data import RunData, load_run

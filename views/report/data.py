@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mindpulse.config import RunConfig
-from mindpulse.protocol import EventPacket, StepPacket, TelemetryPacket
-from mindpulse.reducer import ReducedStep
+from mindpulse.reduction.reducer import ReducedStep
 from mindpulse.views.run_reader import (
     CONFIG,
     METRICS,
@@ -36,6 +35,7 @@ from mindpulse.views.run_reader import (
     read_config,
     read_json,
 )
+from mindpulse.wire.protocol import EventPacket, StepPacket, TelemetryPacket
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindpulse import formatting as fmt
+from mindpulse.common import formatting as fmt
 from mindpulse.views.run_reader import SUMMARY
 
 from .data import RunData, as_int, card_kinds, card_series

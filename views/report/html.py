@@ -20,7 +20,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from mindpulse import formatting as fmt
+from mindpulse.common import formatting as fmt
 
 from .data import RunData, as_int, load_run
 from .headline import Checkpoint, Headline, LossPoint, badput, checkpoint_file, ettr_pct, failure_error, headline

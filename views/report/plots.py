@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindpulse import formatting as fmt
-from mindpulse.protocol import StepPacket
+from mindpulse.common import formatting as fmt
+from mindpulse.wire.protocol import StepPacket
 
 from .data import RunData, card_series
 from .markers import ANOMALY_COLOR, BEST_COLOR, Markers, PlotLink
@@ -297,7 +297,7 @@ def _plot_straggler(data: RunData, path: Path, marks: Markers) -> Plot:
 def _peak_of(data: RunData) -> tuple[float | None, str]:
     """The peak the run's MFU was measured against: summary.json's `compute`, else the
     run's own sources again (world.peak_tflops, preflight.json: a run without a summary)."""
-    from mindpulse.card_peaks import resolve_peak
+    from mindpulse.reporting.card_peaks import resolve_peak
 
     comp = (data.summary or {}).get("compute") or {}
     peak = comp.get("peak_tflops")

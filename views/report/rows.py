@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mindpulse import formatting as fmt
+from mindpulse.common import formatting as fmt
 
 from .data import RunData, as_int
 from .headline import checkpoint_file, failure_error, first_line

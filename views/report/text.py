@@ -12,8 +12,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from mindpulse import formatting as fmt
-from mindpulse.metrics import total_words, with_unit
+from mindpulse.common import formatting as fmt
+from mindpulse.registry.metrics import total_words, with_unit
 
 from .data import RunData, load_run
 from .headline import Headline, compute_text, goodput_text, headline

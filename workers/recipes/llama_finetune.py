@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mindpulse.config import RecipeConfig
-from mindpulse.recipe_corpus import TRAIN_NAME, VALID_NAME, steps_per_epoch, too_small
+from mindpulse.inputs.recipe_corpus import TRAIN_NAME, VALID_NAME, steps_per_epoch, too_small
 
 if TYPE_CHECKING:
-    from mindpulse.rank_settings import RankSettings
+    from mindpulse.config.rank_settings import RankSettings
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def load_resume(train_net, path: str, kind: str = "") -> None:
     (size, sha256): a file that does not match is refused before MindSpore reads it."""
     import mindspore as ms
 
-    from mindpulse.checkpoint_manifest import format_of, verify_for_load
+    from mindpulse.rundir.checkpoint_manifest import format_of, verify_for_load
 
     verify_for_load(path, kind)
     params = ms.load_checkpoint(str(path), format=format_of(path))
