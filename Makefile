@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-quick bench compat pretrain clean
+.PHONY: setup demo lint test test-quick bench bench-rules compat pretrain clean
 
 setup: $(STAMP)
 
@@ -48,8 +48,13 @@ test: lint
 test-quick: lint
 	$(BIN)/python -m pytest tests -q $(QUICK)
 
+# the performance pieces (under 20 minutes here), then docs/benchmarks.md rewritten; the rules
+# campaign (real launches, healthy and with injected faults: about 25 minutes) is its own target
 bench: setup
 	$(BIN)/python bench/run_all.py
+
+bench-rules: setup
+	$(BIN)/python bench/run_all.py --only rules
 
 # every supported MindSpore/MindFormers pair in a cached venv of its own (~/.cache/mindpulse/compat),
 # each feature a short real launch; rewrites docs/compat.md (COMPAT_ARGS: e.g. --pairs ms2.10.0)

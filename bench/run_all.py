@@ -8,8 +8,16 @@ before a piece starts, the run waits a little for foreign load to settle, and a 
 that ran beside heavy foreign load (or failed) is run again while the budget allows; the
 document says which figures were taken beside foreign load.
 
-Usage: .venv/bin/python bench/run_all.py [--budget-s 3060] [--only fanin,memory] [--no-docs]
+Usage: .venv/bin/python bench/run_all.py [--budget-s S] [--only fanin,memory] [--no-docs]
        [--only overhead [--piece-args "..."]]  (one piece again, with its own arguments)
+       [--only rules]  (`make bench-rules`: the rules campaign alone)
+       [--all]         (the performance pieces, then the rules campaign)
+
+By default (`make bench`) it runs the performance pieces: every row but the rules campaign's,
+within 20 minutes here. The campaign is its own command (`make bench-rules`) because issue 47's
+minimums (12 healthy launches, 5 runs of each of 9 fault kinds, every launch a real cluster with
+its ~15 s start) take about 25 minutes on their own on this machine; its rows in the document
+are those of its last run, dated.
 
 `--only` runs those pieces and merges them into the last run's record (bench/results/run_all.json):
 docs/benchmarks.md is then rewritten with their new figures beside the others' (the date line
@@ -86,6 +94,8 @@ PIECES = [
     # repeats are the campaign's, so it is never run again whole (max_s: no rerun)
     Piece("rules", "rules.py", [], RULES_PLANNED_S, ["--quick"], 420, max_s=RULES_PLANNED_S),
 ]
+PERF_NAMES = {p.name for p in PIECES if p.name != "rules"}
+"""`make bench`'s pieces; the rules campaign is `make bench-rules`."""
 
 
 REFERENCE_CARDS_PER_S = 26607.0
@@ -158,22 +168,27 @@ def wait_quiet(load: C.ForeignLoad, max_wait_s: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budget-s", type=float, default=1140.0 + RULES_PLANNED_S,
-                    help="total wall-time budget (default 51 min: 19 for the performance pieces, 32 for the rules "
-                         "campaign)")
-    ap.add_argument("--only", default="", help="comma-separated pieces (default: all)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="total wall-time budget (default 19 min for the performance pieces, 32 for the rules "
+                         "campaign, their sum with --all)")
+    ap.add_argument("--only", default="", help="comma-separated pieces (default: every performance piece)")
+    ap.add_argument("--all", action="store_true", help="the performance pieces, then the rules campaign")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     ap.add_argument("--piece-args", default="",
                     help="with --only and one piece: the arguments it runs with instead of its planned ones")
     ap.add_argument("--docs-only", action="store_true",
                     help="rewrite docs/benchmarks.md from the last run's results (bench/results), running nothing")
     args = ap.parse_args()
+    only = args.only or ("" if args.all else ",".join(p.name for p in PIECES if p.name != "rules"))
+    pieces = [p for p in PIECES if not only or p.name in only.split(",")]
+    if args.budget_s is None:
+        args.budget_s = (PERF_BUDGET_S - 60.0 if any(p.name != "rules" for p in pieces) else 0.0) + (
+            RULES_PLANNED_S if any(p.name == "rules" for p in pieces) else 0.0)
     if args.docs_only:
         rewrite_docs(args.budget_s)
         return
     t_start = time.time()
     started = time.strftime("%Y-%m-%d %H:%M %Z")
-    pieces = [p for p in PIECES if not args.only or p.name in args.only.split(",")]
     RESULTS.mkdir(parents=True, exist_ok=True)
     load = C.ForeignLoad().start()
     machine = C.machine()
@@ -239,14 +254,17 @@ def main() -> None:
     load.stop()
     total_s = time.time() - t_start
 
-    report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s)
+    rules_wall = sum(a.wall_s for a in attempts.get("rules", []))
+    perf_s = total_s - rules_wall if {p.name for p in pieces} >= PERF_NAMES else None
+    report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s, perf_s)
     print("\n" + report["console"])
     run = {"started": started, "total_s": total_s, "waited_for_quiet_s": waited, "machine": machine,
+           "perf_s": perf_s,
            "attempts": {k: [a.__dict__ for a in v] for k, v in attempts.items()}}
-    if args.only and not args.no_docs:
+    if only and not args.no_docs:
         run = merged_run(run, pieces, started)
     (RESULTS / "run_all.json").write_text(json.dumps(run, indent=1, default=str))
-    if not args.no_docs and not args.only:
+    if not args.no_docs and not only:
         DOC.parent.mkdir(parents=True, exist_ok=True)
         DOC.write_text(report["doc"])
         print(f"\nwrote {DOC.relative_to(C.ROOT)}")
@@ -268,12 +286,17 @@ def merged_run(run: dict, pieces: list, started: str) -> dict:
     names = [p.name for p in pieces]
     attempts = {k: v for k, v in old.get("attempts", {}).items() if k not in names}
     attempts.update(run["attempts"])
+    rerun = {"pieces": names, "started": started, "total_s": run["total_s"], "machine": run["machine"]}
+    if set(names) >= PERF_NAMES:  # a whole `make bench`: its date, machine and time lead the record
+        rules = [r for r in old.get("reruns", []) if "rules" in r["pieces"]][-1:]
+        return dict(run, attempts=attempts, perf_s=run["perf_s"],
+                    started=started + (f"; rules campaign {rules[0]['started']}" if "rules" not in names and rules
+                                       else ""),
+                    reruns=[r for r in old.get("reruns", []) if "rules" in r["pieces"] and "rules" not in names][-1:]
+                    + ([rerun] if "rules" in names else []))
     first = str(old.get("started", "")).split("; ")[0]
     return dict(old, attempts=attempts, started=f"{first}; {', '.join(names)} re-run {started}",
-                total_s=float(old.get("total_s", 0.0)), reruns=[*old.get("reruns", []),
-                                                                  {"pieces": names, "started": started,
-                                                                   "total_s": run["total_s"],
-                                                                   "machine": run["machine"]}])
+                total_s=float(old.get("total_s", 0.0)), reruns=[*old.get("reruns", []), rerun])
 
 
 def rewrite_docs(budget_s: float) -> None:
@@ -290,7 +313,7 @@ def rewrite_docs(budget_s: float) -> None:
             atts.append(a)
         attempts[k] = atts
     report = build_report(PIECES, attempts, run["machine"], run["started"], run["total_s"],
-                          run["waited_for_quiet_s"], budget_s)
+                          run["waited_for_quiet_s"], budget_s, run.get("perf_s"))
     DOC.write_text(report["doc"])
     print(f"wrote {DOC.relative_to(C.ROOT)}")
 
@@ -305,7 +328,7 @@ def _render(module: str, data: dict) -> str:
     return importlib.import_module(module).render(data)  # bench/ is on sys.path (this script's folder)
 
 
-def targets_table(res: dict, total_s: float, budget_s: float, rules_wall_s: float = 0.0) -> tuple[str, list[str]]:
+def targets_table(res: dict, perf_s: float | None, rules_wall_s: float = 0.0) -> tuple[str, list[str]]:
     rows = []
     ov = res.get("overhead")
     if ov:
@@ -433,12 +456,14 @@ def targets_table(res: dict, total_s: float, budget_s: float, rules_wall_s: floa
         from rules import target_rows
 
         rows += target_rows(res["rules"])
-    rules_s = rules_wall_s
-    perf_s = total_s - rules_s
-    rows.append(["`make bench` under 20 minutes on this machine (the performance pieces; the rules campaign's "
-                 "real launches aside" + (f": {rules_s / 60:.1f} min" if rules_s else "") + ")", f"{perf_s / 60:.1f} min",
-                 "met" if perf_s < PERF_BUDGET_S else "missed", f"{abs(PERF_BUDGET_S - perf_s) / 60:.1f} min "
-                 + ("to spare" if perf_s < PERF_BUDGET_S else "over")])
+    rules_s = f"; its last run took {rules_wall_s / 60:.1f} min" if rules_wall_s else ""
+    what = ("`make bench` under 20 minutes on this machine, every performance piece run (the rules campaign's "
+            f"real launches are `make bench-rules`{rules_s})")
+    if perf_s is None:
+        rows.append([what, "no run of every performance piece recorded", "missed", "-"])
+    else:
+        rows.append([what, f"{perf_s / 60:.1f} min", "met" if perf_s < PERF_BUDGET_S else "missed",
+                     f"{abs(PERF_BUDGET_S - perf_s) / 60:.1f} min " + ("to spare" if perf_s < PERF_BUDGET_S else "over")])
     return C.table(["target", "measured", "result", "by how much"], rows), [r[2] for r in rows]
 
 
@@ -702,11 +727,11 @@ NOTES = {
 }
 
 
-def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) -> dict:
+def build_report(pieces, attempts, machine, started, total_s, waited, budget_s, perf_s=None) -> dict:
     res = {p.name: _load(p.name) for p in pieces}
     m = machine
     rules_att = [a for a in attempts.get("rules", []) if a.kept]
-    tt, verdicts = targets_table(res, total_s, budget_s, rules_att[0].wall_s if rules_att else 0.0)
+    tt, verdicts = targets_table(res, perf_s, rules_att[0].wall_s if rules_att else 0.0)
     lines_console = [tt]
     doc = [
         "# Benchmarks",
@@ -725,7 +750,8 @@ def build_report(pieces, attempts, machine, started, total_s, waited, budget_s) 
         f"| software | Python {m['python']}, MindSpore {m['mindspore']} (CPU), MindFormers {m['mindformers']}, "
         f"Ray {m['ray']}, msgpack {m['msgpack']} |",
         f"| date | {started} |",
-        "| command | `make bench` (= `.venv/bin/python bench/run_all.py`) |",
+        "| command | `make bench` (= `.venv/bin/python bench/run_all.py`: the performance pieces); the rules "
+        "campaign's rows: `make bench-rules` (= `bench/run_all.py --only rules`) |",
         f"| total run time | {total_s / 60:.1f} min (budget {budget_s / 60:.0f} min; "
         f"{waited:.0f} s of it waiting for other processes to go quiet) |",
         "",

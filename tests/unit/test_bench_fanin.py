@@ -139,7 +139,7 @@ def test_the_report_says_what_was_simulated_and_every_verdict_its_n():
     assert "a heartbeat from every rank every 5 s" in text and "8 cards' telemetry" in text
     assert "the member-to-leader stream in 62 of 64 groups (their 3,906 members hand" in text
     assert "max over 40 steps" in text and "p99 over 250 steps" in text
-    table, verdicts = run_all.targets_table({"fanin": out}, 600.0, 1140.0)
+    table, verdicts = run_all.targets_table({"fanin": out}, 600.0)
     assert "max over 40 steps" in table and "heartbeat from every rank every 5 s" in table
     assert "left out: the member-to-leader stream in 6 of 8 groups" in table
     agent = next(line for line in table.splitlines() if "Atlas A3" in line)
@@ -152,7 +152,7 @@ def test_results_stored_before_still_render():
                                         if k not in ("heartbeat_s", "end_to_end_p99_ms", "hop_groups")}])
                        for t in fanin.TARGETS],
            "agent": [{"ranks": 8, "rate": 20.0, "steps": 300, "cpu_ms_per_step": 1.4, "idle_cpu_ms_per_step": 0.4}]}
-    table, _ = run_all.targets_table({"fanin": old}, 600.0, 1140.0)
+    table, _ = run_all.targets_table({"fanin": old}, 600.0)
     assert "node agent <= 1 ms of CPU per step for 8 ranks" in table
     assert "no card telemetry or heartbeats" in table
     fanin.render(old)

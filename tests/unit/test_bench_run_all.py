@@ -1,0 +1,55 @@
+"""`make bench` (the performance pieces) and `make bench-rules` (the rules campaign) each
+merge into the one record docs/benchmarks.md is written from (bench/run_all.py): neither
+loses the other's figures, and the 20-minute row reads the performance run's own time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import run_all  # noqa: E402
+
+
+def _attempt(wall_s: float) -> dict:
+    return {"args": [], "rc": 0, "wall_s": wall_s, "foreign": {"mean_cores": 0.0}, "log": "", "ok": True, "kept": True}
+
+
+def _run(pieces: list[str], started: str, total_s: float, perf_s: float | None) -> dict:
+    return {"started": started, "total_s": total_s, "waited_for_quiet_s": 0.0, "machine": {"cpu": started},
+            "perf_s": perf_s, "attempts": {n: [_attempt(total_s / len(pieces))] for n in pieces}}
+
+
+def _pieces(names):
+    return [p for p in run_all.PIECES if p.name in names]
+
+
+def test_the_two_commands_merge_into_one_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    perf = sorted(run_all.PERF_NAMES)
+    assert "rules" not in perf and {"overhead", "fanin", "startup"} <= set(perf)
+
+    (tmp_path / "run_all.json").write_text(json.dumps(_run(perf, "day 1 10:00", 900.0, 900.0)))
+    rules = run_all.merged_run(_run(["rules"], "day 1 11:00", 1500.0, None), _pieces({"rules"}), "day 1 11:00")
+    assert rules["perf_s"] == 900.0, "a rules campaign keeps the performance run's time"
+    assert set(rules["attempts"]) == {*perf, "rules"}
+    assert rules["started"].startswith("day 1 10:00") and "rules re-run day 1 11:00" in rules["started"]
+    (tmp_path / "run_all.json").write_text(json.dumps(rules))
+
+    again = run_all.merged_run(_run(perf, "day 2 09:00", 1000.0, 1000.0), _pieces(set(perf)), "day 2 09:00")
+    assert again["perf_s"] == 1000.0 and again["machine"] == {"cpu": "day 2 09:00"}, "a new make bench leads the record"
+    assert again["started"] == "day 2 09:00; rules campaign day 1 11:00"
+    assert again["attempts"]["rules"][0]["wall_s"] == 1500.0, "the rules campaign's attempt is kept"
+
+
+def test_the_twenty_minute_row_reads_the_performance_run_alone():
+    table, verdicts = run_all.targets_table({}, 1000.0, rules_wall_s=1500.0)
+    assert "16.7 min" in table and "`make bench-rules`; its last run took 25.0 min" in table
+    assert verdicts == ["met"]
+    table, verdicts = run_all.targets_table({}, 1300.0)
+    assert verdicts == ["missed"] and "1.7 min over" in table
+    table, verdicts = run_all.targets_table({}, None)
+    assert verdicts == ["missed"] and "no run of every performance piece recorded" in table
