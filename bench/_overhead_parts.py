@@ -1,0 +1,101 @@
+"""The rank's CPU per part of the monitor's path (bench/overhead.py's profiled run): which
+functions make up each part, and the clocks wrapped around them for one run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+VERDICT = "verdict (rank 0, every 10th step: asking and reading it, its CPU, not the wait)"
+WEIGHTS_COPY = "candidate's weights copied to the host (rank 0, every 10th step)"
+PARTS = {
+    # part: the functions (module, class or None, name) whose time it is, on the rank's training thread
+    "reading the step's outputs (loss, statistics, learning rate)": [
+        ("mindpulse.workers.monitor", "Monitor", "_split"), ("mindpulse.workers.monitor", "Monitor", "_probe_stats"),
+        ("mindpulse.workers.monitor", None, "lr_of_step")],
+    "collect steps: fingerprint and weight statistics": [
+        ("mindpulse.workers.session", "RankSession", "_fingerprint"),
+        ("mindpulse.workers.weight_stats", "WeightStats", "collect"),
+        ("mindpulse.workers.weight_stats", "WeightStats", "keep_previous")],
+    "packet encode": [("mindpulse.wire.protocol", "StepPacket", "encode")],
+    "channel send": [("mindpulse.workers.channel", "RelayChannel", "send_step")],
+    VERDICT: [("mindpulse.workers.channel", "RelayChannel", "decide"),
+              ("mindpulse.workers.channel", "RelayChannel", "decide_later"),
+              ("mindpulse.workers.channel", "RelayChannel", "verdict")],
+    WEIGHTS_COPY: [("mindpulse.workers.weights_copy", "WeightsCopy", "take")],
+    "lease check": [("mindpulse.workers.session", "RankSession", "_check_lease")],
+    "step hooks (faults, profiler)": [("mindpulse.workers.session", "RankSession", "before_step"),
+                                      ("mindpulse.workers.session", "RankSession", "after_step")],
+}
+PART_TOTAL = [("mindpulse.workers.monitor", "Monitor", "on_train_step_begin"),
+              ("mindpulse.workers.monitor", "Monitor", "on_train_step_end")]
+PART_RECORD = ("mindpulse.workers.session", "RankSession", "_record")
+PART_SHIP = ("mindpulse.workers.session", "RankSession", "_ship")
+
+
+class PartClocks:
+    """The rank thread's CPU time in each part of the monitor's path: every function a part
+    names is wrapped (for one run) to add its `time.thread_time()` span to the part. A
+    wrapper costs well under a microsecond, so unlike a profiler the figures are the path's
+    own. Nested functions are named once each (their spans are cumulative)."""
+
+    def __init__(self):
+        import importlib
+
+        self.spent: dict[tuple, float] = {}
+        self.wall: dict[tuple, float] = {}
+        self.calls: dict[tuple, int] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._importlib = importlib
+
+    def __enter__(self) -> PartClocks:
+        keys = {k for ks in PARTS.values() for k in ks} | set(PART_TOTAL) | {PART_RECORD, PART_SHIP}
+        for key in keys:
+            mod, cls, name = key
+            owner = self._importlib.import_module(mod)
+            if cls is not None:
+                owner = getattr(owner, cls)
+            own = name in vars(owner)  # else inherited: the wrapper goes on this class, then is removed
+            orig = getattr(owner, name)
+            self.spent[key], self.calls[key] = 0.0, 0
+
+            def wrapped(*a, _orig=orig, _key=key, **kw):
+                t, w = time.thread_time(), time.perf_counter()
+                try:
+                    return _orig(*a, **kw)
+                finally:
+                    self.spent[_key] += time.thread_time() - t
+                    self.wall[_key] = self.wall.get(_key, 0.0) + time.perf_counter() - w
+                    self.calls[_key] += 1
+
+            setattr(owner, name, wrapped)
+            self._undo.append((owner, name, orig if own else None))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, orig in reversed(self._undo):
+            if orig is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        """CPU seconds per step by part (parts do not overlap: the packet's build is `record`
+        less what it calls that has a part of its own)."""
+
+        def cum(keys) -> float:
+            return sum(self.spent.get(k, 0.0) for k in keys)
+
+        out = {part: cum(keys) for part, keys in PARTS.items()}
+        collect = out["collect steps: fingerprint and weight statistics"]
+        out["packet build (RankSession.record less the parts above)"] = max(
+            0.0, cum([PART_RECORD]) - cum([PART_SHIP]) - collect)
+        total = cum(PART_TOTAL)
+        out["rest of the callback"] = max(0.0, total - sum(out.values()))
+        out["callback total"] = total
+        # what the rank waited for (wall clock less its own CPU: blocked, not working)
+        for name, keys in (("wait: the verdict (wall, less its CPU)", PARTS[VERDICT]),
+                           ("wait: the lease (wall, less its CPU)", PARTS["lease check"])):
+            out[name] = max(0.0, sum(self.wall.get(k, 0.0) - self.spent.get(k, 0.0) for k in keys))
+        out["callback wall total"] = sum(self.wall.get(k, 0.0) for k in PART_TOTAL)
+        return {k: v / steps for k, v in out.items()}
