@@ -66,7 +66,8 @@ def targets_table(res: dict, perf_s: float | None, rules_wall_s: float = 0.0) ->
                          "per-part table under 'In-rank overhead'"])
     fi = res.get("fanin")
     if fi:
-        from fanin import TARGETS, judge, p99_label, simulated
+        from _fanin_report import simulated
+        from _fanin_targets import TARGETS, judge, p99_label
 
         for j in fi["targets"]:
             now = next((t for t in TARGETS if (t["ranks"], t["rate"]) == (j["target"]["ranks"], j["target"]["rate"])),
@@ -163,7 +164,8 @@ def sink_rows(fs: dict) -> list[list[str]]:
     the aggregator's CPU per reduced step; the row without a tracker is judged against the fan-in
     target of its ranks and rate, the trackers' rows are costs set beside its limits,
     saying what was simulated and what the simulation leaves out."""
-    from fanin import p99_label, simulated, tracker_failures
+    from _fanin_report import simulated, tracker_failures
+    from _fanin_targets import p99_label
 
     t = fs.get("target")
     ok = {s: [r for r in runs if "skipped" not in r] for s, runs in fs["sink_runs"].items()}

@@ -77,7 +77,6 @@ import math  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -85,12 +84,16 @@ import ray  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from _fanin_driver import Driver, Scraper  # noqa: E402
+from _fanin_report import render, simulated, tracker_failures  # noqa: E402
+from _fanin_targets import AGENT_CONTEXT, AGENT_TARGET, P99_MIN_STEPS, TARGETS, judge, p99_label  # noqa: E402
+
+# what other code reads here: bench/exporter.py the scraper, bench/run_all.py and the tests the
+# targets, their judgement and the report
+__all__ = ["AGENT_TARGET", "TARGETS", "Scraper", "judge", "main", "overrides_of", "p99_label", "plan", "render",
+           "run", "simulated", "tracker_failures"]
 
 SENDERS = 2
-POLL_S = 0.5
-"""The launcher's supervisor polls the aggregator this often (launcher/supervision.py WAIT_S)."""
-HANG_CHECK_S = 2.0
-"""...and asks its hang check this often (HANG_CHECK_EVERY_S)."""
 HOP_GROUPS = 2
 """Groups whose members reach their leader over an uplink of their own: one per sender
 process, so each plays one leader with its 63 members' streams, as one leader's machine
@@ -145,81 +148,6 @@ def generate(p: dict, rpn: int, rate: float, steps: int, senders: str = "replay"
 
     task = ray.remote(node_batches).options(num_cpus=1)
     return [task.remote(sorted(n for g in sender_groups(p, i)[0] for n in g), ov, steps, rate) for i in range(SENDERS)]
-
-
-class Scraper:
-    """Prometheus' part: GET the aggregator's /metrics every `every_s` seconds (the first at
-    once) while the run goes, as a scrape job would; the aggregator's CPU includes serving them."""
-
-    def __init__(self, url: str, every_s: float):
-        self.url, self.every_s, self.times = url, every_s, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        import urllib.request
-
-        while not self._stop.is_set():
-            t = time.perf_counter()
-            try:
-                with urllib.request.urlopen(self.url, timeout=10) as resp:
-                    resp.read()
-                self.times.append(time.perf_counter() - t)
-            except OSError:
-                pass  # the endpoint is not up yet (or gone): the next scrape tries again
-            self._stop.wait(self.every_s)
-
-    def close(self) -> list[float]:
-        self._stop.set()
-        self._thread.join(timeout=15)
-        return list(self.times)
-
-
-class Driver:
-    """The launcher's supervisor while the ranks run: `poll` every POLL_S (the console's new
-    lines, tables included, and the progress) and `hang_check` every HANG_CHECK_S, with the
-    arguments the launcher passes for the default config (`launcher/attempt.py`)."""
-
-    def __init__(self, aggregator, stale_s: float):
-        self.agg, self.stale_s = aggregator, stale_s
-        self.polls: list[float] = []
-        self.checks: list[float] = []
-        self.lines = self.chars = 0
-        self.tracker_lines: list[str] = []
-        """What the console said of the trackers (where each logs, one that failed): the first few."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        last_check = 0.0
-        while not self._stop.wait(POLL_S):
-            t = time.perf_counter()
-            try:
-                info = ray.get(self.agg.poll.remote(), timeout=10)
-                self.polls.append(time.perf_counter() - t)
-                self.lines += len(info["console"])
-                self.chars += sum(len(x) for x in info["console"])
-                self.tracker_lines += [x for x in info["console"] if len(self.tracker_lines) < 10 and any(
-                    w in x for w in ("MLflow", "SwanLab", "tracker did not start", "Sink failed in"))]
-            except Exception:  # as the launcher: no answer this tick, asked again at the next
-                self.polls.append(10.0)
-            if time.monotonic() - last_check >= HANG_CHECK_S:
-                last_check = time.monotonic()
-                t = time.perf_counter()
-                try:
-                    ray.get(self.agg.hang_check.remote(None, self.stale_s), timeout=10)
-                    self.checks.append(time.perf_counter() - t)
-                except Exception:  # as the launcher: no verdict this tick
-                    self.checks.append(10.0)
-
-    def close(self) -> dict:
-        self._stop.set()
-        self._thread.join(timeout=15)
-        return {"polls": len(self.polls), "poll_max_ms": round(max(self.polls, default=0) * 1000, 1),
-                "hang_checks": len(self.checks), "hang_check_max_ms": round(max(self.checks, default=0) * 1000, 1),
-                "console_lines": self.lines, "console_chars": self.chars, "tracker_lines": self.tracker_lines}
 
 
 def run(args: argparse.Namespace, blobs: list | None = None) -> dict:
@@ -398,98 +326,6 @@ def run(args: argparse.Namespace, blobs: list | None = None) -> dict:
     }
 
 
-P99_MIN_STEPS = 200
-"""Reduced steps in a repeat for its p99 to be one (below, the row gives the maximum over n)."""
-
-
-def p99_label(n: int | None) -> str:
-    """How a run's reduce p99 figure was taken: over n steps, or the max over fewer (results
-    stored before n was recorded say so)."""
-    if n is None:
-        return "p99, n not recorded"
-    return f"p99 over {n} steps" if n >= P99_MIN_STEPS else f"max over {n} steps"
-
-
-TARGETS = [
-    # ranks, rate, limits: achieved >=, reduce p99 <, aggregator core fraction <=, rank wait p99 <=
-    {"ranks": 4096, "rate": 2.0, "achieved": 1.95, "p99_ms": 200.0, "cpu": 0.25, "wait_ms": 0.0},
-    {"ranks": 32768, "rate": 1.0, "achieved": 0.95, "p99_ms": 500.0, "cpu": 0.5, "wait_ms": None},
-]
-AGENT_TARGET = {"ranks": 16, "rate": 10.0, "cpu_frac": 0.05}
-"""The node agent's whole process at most 5% of one core for an Atlas A3 node (16 chips, so
-16 ranks) at 10 steps/s, telemetry on."""
-AGENT_CONTEXT = {"ranks": 8, "rate": 20.0}
-"""The 8-rank measurement the earlier target used (1 ms of CPU a step), kept as context."""
-
-
-def judge(t: dict, runs: list[dict]) -> dict:
-    """A target is met only when its worst repeat meets it."""
-    worst = {"achieved_steps_per_s": min(r["achieved_steps_per_s"] for r in runs),
-             "reduce_p99_ms": max(r["reduce_p99_ms"] or math.inf for r in runs),
-             "reduce_n": min((r["reduce_n"] for r in runs if "reduce_n" in r), default=None),
-             "aggregator_cpu_frac": max(r["aggregator_cpu_frac"] for r in runs),
-             "rank_wait_p99_ms": max(r["rank_wait_p99_ms"] or 0.0 for r in runs),
-             "scrape_every_s": runs[0].get("scrape_every_s"),
-             "scrape_max_ms": max((r["scrape_max_ms"] for r in runs if r.get("scrape_max_ms") is not None),
-                                  default=None)}
-    checks = {"achieved": worst["achieved_steps_per_s"] >= t["achieved"],
-              "p99": worst["reduce_p99_ms"] < t["p99_ms"]}
-    if t["cpu"] is not None:
-        checks["cpu"] = worst["aggregator_cpu_frac"] <= t["cpu"]
-    if t["wait_ms"] is not None:
-        checks["wait"] = worst["rank_wait_p99_ms"] <= t["wait_ms"]
-    return {"target": t, "worst": worst, "checks": checks, "met": all(checks.values()), "runs": runs}
-
-
-def simulated(r: dict) -> str:
-    """What a run's nodes sent, and what of a real job it leaves out, in words (the target
-    rows of docs/benchmarks.md)."""
-    sent = (f"every rank's step packets (values by rank and step) through the real node pre-reducer, a heartbeat "
-            f"from every rank every {r['heartbeat_s']:g} s, {r['cards_per_node']} cards' telemetry from every node "
-            f"every {r['telemetry_interval_s']:g} s, rank 0's decide at checkpoint candidates; the console table every "
-            f"{r['per_print_step']} steps, drained by a driver poll every {POLL_S:g} s beside the hang check every "
-            f"{HANG_CHECK_S:g} s")
-    out = ["the nodes' relays (each node's batches are made before the run)", "checkpoint writes", "evaluation"]
-    tracker = TRACKER_SAID.get(r.get("sink") or "none")
-    if tracker:
-        sent += f"; {tracker[0]}"
-        out.append(tracker[1])
-    if r.get("senders") == "replay":
-        from _replay import CYCLE
-
-        sent += (f"; the senders replay pre-encoded frames (bench/_replay.py: each group leader's frame of a step "
-                 f"built before the run by the real node pre-reducer and `GroupLeader`, {CYCLE} steps' worth "
-                 "replayed in a cycle with the step written in, over one real uplink per leader; each node's "
-                 "heartbeats as one record, each node's telemetry sample encoded once), so that the harness takes "
-                 "little of the aggregator's core")
-        out.insert(0, "the member-to-leader streams and the leaders' merging at run time (their frames are built "
-                      "before the run)")
-    elif r["group_size"] > 1 and r.get("hop_groups", 0) < r["groups"]:
-        rest = r["groups"] - r.get("hop_groups", 0)
-        members = r["nodes"] - r["groups"] - r.get("hop_members", 0)
-        out.insert(0, f"the member-to-leader stream in {rest} of {r['groups']} groups (their {members:,} members hand "
-                      "their batches to the leader in-process: no member stream, acknowledgement or lease push for "
-                      "them; the other " + (f"{r['hop_groups']} groups' members stream as node agents do"
-                                            if r.get("hop_groups") else "groups have none") + ")")
-    return f"simulated: {sent}; left out: " + ", ".join(out)
-
-
-TRACKER_SAID = {
-    "mlflow": ("MLflow on (`sinks.mlflow.enabled`): the scalars TensorBoard writes logged to a file store on this "
-               "machine's disk from the sink's writer thread in the aggregator's process (counted in its CPU)",
-               "an MLflow tracking server (no network round trip: a file store)"),
-    "swanlab": ("SwanLab on (`sinks.swanlab.enabled`, offline): the same scalars written by SwanLab's own threads "
-                "in the aggregator's process (counted in its CPU)",
-                "SwanLab's upload (offline mode writes files only)"),
-}
-"""A tracker sink's run in words: (what it adds to what was simulated, what it leaves out)."""
-
-
-def tracker_failures(r: dict) -> list[str]:
-    """What the console said of a run's tracker failing (it did not start, or a write failed)."""
-    return [x for x in r.get("tracker_lines") or [] if "failed" in x or "did not start" in x]
-
-
 def sink_runs(args: argparse.Namespace, sinks: list[str]) -> dict:
     """The configuration once per sink, `args.repeats` rounds (the sinks in turn each round, so a
     disturbance hits them alike), on one set of node batches; judged against the fan-in target
@@ -507,98 +343,6 @@ def sink_runs(args: argparse.Namespace, sinks: list[str]) -> dict:
     return {"sink_runs": runs, "target": target,
             "judged": {s: judge(target, rs) for s, rs in runs.items() if target and rs and "skipped" not in rs[0]},
             "repeats": args.repeats, "seconds_per_run": args.seconds, "machine": C.machine()}
-
-
-def render_sinks(out: dict) -> str:
-    """The fan-in with each tracker sink (bench/run_all.py's exporter section)."""
-    rows, said = [], []
-    base = [r["aggregator_cpu_ms_per_step"] for r in out["sink_runs"].get("none", []) if "skipped" not in r]
-    for sink, runs in out["sink_runs"].items():
-        for i, r in enumerate(runs, 1):
-            if "skipped" in r:
-                rows.append([sink, i, "-", "-", "-", "-", "-", "-", r["skipped"]])
-                continue
-            over = (f"{r['aggregator_cpu_ms_per_step'] - base[min(i, len(base)) - 1]:+.2f}"
-                    if base and sink != "none" else "")
-            rows.append([sink, i, f"{r['achieved_steps_per_s']:.3f}",
-                         f"{r['reduce_p99_ms']:.0f} ({p99_label(r.get('reduce_n'))})",
-                         f"{r['aggregator_cpu_frac'] * 100:.0f}%", f"{r['aggregator_cpu_ms_per_step']:.2f}", over,
-                         f"{r['rank_wait_p99_ms']:.1f}", "; ".join(tracker_failures(r)) or "none"])
-        first = next((r for r in runs if "skipped" not in r), None)
-        if first is not None:
-            said.append(f"With {sink}: {simulated(first)}.")
-    r0 = next((r for rs in out["sink_runs"].values() for r in rs if "skipped" not in r), None)
-    head = (f"The fan-in at {r0['ranks']:,} ranks and {r0['asked_steps_per_s']:g} steps/s (TensorBoard "
-            f"{'on' if r0['tensorboard'] else 'off'}, the Prometheus endpoint scraped every {r0['scrape_every_s']:g} s) "
-            "with each tracker sink, the sinks in turn each round, on the same node batches:"
-            if r0 else "The fan-in with each tracker sink: no run.")
-    return "\n".join([head, C.table(["sink on", "round", "achieved steps/s", "reduce p99 ms",
-                                     "aggregator CPU (of a core)", "aggregator CPU ms per reduced step", "over none",
-                                     "rank wait p99 ms", "tracker failures"], rows), "", *said])
-
-
-def render(out: dict) -> str:
-    """The Markdown section of docs/benchmarks.md (bench/run_all.py)."""
-    if "sink_runs" in out:
-        return render_sinks(out)
-    rows = []
-    for j in out["targets"]:
-        t = j["target"]
-        for i, r in enumerate(j["runs"], 1):
-            rows.append([f"{t['ranks']:,} ranks ({r['nodes']:,} nodes, {r['groups']} groups"
-                         + (f", {r['hop_groups']} with member streams" if "hop_groups" in r else "")
-                         + f") at {t['rate']:g}/s", i,
-                         f"{r['achieved_steps_per_s']:.3f}", f"{r['reduce_p50_ms']:.0f}",
-                         f"{r['reduce_p99_ms']:.0f} ({p99_label(r.get('reduce_n'))})",
-                         f"{r['aggregator_cpu_frac'] * 100:.0f}%", f"{r['rank_wait_p99_ms']:.1f}",
-                         _or(r.get("decision_wait_max_ms"), "{:.0f}") + (f" ({r['decisions']})" if r.get("decisions")
-                                                                          else "")
-                         + (f"; {max(r['directive_after_lease_ms']):.0f}" if r.get("directive_after_lease_ms") else ""),
-                         "/".join(f"{c * 100:.0f}%" for c in r.get("sender_cpu_frac") or []) or "-",
-                         _or(r.get("heartbeats_per_s"), "{:,.0f}") + " / " + _or(r.get("telemetry_per_s"), "{:,.0f}"),
-                         _or(r.get("console_chars"), "{:,}"), _or(r.get("hang_check_max_ms"), "{:.0f}"),
-                         _or(r.get("rejected"), "{}")])
-    lines = [
-        C.table(["configuration", "repeat", "achieved steps/s", "reduce p50 ms",
-                 f"reduce p99 ms (the max where a repeat reduced fewer than {P99_MIN_STEPS} steps)",
-                 "aggregator CPU (of a core)", "rank wait p99 ms",
-                 "rank 0's directive wait, max ms (candidates); of which after its step's lease",
-                 "senders' CPU", "heartbeats / telemetry packets per s", "console chars drained",
-                 "hang check max ms", "packets refused"], rows),
-        "",
-    ]
-    for j in out["targets"]:
-        r = j["runs"][0]
-        if "heartbeat_s" in r:
-            lines += [f"At {r['ranks']:,} ranks, {simulated(r)}.", ""]
-    for key, what in (("agent_a3", "Atlas A3-shaped node"), ("agent_8", "8 ranks, for context")):
-        agent = out.get(key) or []
-        if not agent:
-            continue
-        a = agent[0]
-        lines.append(
-            f"Node agent process, {what} (`bench/_agent_node.py`: the launcher's `NodeAgents`, {a['ranks']} ranks' "
-            f"`RelayChannel`s sending every step's packet within {a['spread_ms']:g} ms and taking the lease at "
-            f"{a['rate']:g} steps/s, {a['steps']} steps, heartbeats every {a['heartbeat_s']:g} s, {a['cards']} "
-            f"cards' telemetry every {a['telemetry_interval_s']:g} s through the npu-smi sampler on recorded output; "
-            "every thread of the process counted): "
-            + ", ".join(f"{r['cpu_frac'] * 100:.2f}% of a core ({r['cpu_ms_per_step']:.3f} ms a step)" for r in agent)
-            + " over the repeats; the same process with the ranks between steps: "
-            + ", ".join(f"{r['idle_cpu_frac'] * 100:.2f}%" for r in agent)
-            + "; the fake npu-smi's own processes: "
-            + ", ".join(f"{r['npu_smi_children_cpu_frac'] * 100:.2f}%" for r in agent) + ".")
-    old = out.get("agent") or []  # results stored before the A3-shaped measurement
-    if old:
-        lines.append(f"Node agent process, as a launch runs it ({old[0]['ranks']} ranks at {old[0]['rate']:g} steps/s, "
-                     f"{old[0]['steps']} steps, card telemetry on): "
-                     + ", ".join(f"{r['cpu_ms_per_step']:.3f}" for r in old) + " ms of CPU per step over the repeats "
-                     "(the same process idle: " + ", ".join(f"{r['idle_cpu_ms_per_step']:.3f}" for r in old)
-                     + " ms per step's worth of time).")
-    return "\n".join(lines)
-
-
-def _or(v, fmt: str) -> str:
-    return "-" if v is None else fmt.format(v)
 
 
 def agent_runs(repeats: int, seconds: float, fake_dir: Path) -> tuple[list[dict], list[dict]]:
