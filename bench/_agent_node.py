@@ -18,7 +18,7 @@ ascend`. There is no Ascend driver here: DCMI does not load, so the agent's samp
 output, as tests/unit/test_telemetry.py feeds the sampler: for 8 cards the real capture of
 an Atlas 800T A2 (tests/fixtures/npu-smi/info_910b3_a2_8cards_busy.txt and the 910B `-t`
 listings); for 16 cards an Atlas A3 table (8 NPUs, two chips each, physical ids: the
-layout tests/unit/test_npu_smi.py parses; no A3 capture exists) with the same listings
+layout tests/unit/test_npu_smi_layouts.py parses; no A3 capture exists) with the same listings
 once per chip. The agent's side of every sample is real (32 `npu-smi` runs of an A3
 sample: fork and exec, the locks, parsing, merging, the host's and the 16 rank processes'
 statistics through psutil); the script's own CPU is not the tool's and is reported apart.
@@ -56,7 +56,7 @@ keys the parser knows (as tests/unit/test_telemetry.py does)."""
 
 def a3_table(npus: int = 8) -> str:
     """`npu-smi info` of an Atlas A3 node: two chips an NPU, physical ids, `-` for the second
-    chip's power (the layout of tests/unit/test_npu_smi.py's A3_TABLE, every NPU busy)."""
+    chip's power (the layout of A3_TABLE in tests/unit/npu_smi_cases.py, every NPU busy)."""
     sep = "+---------------------------+---------------+----------------------------------------------------+"
     big = "+===========================+===============+====================================================+"
     lines = [
