@@ -15,7 +15,7 @@ monitoring work), rank 0 last at a candidate.
 Card telemetry is on at the default `monitor.telemetry_interval_s` with `world.device:
 ascend`. There is no Ascend driver here: DCMI does not load, so the agent's sampler is the
 `npu-smi` one, and the `npu-smi` it runs is a script (`fake_npu_smi`) that prints recorded
-output, as tests/unit/test_telemetry.py feeds the sampler: for 8 cards the real capture of
+output, as tests/unit/fake_npu_smi.py feeds the sampler: for 8 cards the real capture of
 an Atlas 800T A2 (tests/fixtures/npu-smi/info_910b3_a2_8cards_busy.txt and the 910B `-t`
 listings); for 16 cards an Atlas A3 table (8 NPUs, two chips each, physical ids: the
 layout tests/unit/test_npu_smi_layouts.py parses; no A3 capture exists) with the same listings
@@ -51,7 +51,7 @@ MEMORY_910B = """\
         Chip ID                        : {chip}
 """
 """No `-t memory` capture of a 910B board exists in the fixtures: this listing is made of the
-keys the parser knows (as tests/unit/test_telemetry.py does)."""
+keys the parser knows (as tests/unit/fake_npu_smi.py does)."""
 
 
 def a3_table(npus: int = 8) -> str:
