@@ -320,7 +320,79 @@ def loop_thread(name: str) -> asyncio.AbstractEventLoop:
     return loop
 
 
-class Nodes:
+class Senders:
+    """What a sender actor of bench/fanin.py keeps of a run, whichever way it sends (`Nodes`:
+    the node agents' code at run time; `_replay.Replay`: frames built before the run), and the
+    answers `fanin.run` asks of every sender: the ranks' heartbeat and card-sample clocks, when
+    each step was handed over, went up and was decided, the waits before a step, and the record
+    of the run. A subclass sets `watch` (its `LeaseWatch`), `nodes` (the nodes it plays) and
+    `decides` (node 0's leader is here: rank 0's decide goes up from this sender), then calls
+    `_start_clocks`; its `_tick` sends what falls due."""
+
+    watch: LeaseWatch
+    nodes: list[int]
+    decides: bool
+
+    def _start_clocks(self, rpn: int, heartbeat_s: float, telemetry_s: float, seed: int) -> None:
+        """The run's clocks (the beats' phases count from now) and its empty records."""
+        self._pid = os.getpid()
+        self.t0 = time.time()
+        ranks = [n * rpn + i for n in self.nodes for i in range(rpn)]
+        self.beats = Beats(ranks, heartbeat_s, self.t0, seed)
+        self.samples = Beats(self.nodes, telemetry_s, self.t0, seed + 1) if telemetry_s > 0 else None
+        self.step = 0
+        self.sent_at: dict[int, float] = {}
+        self.up_at: dict[int, float] = {}
+        """Step → when its last group partial left a leader for the aggregator."""
+        self.decided_at: dict[int, float] = {}
+        self.decided = threading.Condition()
+        self.counts: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _start_ticker(self) -> None:
+        """The heartbeats and card samples begin (`_tick`, in a thread of their own)."""
+        self._ticker = threading.Thread(target=self._tick, name="beats", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        raise NotImplementedError
+
+    def stop_traffic(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(5)
+
+    def _decided(self, step: int) -> None:
+        """Rank 0 has the directive of `step`: a rank waiting for it (`wait`) goes on."""
+        with self.decided:
+            self.decided_at[step] = time.time()
+            self.decided.notify_all()
+
+    def wait(self, need: int, directive_of: int, timeout: float = 60.0) -> tuple[float, float]:
+        """Before the next step: (seconds rank 0 waited for the directive of step
+        `directive_of`, where node 0 is here and that step was a candidate (-1: none), then
+        seconds the ranks waited for every node's lease to cover step `need`)."""
+        t0 = time.time()
+        if directive_of >= 0 and self.decides:
+            with self.decided:
+                self.decided.wait_for(lambda: directive_of in self.decided_at, timeout)
+        t1 = time.time()
+        # the ranks' wait counts from their step's end (this process's last batch handed over),
+        # the directive's wait above included: only rank 0 waits for that, the others for the lease
+        return t1 - t0, self.watch.wait(need, timeout, since=self.sent_at.get(self.step))
+
+    def record(self) -> dict[str, Any]:
+        return {"sent_at": dict(self.sent_at), "seen_at": dict(self.watch.seen_at),
+                "leaders_at": dict(self.watch.leaders_at), "up_at": dict(self.up_at),
+                "decided_at": dict(self.decided_at), "lease0_at": dict(self.watch.node0_at),
+                "stopping": self.watch.stopping, "watched": len(self.watch.through)}
+
+
+class Nodes(Senders):
     """The node agents of some groups, in one process (a Ray actor of the benchmark).
 
     `groups`: lists of node ids, each led by its first; `hop`: the groups whose members
@@ -360,27 +432,12 @@ class Nodes:
                     self.members.append(member)
                     self.agents[m] = member
         self.nodes = sorted(self.leader_of)
-        self.pid = os.getpid()
-        ranks = [n * rpn + i for n in self.nodes for i in range(rpn)]
-        self.t0 = time.time()
-        self.beats = Beats(ranks, heartbeat_s, self.t0, seed)
-        self.samples = Beats(self.nodes, telemetry_s, self.t0, seed + 1) if telemetry_s > 0 else None
+        self.decides = 0 in self.agents
+        self._start_clocks(rpn, heartbeat_s, telemetry_s, seed)
         self.beat = Heartbeat(None, 0, lambda: self.step, lambda: self.step + 1)  # type: ignore[arg-type]
-        self.step = 0
-        self.sent_at: dict[int, float] = {}
-        self.up_at: dict[int, float] = {}
-        """Step → when its last group partial left a leader for the aggregator."""
-        self.decided_at: dict[int, float] = {}
         self.decision: asyncio.Future | None = None
-        self.decided = threading.Condition()
-        self.counts: Counter[str] = Counter()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
 
     # ---- set-up -------------------------------------------------------------------------------
-    def pid(self) -> int:
-        return os.getpid()
-
     def agents_count(self) -> int:
         return len(self.agents)
 
@@ -391,27 +448,13 @@ class Nodes:
     def start(self) -> None:
         """The ranks start: every rank's START event, the heartbeats and card samples begin."""
         items = [(n, {"steps": [], "other": [EventPacket(rank=r, kind=EventKind.START.value, ts=time.time(), step=0,
-                                                         pid=self.pid + r % self.rpn, host=f"host{n}").encode()
+                                                         pid=self._pid + r % self.rpn, host=f"host{n}").encode()
                                              for r in range(n * self.rpn, (n + 1) * self.rpn)],
                       "partials": [], "rejected": {}}) for n in self.nodes]
         self._in_loop(self._deliver, items)
-        self._ticker = threading.Thread(target=self._tick, name="beats", daemon=True)
-        self._ticker.start()
+        self._start_ticker()
 
     # ---- steps --------------------------------------------------------------------------------
-    def wait(self, need: int, directive_of: int, timeout: float = 60.0) -> tuple[float, float]:
-        """Before the next step: (seconds rank 0 waited for the directive of step
-        `directive_of`, where node 0 is here and that step was a candidate (-1: none), then
-        seconds the ranks waited for every node's lease to cover step `need`)."""
-        t0 = time.time()
-        if directive_of >= 0 and 0 in self.agents:
-            with self.decided:
-                self.decided.wait_for(lambda: directive_of in self.decided_at, timeout)
-        t1 = time.time()
-        # the ranks' wait counts from their step's end (this process's last batch handed over),
-        # the directive's wait above included: only rank 0 waits for that, the others for the lease
-        return t1 - t0, self.watch.wait(need, timeout, since=self.sent_at.get(self.step))
-
     def send_step(self, step: int, decide: bool) -> float:
         """Every node hands its batch of `step` to its uplink or its leader (node 0 with a
         decide at a candidate); returns when the last is handed over."""
@@ -420,7 +463,7 @@ class Nodes:
         done = threading.Event()
 
         def go() -> None:
-            if decide and 0 in self.agents:
+            if decide and self.decides:
                 _, b0 = items[0]
                 self.decision = asyncio.ensure_future(self._decide(b0, step))
                 self._deliver(items[1:])
@@ -435,9 +478,7 @@ class Nodes:
 
     async def _decide(self, batch: dict[str, Any], step: int) -> None:
         await _forward_decide(self.agents[0], batch, step, self.decision_timeout_s)
-        with self.decided:
-            self.decided_at[step] = time.time()
-            self.decided.notify_all()
+        self._decided(step)
 
     def _deliver(self, items: list[tuple[int, dict[str, Any]]]) -> None:
         """In the loop: each node's batch the way its relay sends it (`relay.forward_send`, as
@@ -489,7 +530,7 @@ class Nodes:
             self.counts["heartbeats"] += sum(len(p) for p in per.values())
             if self.samples is not None:
                 for n in self.samples.due(t):
-                    items.append((n, {"steps": [], "other": [telemetry_sample(n, self.rpn, t, self.pid)],
+                    items.append((n, {"steps": [], "other": [telemetry_sample(n, self.rpn, t, self._pid)],
                                       "partials": [], "rejected": {}}))
                     self.counts["telemetry"] += 1
             if items:
@@ -497,11 +538,6 @@ class Nodes:
                 self._in_loop(self._deliver, items)
 
     # ---- the end ------------------------------------------------------------------------------
-    def stop_traffic(self) -> None:
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join(5)
-
     def close(self) -> dict[str, Any]:
         """Members first, then leaders (as `NodeAgents` stops them): everything acknowledged."""
         self.stop_traffic()
@@ -531,10 +567,3 @@ class Nodes:
         return {**self.counts, "member_frames": sum(ld.server.stats["frames"] for ld in self.leaders
                                                     if ld.server is not None),
                 "leader_frames": sum(ld.uplink.stats["frames"] for ld in self.leaders)}
-
-    def record(self) -> dict[str, Any]:
-        return {"sent_at": dict(self.sent_at), "seen_at": dict(self.watch.seen_at),
-                "leaders_at": dict(self.watch.leaders_at),
-                "up_at": dict(self.up_at), "decided_at": dict(self.decided_at),
-                "lease0_at": dict(self.watch.node0_at),
-                "stopping": self.watch.stopping, "watched": len(self.watch.through)}

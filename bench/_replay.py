@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import struct
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import msgpack
+from _node_sim import FLUSH_S, LeaseWatch, Senders, _Relay, loop_thread, node_batches, telemetry_sample
 
 from mindpulse.node.group import GroupLeader
 from mindpulse.wire.uplink import Uplink
@@ -136,8 +135,6 @@ class Template:
 def group_frames(groups: list[list[int]], overrides: list[str], steps: int, rate: float) -> dict[int, list[bytes]]:
     """Each group's packed frame entries of steps 0..`steps` (its leader's one flush a step),
     built by the node agents' code; packed with fixed-width step fields. Run as a Ray task."""
-    from _node_sim import node_batches
-
     out: dict[int, list[bytes]] = {}
     for g in groups:
         batches = node_batches(g, overrides, steps, rate)
@@ -182,17 +179,15 @@ class ReplayUplink(Uplink):
             self._writer.write(raw)
 
 
-class Replay:
+class Replay(Senders):
     """The group leaders of some groups, replaying their built frames (a Ray actor of the
-    benchmark, with the interface of `_node_sim.Nodes`)."""
+    benchmark; what it keeps of a run and answers, as `_node_sim.Nodes`, is `Senders`')."""
 
     def __init__(self, aggregator: Any, groups: list[list[int]], frames: dict[int, list[bytes]], rpn: int,
                  heartbeat_s: float, telemetry_s: float, decision_timeout_s: float, seed: int,
                  address: tuple[str, int, str] | None = None):
         """`aggregator`: the actor's handle (its `uplink_address` asked through Ray), or None
         with `address`, the uplink server's (host, port, token) (a test without Ray)."""
-        from _node_sim import Beats, LeaseWatch, _Relay, loop_thread, telemetry_sample
-
         self.rpn = rpn
         self.decision_timeout_s = decision_timeout_s
         self.loop = loop_thread("uplinks")
@@ -215,24 +210,10 @@ class Replay:
             u.start(self.loop)
         self.group_of = {n: g[0] for g in groups for n in g}
         self.nodes = sorted(self.group_of)
-        self._pid = os.getpid()
-        self.t0 = time.time()
-        ranks = [n * rpn + i for n in self.nodes for i in range(rpn)]
-        self.beats = Beats(ranks, heartbeat_s, self.t0, seed)
-        self.samples = Beats(self.nodes, telemetry_s, self.t0, seed + 1) if telemetry_s > 0 else None
+        self.decides = 0 in self.uplinks
+        self._start_clocks(rpn, heartbeat_s, telemetry_s, seed)
         self.telemetry = {n: bytearray(telemetry_sample(n, rpn, self.t0, self._pid)) for n in self.nodes}
         self.telemetry_ts = {n: bytes(b).find(_TS_KEY + b"\xcb") + len(_TS_KEY) + 1 for n, b in self.telemetry.items()}
-        self.step = 0
-        self.sent_at: dict[int, float] = {}
-        self.up_at: dict[int, float] = {}
-        self.decided_at: dict[int, float] = {}
-        self.decided = threading.Condition()
-        self.counts: Counter[str] = Counter()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def agents_count(self) -> int:
         return len(self.uplinks)
@@ -253,8 +234,7 @@ class Replay:
                 self.uplinks[g[0]].send(entries)
 
         self.loop.call_soon_threadsafe(go)
-        self._ticker = threading.Thread(target=self._tick, name="beats", daemon=True)
-        self._ticker.start()
+        self._start_ticker()
 
     def frame_of(self, lead: int, step: int) -> tuple[bytes, int]:
         """Group `lead`'s entries of run step `step` (built step 0, or its place in the cycle)."""
@@ -274,7 +254,7 @@ class Replay:
                 self.uplinks[lead].send_packed(body, n)
             now = time.time()
             self.up_at[step] = self.sent_at[step] = now
-            if decide and 0 in self.uplinks:
+            if decide and self.decides:
                 asyncio.ensure_future(self._decide(step))
             done.set()
 
@@ -284,24 +264,11 @@ class Replay:
 
     async def _decide(self, step: int) -> None:
         await self.uplinks[0].decide([], step, self.decision_timeout_s)
-        with self.decided:
-            self.decided_at[step] = time.time()
-            self.decided.notify_all()
-
-    def wait(self, need: int, directive_of: int, timeout: float = 60.0) -> tuple[float, float]:
-        """As `_node_sim.Nodes.wait`."""
-        t0 = time.time()
-        if directive_of >= 0 and 0 in self.uplinks:
-            with self.decided:
-                self.decided.wait_for(lambda: directive_of in self.decided_at, timeout)
-        t1 = time.time()
-        return t1 - t0, self.watch.wait(need, timeout, since=self.sent_at.get(self.step))
+        self._decided(step)
 
     def _tick(self) -> None:
         """Heartbeats (one record per node, a group's nodes in one frame) and card samples
         (their timestamps written in) as they fall due, every relay flush window."""
-        from _node_sim import FLUSH_S
-
         while not self._stop.wait(FLUSH_S):
             t = time.time()
             per: dict[int, dict[int, list[list[Any]]]] = {}
@@ -330,9 +297,7 @@ class Replay:
 
     def close(self) -> dict[str, Any]:
         """Every frame acknowledged, then the uplinks closed."""
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join(5)
+        self.stop_traffic()
 
         async def closed() -> int:
             return sum(await asyncio.gather(*(u.close(10) for u in self.uplinks.values())))
@@ -345,12 +310,6 @@ class Replay:
     def counters(self) -> dict[str, int]:
         return {**self.counts, "member_frames": 0,
                 "leader_frames": sum(u.stats["frames"] for u in self.uplinks.values())}
-
-    def record(self) -> dict[str, Any]:
-        return {"sent_at": dict(self.sent_at), "seen_at": dict(self.watch.seen_at),
-                "leaders_at": dict(self.watch.leaders_at), "up_at": dict(self.up_at),
-                "decided_at": dict(self.decided_at), "lease0_at": dict(self.watch.node0_at),
-                "stopping": self.watch.stopping, "watched": len(self.watch.through)}
 
 
 def cycle_steps(steps: int) -> int:
