@@ -115,7 +115,7 @@ def wait_quiet(load: C.ForeignLoad, max_wait_s: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="total wall-time budget (default 19 min for the performance pieces, 32 for the rules "
+                    help="total wall-time budget (default 19 min for the performance pieces, 56 for the rules "
                          "campaign, their sum with --all)")
     ap.add_argument("--only", default="", help="comma-separated pieces (default: every performance piece)")
     ap.add_argument("--all", action="store_true", help="the performance pieces, then the rules campaign")
