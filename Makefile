@@ -49,7 +49,7 @@ test-quick: lint
 	$(BIN)/python -m pytest tests -q $(QUICK)
 
 # the performance pieces (under 20 minutes here), then docs/benchmarks.md rewritten; the rules
-# campaign (real launches, healthy and with injected faults: about 25 minutes) is its own target
+# campaign (real launches, healthy and with injected faults: about 45 minutes) is its own target
 bench: setup
 	$(BIN)/python bench/run_all.py
 

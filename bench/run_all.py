@@ -16,7 +16,7 @@ Usage: .venv/bin/python bench/run_all.py [--budget-s S] [--only fanin,memory] [-
 By default (`make bench`) it runs the performance pieces: every row but the rules campaign's,
 within 20 minutes here. The campaign is its own command (`make bench-rules`) because issue 47's
 minimums (12 healthy launches, 5 runs of each of 9 fault kinds, every launch a real cluster with
-its ~15 s start) take about 25 minutes on their own on this machine; its rows in the document
+its ~15 s start) take about 45 minutes on their own on this machine; its rows in the document
 are those of its last run, dated.
 
 `--only` runs those pieces and merges them into the last run's record (bench/results/run_all.json):
@@ -115,7 +115,7 @@ def wait_quiet(load: C.ForeignLoad, max_wait_s: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="total wall-time budget (default 19 min for the performance pieces, 32 for the rules "
+                    help="total wall-time budget (default 19 min for the performance pieces, 56 for the rules "
                          "campaign, their sum with --all)")
     ap.add_argument("--only", default="", help="comma-separated pieces (default: every performance piece)")
     ap.add_argument("--all", action="store_true", help="the performance pieces, then the rules campaign")
