@@ -139,8 +139,10 @@ def write_result(path: str | os.PathLike | None, name: str, data: dict[str, Any]
     """Write a benchmark's result JSON (when a path was given)."""
     if not path:
         return
-    out = {"name": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": time.time() - t0,
-           "load_after": load_average(), **data}
+    # this run's stamp last: a result merged into a former one (`rules.py --merge-into`) carries
+    # the former run's date and wall time, which must not stand for this run's
+    out = {**data, "name": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": time.time() - t0,
+           "load_after": load_average()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1, default=str))
 
