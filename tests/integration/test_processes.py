@@ -4,7 +4,6 @@ cluster_configs/local_cpu.yaml, real Ray, real MindSpore ranks)."""
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import json
 import os
@@ -199,15 +198,6 @@ def test_the_embedded_cluster_runs_with_a_private_token(live):
     assert raylets, "no raylet found"
     env = psutil.Process(raylets[0]).environ()
     assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN_PATH") == str(token)
-    # and its GCS waits the embedded cluster's patient health check (the settings Ray hands
-    # its GCS, base64 JSON on its command line)
-    from mindpulse.launcher.ray_session import EMBEDDED_HEALTH_CHECK_FAILURES
-
-    gcs = [p for p in live.alive() if psutil.Process(p).name() == "gcs_server"]
-    assert gcs, "no gcs_server found"
-    arg = next(a for a in psutil.Process(gcs[0]).cmdline() if a.startswith("--config_list="))
-    settings = json.loads(base64.b64decode(arg.split("=", 1)[1]))
-    assert settings.get("health_check_failure_threshold") == EMBEDDED_HEALTH_CHECK_FAILURES, settings
 
 
 def test_ray_auth_mode_disabled_is_refused_before_anything_starts(run_cli):
