@@ -51,21 +51,11 @@ NO_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
-EMBEDDED_HEALTH_CHECK_FAILURES = 20
-"""Missed health checks (one every 3 s, Ray's period) before the embedded cluster's GCS declares
-its raylet dead; Ray's default is 5 (~15-25 s). The embedded cluster is one node on the
-launcher's own machine, so a raylet declared dead is never a lost host: it is the whole run
-lost to a machine busy for a while (ranks compiling, a checkpoint written; seen on a 2-core
-host running three launches, whose raylet was declared dead mid-run). A raylet that really
-died takes its ranks with it, and the launcher sees their processes end at once."""
-EMBEDDED_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False,
-                          "health_check_failure_threshold": EMBEDDED_HEALTH_CHECK_FAILURES}
+EMBEDDED_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 """Ray's settings for the embedded cluster. No idle workers started ahead: every process a
 run starts (aggregator, node agents, ranks) has its own runtime environment, which no
 prestarted worker matches, so those only took CPU from the launch's start (-2.5 s to the
-first step of the 2-rank default run on 2 cores) and memory for the run's length. A patient
-health check (`EMBEDDED_HEALTH_CHECK_FAILURES`). A cluster given by `ray.address` keeps its
-own settings."""
+first step of the 2-rank default run on 2 cores) and memory for the run's length."""
 LEAN_HEAD_SKIPS = ("start_api_server", "start_monitor", "start_log_monitor")
 """What the embedded cluster's head does not start (methods of Ray's `Node`). With
 `include_dashboard=False` Ray still starts its API server with only its usage-stats module
