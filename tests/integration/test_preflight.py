@@ -10,6 +10,8 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
+# a healthy machine's ranks are judged by their measured speed against each other: alone
+@pytest.mark.exclusive
 def test_preflight_json_on_the_default_config(run_cli):
     r = run_cli("preflight", "--json", timeout=400)
     assert r.returncode == 0, r.output

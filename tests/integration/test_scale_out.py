@@ -72,20 +72,37 @@ def two_node_cluster(tmp_path_factory):
     try:
         yield {"address": f"127.0.0.1:{port}", "env": env}
     finally:
-        # stop this cluster only (`ray stop` would stop every Ray on the machine): its
-        # processes carry its temp dir, its workers appeared after `before`
+        # stop this cluster only (`ray stop` would stop every Ray on the machine): the
+        # processes that carry its temp dir (GCS, raylets, agents) and everything they started
+        # (its `ray::` workers are the raylets' children). Never match `ray::` by name: other
+        # tests' clusters run beside this one (`make test` runs cluster tests side by side),
+        # and killing their DashboardAgent takes their raylet down with it
         import shutil
 
         for rounds in range(2):
-            for p in psutil.process_iter(["pid", "cmdline"]):
-                cmd = " ".join(p.info["cmdline"] or [])
-                if p.pid not in before and (temp in cmd or cmd.startswith("ray::")):
-                    try:
-                        p.terminate() if rounds == 0 else p.kill()
-                    except psutil.Error:
-                        pass
+            for p in _cluster_processes(temp, before):
+                try:
+                    p.terminate() if rounds == 0 else p.kill()
+                except psutil.Error:
+                    pass
             time.sleep(2)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _cluster_processes(temp: str, before: set[int]) -> list[psutil.Process]:
+    """The processes of the cluster whose temp dir is `temp`, started after `before` was taken:
+    those naming the temp dir and all their descendants."""
+    roots = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid not in before and temp in " ".join(p.info["cmdline"] or []):
+            roots.append(p)
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.Error:
+            pass
+    return list(found.values())
 
 
 def launch_on(cluster, tmp_path, *args, timeout=500):
