@@ -33,7 +33,10 @@ lint: setup
 # (graph compiles, long property searches, the browser). Then the `cluster` ones (real clusters,
 # ranks and launches), CLUSTER_WORKERS side by side: a launch spends most of its time waiting
 # (Ray's start, the ranks' imports, a fault's timeout), so on 2 cores three at once finish in
-# about half the time one after another takes. Last the `exclusive` ones, alone, one at a time:
+# about half the time one after another takes; the tests sharing a module fixture stay in one
+# worker, the longest start first (tests/suite_schedule.py; `--no-loadscope-reorder` keeps that
+# order; refresh the lengths with `--cluster-durations-out tests/cluster_durations.json`).
+# Last the `exclusive` ones, alone, one at a time:
 # their verdict depends on the wall clock (a slow rank judged against the others, a hang limit).
 # The slowest 25 are listed at the end of each part; the budget is 25 minutes here.
 PARALLEL        := -n auto --maxprocesses 4
@@ -42,7 +45,8 @@ CLUSTER_WORKERS ?= 3
 
 test: lint
 	$(BIN)/python -m pytest tests -q -m "not cluster" $(PARALLEL) --durations=10
-	$(BIN)/python -m pytest tests -q -m "cluster and not exclusive" -n $(CLUSTER_WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest tests -q -m "cluster and not exclusive" -n $(CLUSTER_WORKERS) --dist loadgroup \
+	  --no-loadscope-reorder --durations=25
 	$(BIN)/python -m pytest tests -q -m "cluster and exclusive" --durations=10
 
 test-quick: lint

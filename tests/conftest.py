@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import suite_schedule
 
 # mindspore's generated protobuf code loads only with the pure-Python implementation once
 # something else (tensorboard, Ray) imported protobuf first: tests import them in any order
@@ -168,13 +169,23 @@ def last_steps(run_dir: Path) -> dict[int, int]:
     return out
 
 
-# Cluster tests run side by side (`make test`: pytest-xdist, `--dist loadgroup`): each test file
-# is one group, so that a file's launches and its module-scoped fixtures (one launch serving
-# several checks) stay in one worker; files that share a machine-wide resource name it instead
-# (`xdist_group("netns")`: the multi-host test bed's fixed subnet). tryfirst: xdist reads the
-# group marks in its own collection hook, which must see these.
+# Cluster tests run side by side (`make test`: pytest-xdist, `--dist loadgroup`): the tests that
+# share a module fixture stay in one worker, every other one is a unit of its own, longest first
+# (tests/suite_schedule.py). tryfirst: xdist reads the group marks in its own collection hook,
+# which must see these.
+def pytest_addoption(parser):
+    parser.addoption("--cluster-durations-out", default=None, metavar="PATH",
+                     help="write each test's seconds (merged into PATH's): the order the cluster tests start in "
+                          "(tests/cluster_durations.json)")
+
+
+def pytest_configure(config):
+    out = config.getoption("--cluster-durations-out")
+    if out:
+        config.pluginmanager.register(suite_schedule.DurationRecorder(Path(out)), "cluster-durations")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("cluster") and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(Path(str(item.fspath)).stem))
+    suite_schedule.assign_groups(items)
+    items[:] = suite_schedule.longest_first(items, suite_schedule.load_durations())

@@ -25,8 +25,8 @@ import pytest
 from headless_venv import headless_venv
 from netns_hosts import Testbed, can_create_namespaces
 
-# one multi-host test bed at a time: every bed uses the same subnet (tests/netns_hosts.py)
-pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.xdist_group("netns"),
+# each test bed has its own bridge and namespaces: beds with the same addresses run side by side
+pytestmark = [pytest.mark.slow, pytest.mark.cluster,
               pytest.mark.skipif(can_create_namespaces() is not None, reason=str(can_create_namespaces()))]
 WORKER_RAY = str(Path(sys.executable).parent / "ray")
 

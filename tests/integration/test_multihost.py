@@ -32,8 +32,8 @@ from netns_hosts import Testbed, can_create_namespaces
 
 from mindpulse.rundir.metrics_store import read_wire
 
-# one multi-host test bed at a time: every bed uses the same subnet (tests/netns_hosts.py)
-pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.xdist_group("netns"),
+# each test bed has its own bridge and namespaces: beds with the same addresses run side by side
+pytestmark = [pytest.mark.slow, pytest.mark.cluster,
               pytest.mark.skipif(can_create_namespaces() is not None, reason=str(can_create_namespaces()))]
 RAY = str(Path(sys.executable).parent / "ray")
 BASE = ["--set", "world.nodes=2", "--set", "world.ranks_per_node=2", "--set", "monitor.per_print_step=50",

@@ -1,8 +1,8 @@
-"""`make test` runs the cluster tests side by side (`-n 3 --dist loadgroup`) only because each
-test file stays in one worker (its module-scoped launch serves several checks; its launches
-are not meant to overlap) and the two multi-host files, which share one fixed subnet, stay in
-one worker together. Here the real integration files are scheduled by the real pytest-xdist,
-each test recorded instead of run, and the workers they landed in are checked."""
+"""`make test` runs the cluster tests side by side (`-n 3 --dist loadgroup --no-loadscope-reorder`)
+under two rules (tests/suite_schedule.py): the tests that share a module-scoped fixture (one
+launch or cluster serving several checks) run in one worker, and the units start longest first.
+Here real integration files are scheduled by the real pytest-xdist, each test recorded instead
+of run, and the workers they landed in, and the order, are checked."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from suite_schedule import load_durations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,8 +23,9 @@ from _pytest.reports import TestReport
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
+    shared = sorted(n for n, defs in item._fixtureinfo.name2fixturedefs.items() if defs and defs[-1].scope == "module")
     with open(os.environ["GROUPS_OUT"], "a") as f:
-        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER')} {item.nodeid}\\n")
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER')} {','.join(shared) or '-'} {item.nodeid}\\n")
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     for when in ("setup", "call", "teardown"):
         item.ihook.pytest_runtest_logreport(report=TestReport(item.nodeid, item.location, {}, "passed", None, when, []))
@@ -31,27 +33,50 @@ def pytest_runtest_protocol(item, nextitem):
     return True
 '''
 
+FILES = ["test_processes.py", "test_faults.py", "test_multihost.py", "test_headless_head.py",
+         "test_unmodified_scripts.py"]
+
+
+def _plain(nodeid: str) -> str:
+    at, bracket = nodeid.rfind("@"), nodeid.rfind("]")
+    return nodeid[:at] if at > bracket else nodeid
+
 
 @pytest.mark.slow
-def test_each_cluster_file_runs_in_one_worker_and_the_subnet_files_together(tmp_path):
+def test_module_fixtures_keep_their_tests_together_and_the_longest_start_first(tmp_path):
     (tmp_path / "record_workers.py").write_text(RECORDER)
     out = tmp_path / "workers.txt"
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                GROUPS_OUT=str(out))
-    files = ["test_processes.py", "test_faults.py", "test_multihost.py", "test_headless_head.py",
-             "test_unmodified_scripts.py"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "record_workers", "-p", "no:cacheprovider",
-                        "-m", "cluster and not exclusive", "-n", "3", "--dist", "loadgroup",
-                        *(f"tests/integration/{f}" for f in files)],
+                        "-m", "cluster and not exclusive", "-n", "3", "--dist", "loadgroup", "--no-loadscope-reorder",
+                        *(f"tests/integration/{f}" for f in FILES)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    workers: dict[str, set[str]] = defaultdict(set)
-    for line in out.read_text().splitlines():
-        worker, nodeid = line.split(" ", 1)
-        workers[nodeid.split("::")[0].rsplit("/", 1)[-1]].add(worker)
-    assert set(workers) == set(files), f"recorded files: {sorted(workers)}"
-    split = {f: sorted(w) for f, w in workers.items() if len(w) > 1}
-    assert not split, f"a file's tests ran in several workers (xdist groups ignored?): {split}"
-    assert workers["test_multihost.py"] == workers["test_headless_head.py"], (
-        "the two multi-host files share one subnet and must run in one worker")
-    assert len(set().union(*workers.values())) > 1, "the groups were not spread over the workers"
+    rows = [line.split(" ", 2) for line in out.read_text().splitlines()]
+    assert {n.split("::")[0].rsplit("/", 1)[-1] for _, _, n in rows} == set(FILES), rows
+    # a module fixture's tests in one worker
+    by_fixture: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for worker, shared, nodeid in rows:
+        if shared != "-":
+            by_fixture[(nodeid.split("::")[0], shared)].add(worker)
+    expected = {"tests/integration/test_processes.py", "tests/integration/test_multihost.py"}
+    assert {f for f, _ in by_fixture} >= expected, f"no module fixture recorded: {sorted(by_fixture)}"
+    split = {k: sorted(w) for k, w in by_fixture.items() if len(w) > 1}
+    assert not split, f"tests sharing a module fixture ran in several workers (xdist groups ignored?): {split}"
+    # the rest are units of their own: a file's independent tests (and the test beds) spread out
+    beds = {w for w, _, n in rows if "test_multihost.py" in n or "test_headless_head.py" in n}
+    assert len(beds) > 1, "the multi-host test beds all ran in one worker"
+    # the longest unit (by tests/cluster_durations.json) is the first test of a worker
+    durations = load_durations()
+    first = {}
+    for worker, _, nodeid in rows:
+        first.setdefault(worker, _plain(nodeid))
+    units: dict[str, float] = defaultdict(float)
+    for _, shared, nodeid in rows:
+        key = f"{nodeid.split('::')[0]}|{shared}" if shared != "-" else _plain(nodeid)
+        units[key] += durations.get(_plain(nodeid), 0.0)
+    longest = max(units, key=units.get)
+    starters = {f"{n.split('::')[0]}|{s}" if s != "-" else _plain(n) for w, s, n in rows
+                if _plain(n) == first[w]}
+    assert longest in starters, f"the longest unit {longest} ({units[longest]:.0f} s) did not start first: {first}"
