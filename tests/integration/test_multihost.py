@@ -243,15 +243,46 @@ def test_ray_backend_across_two_hosts_nan_on_the_second_stops_every_rank(two_hos
 def test_msrun_across_two_hosts(two_hosts):
     bed, env, tmp = two_hosts
     run = Launch(bed, env, tmp / "msrun", [*BASE, "--set", "backend=msrun", "--set", "train.steps=6",
-                                           "--set", "preflight.enabled=false"])
+                                           "--set", "monitor.group_size=2", "--set", "preflight.enabled=false"])
     run.wait_step(1)
     code, s = run.finish()
     _say_time("msrun launch to first step (2 hosts)", run.first_step_s or 0, tmp)
     assert code == 0, run.output()[-4000:]
     assert s["status"] == "succeeded" and s["steps_completed"] == 6
-    assert last_steps(run.run_dir) == {0: 6, 1: 6, 2: 6, 3: 6}
+    seen = {(o["rank"], o["step"]) for o in read_wire(run.run_dir / "metrics.msgpack") if o.get("t") == "step"}
+    missing = [(r, k) for r in range(4) for k in range(7) if (r, k) not in seen]
+    assert not missing, f"the aggregator never got {missing}"
     assert len({x["node_id"] for x in s["ranks"]}) == 2
-    assert (run.run_dir / "logs" / "msrun_node1.log").exists()
+    assert len({x["param_fingerprint"] for x in s["ranks"]}) == 1, s["ranks"]
+    # the two hosts form one group: host 1's agent sends through host 0's, which merges them
+    assert s["packets"]["group_partials"] >= 6, f"no step came merged by the group leader: {s['packets']}"
+    assert s["packets"]["dropped"] == 0 and s["packets"]["rejected"] == 0, s["packets"]
+    # each host's msrun started its own ranks (--node_rank), with the ranks' environment
+    _assert_msrun_ran(run.run_dir, node=0, ranks=[0, 1])
+    _assert_msrun_ran(run.run_dir, node=1, ranks=[2, 3])
+    assert (run.run_dir / "logs" / "scheduler.log").exists(), "msrun's scheduler log (node 0) is missing"
+
+
+def _assert_msrun_ran(run_dir: Path, node: int, ranks: list[int]) -> None:
+    """What the node's msrun ran, from msrun's own lines (not the agent's echo of the msrun
+    command) and from the ranks it started: each worker's command and log, the scheduler on
+    node 0, and in each rank's log the rank id MindSpore's cluster took from the environment
+    msrun exported (RANK_ID, MS_NODE_ID)."""
+    from mindpulse.launcher.msrun_logs import parse_msrun_log
+
+    logs = run_dir / "logs"
+    ms = parse_msrun_log((logs / f"msrun_node{node}.log").read_text())
+    task = f"python -m mindpulse.workers.rank_main --job {run_dir}/job.json"
+    assert sorted(ms.workers) == ranks, f"msrun on node {node} started workers {sorted(ms.workers)}"
+    for r in ranks:
+        assert ms.workers[r].command == task, ms.workers[r]
+        assert Path(ms.workers[r].log).resolve() == (logs / f"rank_{r}.log").resolve(), ms.workers[r]
+        text = (logs / f"rank_{r}.log").read_text(errors="replace")
+        assert f"[rank {r}] pid " in text and f"[rank {r}] finished with exit code 0" in text
+        assert f"This node {r} rank id: {r}" in text, f"rank {r}'s cluster ids are not in its log"
+    if node == 0:
+        assert ms.scheduler_command == task
+    assert not ms.died and not ms.killed_others
 
 
 def test_a_host_that_does_not_share_output_root_refuses_the_launch(two_hosts):
