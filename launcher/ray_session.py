@@ -56,6 +56,11 @@ EMBEDDED_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_firs
 run starts (aggregator, node agents, ranks) has its own runtime environment, which no
 prestarted worker matches, so those only took CPU from the launch's start (-2.5 s to the
 first step of the 2-rank default run on 2 cores) and memory for the run's length."""
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+"""What `ray.init` raises when the new node's raylet has not registered with the GCS within the
+30 s Ray waits (ray/_private/node.py, not configurable)."""
+EMBEDDED_START_RETRIES = 1
+"""Further starts of the embedded cluster after that timeout (a busy machine); none after others."""
 LEAN_HEAD_SKIPS = ("start_api_server", "start_monitor", "start_log_monitor")
 """What the embedded cluster's head does not start (methods of Ray's `Node`). With
 `include_dashboard=False` Ray still starts its API server with only its usage-stats module
@@ -246,9 +251,7 @@ class RaySession:
             self._bind_loopback()
             self._setup_auth()
             with lean_head() as skipped:
-                ctx = ray.init(num_cpus=self.cfg.world.world_size + 1, include_dashboard=False,
-                               _node_ip_address=LOOPBACK, _temp_dir=self.temp_dir,
-                               _system_config=EMBEDDED_SYSTEM_CONFIG, **kwargs)
+                ctx = self._init_embedded(ray, kwargs)
             if "start_api_server" in skipped:
                 _register_no_dashboard()
             self.address = getattr(ctx, "address_info", {}).get("address", "") or \
@@ -258,6 +261,24 @@ class RaySession:
             self.__exit__(*sys.exc_info())
             raise
         return self
+
+    def _init_embedded(self, ray: Any, kwargs: dict[str, Any]) -> Any:
+        """`ray.init` of the embedded cluster, once more when Ray gave up waiting for its raylet to
+        register: Ray waits a fixed 30 s, which a busy machine (the launcher's own, starting ranks
+        or other jobs) can exceed with nothing broken. The first try's processes are stopped
+        before the second; any other failure, or a second timeout, is raised."""
+        for attempt in range(1 + EMBEDDED_START_RETRIES):
+            try:
+                return ray.init(num_cpus=self.cfg.world.world_size + 1, include_dashboard=False,
+                                _node_ip_address=LOOPBACK, _temp_dir=self.temp_dir,
+                                _system_config=EMBEDDED_SYSTEM_CONFIG, **kwargs)
+            except Exception as exc:
+                if attempt == EMBEDDED_START_RETRIES or RAY_START_TIMED_OUT not in str(exc):
+                    raise
+                log.warning("the embedded Ray cluster's raylet did not register within Ray's 30 s (a busy "
+                            "machine?): its processes stopped, starting it again")
+                kill_run(self.temp_dir, {})
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def __exit__(self, *exc: Any) -> None:
         import ray

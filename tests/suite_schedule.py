@@ -5,9 +5,12 @@ so a few run side by side. Two rules decide what may run apart:
 
 - Tests that share a module-scoped fixture (one launch or one cluster serving several checks)
   form one group, named for their file and those fixtures, and run in one worker one after
-  another. Every other cluster test is a unit of its own: it starts and ends its own cluster on
-  free ports (the multi-host test beds too: each has its own bridge and namespaces, so two beds
-  with the same addresses never see each other).
+  another. A file may name a group of its own instead: the multi-host test beds
+  (`xdist_group("netns")`) run one at a time. Each bed has its own bridge and namespaces, so
+  beds with the same addresses would not see each other, but each is a cluster of 2-3 Ray
+  nodes and 4 ranks, and three at once beside the other launches overloaded 2 cores (Ray
+  gives a new raylet a fixed 30 s to register). Every other cluster test is a unit of its own:
+  it starts and ends its own cluster on free ports.
 - The units start longest first (the longest-processing-time rule), so that the short ones fill
   the end and no worker is left running one long test alone while the others idle. Their
   lengths come from tests/cluster_durations.json, written by a run with

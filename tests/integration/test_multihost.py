@@ -32,8 +32,9 @@ from netns_hosts import Testbed, can_create_namespaces
 
 from mindpulse.rundir.metrics_store import read_wire
 
-# each test bed has its own bridge and namespaces: beds with the same addresses run side by side
-pytestmark = [pytest.mark.slow, pytest.mark.cluster,
+# one multi-host test bed at a time (tests/suite_schedule.py): each is a cluster of its own (2-3 Ray
+# nodes, 4 ranks), and several beside the other launches overloaded the 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.xdist_group("netns"),
               pytest.mark.skipif(can_create_namespaces() is not None, reason=str(can_create_namespaces()))]
 RAY = str(Path(sys.executable).parent / "ray")
 BASE = ["--set", "world.nodes=2", "--set", "world.ranks_per_node=2", "--set", "monitor.per_print_step=50",

@@ -1,6 +1,7 @@
 """`make test` runs the cluster tests side by side (`-n 3 --dist loadgroup --no-loadscope-reorder`)
-under two rules (tests/suite_schedule.py): the tests that share a module-scoped fixture (one
-launch or cluster serving several checks) run in one worker, and the units start longest first.
+under the rules of tests/suite_schedule.py: the tests that share a module-scoped fixture (one
+launch or cluster serving several checks) run in one worker, the multi-host test beds one at a
+time, every other test is a unit of its own, and the units start longest first.
 Here real integration files are scheduled by the real pytest-xdist, each test recorded instead
 of run, and the workers they landed in, and the order, are checked."""
 
@@ -64,9 +65,12 @@ def test_module_fixtures_keep_their_tests_together_and_the_longest_start_first(t
     assert {f for f, _ in by_fixture} >= expected, f"no module fixture recorded: {sorted(by_fixture)}"
     split = {k: sorted(w) for k, w in by_fixture.items() if len(w) > 1}
     assert not split, f"tests sharing a module fixture ran in several workers (xdist groups ignored?): {split}"
-    # the rest are units of their own: a file's independent tests (and the test beds) spread out
+    # the multi-host test beds one at a time: in one worker
     beds = {w for w, _, n in rows if "test_multihost.py" in n or "test_headless_head.py" in n}
-    assert len(beds) > 1, "the multi-host test beds all ran in one worker"
+    assert len(beds) == 1, f"the multi-host test beds ran in workers {sorted(beds)}"
+    # the rest are units of their own: a file's independent tests spread out
+    alone = {w for w, s, n in rows if "test_unmodified_scripts.py" in n and s == "-"}
+    assert len(alone) > 1, "a file's independent tests all ran in one worker"
     # the longest unit (by tests/cluster_durations.json) is the first test of a worker
     durations = load_durations()
     first = {}
