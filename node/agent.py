@@ -47,6 +47,11 @@ UPLINK_CLOSE_S = 10.0
 """At the end, how long a node waits for its last frames to be acknowledged."""
 REMOTE_DRIVER_CHECK_S = 5.0
 """How often it asks Ray whether a driver on another machine is gone (a GCS call)."""
+LEADER_ANSWER_S = 60.0
+"""How long a group member waits for its leader to say where it listens before sending to the
+aggregator itself, for the rest of the run. A dead leader fails the call at once; a live one
+can be slow to answer while its node starts its ranks on busy cores (10 s was exceeded on a
+2-core machine), and a member that gave up on it stayed out of its group for good."""
 
 
 def node_ip() -> str:
@@ -188,7 +193,8 @@ class NodeAgent:
 
         if self.leader is not None:
             try:
-                return tuple(ray.get(self.leader.uplink_address.remote(), timeout=10))  # type: ignore[return-value]
+                return tuple(ray.get(self.leader.uplink_address.remote(),  # type: ignore[return-value]
+                                     timeout=LEADER_ANSWER_S))
             except Exception as exc:  # any failure of the leader (gone, timed out): send to the aggregator itself
                 log.warning("node %d: group leader unreachable (%s); sending to the aggregator", self.node, exc)
                 self.leader = None

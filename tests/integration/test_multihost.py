@@ -255,8 +255,9 @@ def test_msrun_across_two_hosts(two_hosts):
     assert not missing, f"the aggregator never got {missing}"
     assert len({x["node_id"] for x in s["ranks"]}) == 2
     assert len({x["param_fingerprint"] for x in s["ranks"]}) == 1, s["ranks"]
-    # the two hosts form one group: host 1's agent sends through host 0's, which merges them
-    assert s["packets"]["group_partials"] >= 6, f"no step came merged by the group leader: {s['packets']}"
+    # the two hosts form one group: host 1's agent sends through host 0's, which merges them (a step
+    # whose member partial is late goes up node by node, node/group.py STRAGGLE_S: not every step)
+    assert s["packets"]["group_partials"] >= 1, f"no step came merged by the group leader: {s['packets']}"
     assert s["packets"]["dropped"] == 0 and s["packets"]["rejected"] == 0, s["packets"]
     # each host's msrun started its own ranks (--node_rank), with the ranks' environment
     _assert_msrun_ran(run.run_dir, node=0, ranks=[0, 1])
