@@ -267,18 +267,21 @@ class RaySession:
         register: Ray waits a fixed 30 s, which a busy machine (the launcher's own, starting ranks
         or other jobs) can exceed with nothing broken. The first try's processes are stopped
         before the second; any other failure, or a second timeout, is raised."""
-        for attempt in range(1 + EMBEDDED_START_RETRIES):
+        def start() -> Any:
+            return ray.init(num_cpus=self.cfg.world.world_size + 1, include_dashboard=False,
+                            _node_ip_address=LOOPBACK, _temp_dir=self.temp_dir,
+                            _system_config=EMBEDDED_SYSTEM_CONFIG, **kwargs)
+
+        for _ in range(EMBEDDED_START_RETRIES):
             try:
-                return ray.init(num_cpus=self.cfg.world.world_size + 1, include_dashboard=False,
-                                _node_ip_address=LOOPBACK, _temp_dir=self.temp_dir,
-                                _system_config=EMBEDDED_SYSTEM_CONFIG, **kwargs)
+                return start()
             except Exception as exc:
-                if attempt == EMBEDDED_START_RETRIES or RAY_START_TIMED_OUT not in str(exc):
+                if RAY_START_TIMED_OUT not in str(exc):
                     raise
                 log.warning("the embedded Ray cluster's raylet did not register within Ray's 30 s (a busy "
                             "machine?): its processes stopped, starting it again")
                 kill_run(self.temp_dir, {})
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        return start()
 
     def __exit__(self, *exc: Any) -> None:
         import ray

@@ -169,6 +169,21 @@ def last_steps(run_dir: Path) -> dict[int, int]:
     return out
 
 
+def step_packets(run_dir: Path) -> list[dict]:
+    """Every step packet of a run, as `metrics.msgpack` holds them."""
+    from mindpulse.rundir.metrics_store import read_wire
+
+    return [o for o in read_wire(Path(run_dir) / "metrics.msgpack") if o.get("t") == "step"]
+
+
+def assert_every_step_from_every_rank(run_dir: Path, steps: int, world: int) -> list[dict]:
+    pk = step_packets(run_dir)
+    seen = {(o["rank"], o["step"]) for o in pk}
+    missing = [(r, s) for r in range(world) for s in range(0, steps + 1) if (r, s) not in seen]
+    assert not missing, f"the aggregator never got these (rank, step) packets: {missing}"
+    return pk
+
+
 # Cluster tests run side by side (`make test`: pytest-xdist, `--dist loadgroup`): the tests that
 # share a module fixture stay in one worker, every other one is a unit of its own, longest first
 # (tests/suite_schedule.py). tryfirst: xdist reads the group marks in its own collection hook,

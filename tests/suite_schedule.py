@@ -56,7 +56,7 @@ def unit_of(item: pytest.Item) -> str:
     return item.nodeid
 
 
-def _plain_id(nodeid: str) -> str:
+def plain_id(nodeid: str) -> str:
     """A node id without the `@group` suffix xdist adds to grouped tests."""
     at, bracket = nodeid.rfind("@"), nodeid.rfind("]")
     return nodeid[:at] if at > bracket else nodeid
@@ -78,7 +78,7 @@ def longest_first(items: list[pytest.Item], durations: dict[str, float]) -> list
     for item in items:
         if item.get_closest_marker("cluster"):
             unit = unit_of(item)
-            seconds[unit] = seconds.get(unit, 0.0) + durations.get(_plain_id(item.nodeid), unknown)
+            seconds[unit] = seconds.get(unit, 0.0) + durations.get(plain_id(item.nodeid), unknown)
     return sorted(items, key=lambda it: -seconds.get(unit_of(it), -1.0) if it.get_closest_marker("cluster")
                   else 1.0)
 
@@ -93,7 +93,7 @@ class DurationRecorder:
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.outcome != "skipped":
-            key = _plain_id(report.nodeid)
+            key = plain_id(report.nodeid)
             self.seconds[key] = self.seconds.get(key, 0.0) + float(report.duration)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

@@ -7,24 +7,13 @@ import statistics
 from pathlib import Path
 
 import pytest
+from conftest import assert_every_step_from_every_rank
 from straggler_check import assert_offline_straggler_scores_are_the_live_ones
 
 from mindpulse.rundir.metrics_store import read_wire
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "user_train.py"
-
-
-def step_packets(run_dir: Path) -> list[dict]:
-    return [o for o in read_wire(run_dir / "metrics.msgpack") if o.get("t") == "step"]
-
-
-def assert_every_step_from_every_rank(run_dir: Path, steps: int, world: int) -> list[dict]:
-    pk = step_packets(run_dir)
-    seen = {(o["rank"], o["step"]) for o in pk}
-    missing = [(r, s) for r in range(world) for s in range(0, steps + 1) if (r, s) not in seen]
-    assert not missing, f"the aggregator never got these (rank, step) packets: {missing}"
-    return pk
 
 
 def assert_fingerprints_agree(pk: list[dict]) -> None:

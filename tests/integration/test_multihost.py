@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import NO_REPORT, ROOT, last_steps, mindpulse_cmd
+from conftest import NO_REPORT, ROOT, assert_every_step_from_every_rank, last_steps, mindpulse_cmd
 from netns_hosts import Testbed, can_create_namespaces
 
 from mindpulse.rundir.metrics_store import read_wire
@@ -250,9 +250,7 @@ def test_msrun_across_two_hosts(two_hosts):
     _say_time("msrun launch to first step (2 hosts)", run.first_step_s or 0, tmp)
     assert code == 0, run.output()[-4000:]
     assert s["status"] == "succeeded" and s["steps_completed"] == 6
-    seen = {(o["rank"], o["step"]) for o in read_wire(run.run_dir / "metrics.msgpack") if o.get("t") == "step"}
-    missing = [(r, k) for r in range(4) for k in range(7) if (r, k) not in seen]
-    assert not missing, f"the aggregator never got {missing}"
+    assert_every_step_from_every_rank(run.run_dir, 6, 4)
     assert len({x["node_id"] for x in s["ranks"]}) == 2
     assert len({x["param_fingerprint"] for x in s["ranks"]}) == 1, s["ranks"]
     # the two hosts form one group: host 1's agent sends through host 0's, which merges them (a step

@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from suite_schedule import load_durations
+from suite_schedule import load_durations, plain_id
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,11 +36,6 @@ def pytest_runtest_protocol(item, nextitem):
 
 FILES = ["test_processes.py", "test_faults.py", "test_multihost.py", "test_headless_head.py",
          "test_unmodified_scripts.py"]
-
-
-def _plain(nodeid: str) -> str:
-    at, bracket = nodeid.rfind("@"), nodeid.rfind("]")
-    return nodeid[:at] if at > bracket else nodeid
 
 
 @pytest.mark.slow
@@ -75,12 +70,12 @@ def test_module_fixtures_keep_their_tests_together_and_the_longest_start_first(t
     durations = load_durations()
     first = {}
     for worker, _, nodeid in rows:
-        first.setdefault(worker, _plain(nodeid))
+        first.setdefault(worker, plain_id(nodeid))
     units: dict[str, float] = defaultdict(float)
     for _, shared, nodeid in rows:
-        key = f"{nodeid.split('::')[0]}|{shared}" if shared != "-" else _plain(nodeid)
-        units[key] += durations.get(_plain(nodeid), 0.0)
+        key = f"{nodeid.split('::')[0]}|{shared}" if shared != "-" else plain_id(nodeid)
+        units[key] += durations.get(plain_id(nodeid), 0.0)
     longest = max(units, key=units.get)
-    starters = {f"{n.split('::')[0]}|{s}" if s != "-" else _plain(n) for w, s, n in rows
-                if _plain(n) == first[w]}
+    starters = {f"{n.split('::')[0]}|{s}" if s != "-" else plain_id(n) for w, s, n in rows
+                if plain_id(n) == first[w]}
     assert longest in starters, f"the longest unit {longest} ({units[longest]:.0f} s) did not start first: {first}"
