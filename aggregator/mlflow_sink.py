@@ -35,6 +35,7 @@ from mindpulse.config import MlflowConfig, RunConfig
 from mindpulse.reduction.reducer import ReducedStep
 from mindpulse.wire.directives import Directive
 
+from .card_series import CardSeries
 from .sink import Sink
 from .tracker_scalars import (
     TrackerFailed,
@@ -42,9 +43,7 @@ from .tracker_scalars import (
     TrackerMissing,
     anomaly_step,
     anomaly_text,
-    card_scalars,
     flat_params,
-    per_card_scalars,
     step_scalars,
 )
 
@@ -133,7 +132,7 @@ class MlflowSink(Sink):
         self.run_dir = Path(run_dir)
         self.collect_freq = config.monitor.collect_freq
         self.straggler_threshold = config.monitor.straggler_threshold
-        self.per_card = per_card_scalars(config)
+        self.cards = CardSeries(config.world.world_size)  # TensorBoard's grain: the same tags
         self.tracking_uri = cfg.tracking_uri or default_tracking_uri(self.run_dir)
         if self.tracking_uri.startswith("file:") or "://" not in self.tracking_uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
@@ -228,7 +227,8 @@ class MlflowSink(Sink):
                                    straggler_threshold=self.straggler_threshold), int(red.step), red.ts)
 
     def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
-        self._metrics(card_scalars(node, cards, per_card=self.per_card), int(step), ts)
+        for at, items in self.cards.sample(node, cards, int(step)):
+            self._metrics(items, at, ts)
 
     def on_anomaly(self, record: dict) -> None:
         if self.closed:
@@ -253,6 +253,8 @@ class MlflowSink(Sink):
         """Finish the queued writes (up to `CLOSE_WAIT_S`), end the run, raise what failed."""
         if self.closed:
             return
+        for at, items in self.cards.drain():  # the job's last step of card extremes
+            self._metrics(items, at, None)
         self.closed = True
         drained = self._writer.close(CLOSE_WAIT_S)
         self.client.set_terminated(self.run_id, "FINISHED")

@@ -34,6 +34,7 @@ from mindpulse.config import RunConfig, SwanLabConfig, SwanLabMode
 from mindpulse.reduction.reducer import ReducedStep
 from mindpulse.wire.directives import Directive
 
+from .card_series import CardSeries
 from .sink import Sink
 from .tracker_scalars import (
     TrackerFailed,
@@ -41,9 +42,7 @@ from .tracker_scalars import (
     TrackerMissing,
     anomaly_step,
     anomaly_text,
-    card_scalars,
     flat_params,
-    per_card_scalars,
     step_scalars,
 )
 
@@ -71,7 +70,7 @@ class SwanLabSink(Sink):
         self.run_dir = Path(run_dir)
         self.collect_freq = config.monitor.collect_freq
         self.straggler_threshold = config.monitor.straggler_threshold
-        self.per_card = per_card_scalars(config)
+        self.cards = CardSeries(config.world.world_size)  # TensorBoard's grain: the same tags
         self.logdir = Path(cfg.logdir) if cfg.logdir else default_logdir(self.run_dir)
         self.mode = _MODES[cfg.mode]
         self.notes: list[str] = []
@@ -121,9 +120,9 @@ class SwanLabSink(Sink):
             self.run.log(dict(items), step=int(red.step))
 
     def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
-        items = card_scalars(node, cards, per_card=self.per_card)
-        if items and self._alive():
-            self.run.log(dict(items), step=int(step))
+        for at, items in self.cards.sample(node, cards, int(step)):
+            if items and self._alive():
+                self.run.log(dict(items), step=at)
 
     def on_anomaly(self, record: dict) -> None:
         if self._alive():
@@ -139,6 +138,9 @@ class SwanLabSink(Sink):
     def close(self) -> None:
         if self.closed:
             return
+        for at, items in self.cards.drain():  # the job's last step of card extremes
+            if items and self._alive():
+                self.run.log(dict(items), step=at)
         self.closed = True
         if self.run.alive:
             self.run.finish()

@@ -15,7 +15,10 @@ Tags written:
   `rank_<r>/monitor_self_s`; and `rank_<r>/mfu`), and `straggler_score` (`step_items`, which the
   trackers write too);
 * the histogram `grad_norm_local/ranks` of the ranks' local grad norms;
-* per-card scalars: `card_<node>_<card>/util`, `/memory_used_mb`, `/power_w`, `/temp_c`;
+* card scalars at the job's grain (card_series.py): `card_<node>_<card>/util`, `/memory_used_mb`,
+  `/power_w`, `/temp_c` up to 256 cards; each node sample's extremes `cards_<node>/util_min`,
+  `/memory_used_mb_max`, `/power_w_max`, `/temp_c_max` up to 1,024; the job's extremes
+  `cards/util_min`, ... once a step above;
 * text: `anomalies`, `loss/nonfinite` (a marker for each step with a NaN/Inf loss), and
   whatever `on_text` is given (`config`, `milestones`).
 """
@@ -28,7 +31,6 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -40,9 +42,10 @@ from mindpulse.config import MonitorConfig
 from mindpulse.reduction.partial import collect_ranks
 from mindpulse.reduction.reducer import ReducedStep
 from mindpulse.registry.metrics import rank_scalars, tb_scalars
-from mindpulse.reporting.tables import CARD_EXTREMES
 from mindpulse.wire.directives import Directive
 
+from .card_series import CardSeries
+from .card_series import tag_part as _tag_part
 from .sink import Sink
 
 log = logging.getLogger(__name__)
@@ -55,30 +58,11 @@ _CLUSTER_SCALARS: tuple[tuple[str, str, str | None], ...] = (
 )
 """(tag, ReducedStep field, written only when this field is not None): the metric registry's
 (mindpulse/registry/metrics.py: `Reduction.tb`), and the MFU against the card's peak."""
-_CARD_SCALARS: tuple[tuple[str, str], ...] = (
-    ("util", "util_pct"),
-    ("memory_used_mb", "memory_used_mb"),
-    ("power_w", "power_w"),
-    ("temp_c", "temp_c"),
-)
-MAX_CARD_TAGS = 256
-"""Above this many cards in the job a node's sample is written as its cards' extremes (the
-hottest, most power-hungry, fullest card's value, the idlest card's utilisation) under
-`cards_<node>/`, not a tag set per card: at 32,768 cards the per-card scalars were an
-eighth of the aggregator's time, and TensorBoard cannot show 131,072 tags anyway. The
-Prometheus endpoint keeps the cards that matter (docs/dashboards.md)."""
-_UNSAFE_TAG_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
 _MAX_TEXT_CHARS = 256 * 1024
 _WRITER_SEQ = itertools.count()
 
 
 _number = finite_float
-
-
-def _tag_part(x: Any) -> str:
-    """A name safe inside one tag component (no `/`, no spaces)."""
-    s = _UNSAFE_TAG_CHARS.sub("_", str(x)).strip("_")
-    return s or "unknown"
 
 
 def _text(x: Any) -> str:
@@ -171,9 +155,9 @@ class TensorBoardSink(Sink):
                  straggler_threshold: float = MonitorConfig.straggler_threshold, cards: int = 0):
         """`collect_freq`: every rank's scalars every N steps; the steps between carry the
         ranks that matter (extremes, non-finite ranks, stragglers), so the work per step
-        does not grow with the ranks. `cards`: the job's cards (its world size): above
-        MAX_CARD_TAGS a node's sample is written as its extremes."""
-        self.per_card = cards <= MAX_CARD_TAGS
+        does not grow with the ranks. `cards`: the job's cards (its world size), which sets
+        the grain its card samples are written at (card_series.py)."""
+        self.cards = CardSeries(cards)
         self.run_dir = Path(run_dir)
         self.collect_freq = max(1, collect_freq)
         self.straggler_threshold = straggler_threshold
@@ -314,22 +298,15 @@ class TensorBoardSink(Sink):
             self._error("weights", exc)
 
     def on_telemetry(self, node: str, cards: list[dict], ts: float, step: int) -> None:
-        """Per-card util / memory / power / temperature of one node's sample."""
+        """A node's card sample (util / memory / power / temperature) at the job's grain."""
         if not self.enabled:
             return
         try:
             with self._lock:
+                points = self.cards.sample(node, cards, int(step))
                 wt = ts if _number(ts) and ts > 0 else None
-                scalars: list[tuple[str, Any]] = []
-                if not self.per_card:
-                    scalars = _node_extremes(node, [c for c in cards or [] if isinstance(c, dict)])
-                for i, card in enumerate(cards or [] if self.per_card else []):
-                    if not isinstance(card, dict):
-                        continue
-                    cid = card.get("card")
-                    prefix = f"card_{_tag_part(node)}_{_tag_part(i if cid is None else cid)}"
-                    scalars += [(f"{prefix}/{suffix}", card.get(key)) for suffix, key in _CARD_SCALARS]
-                self._scalars(scalars, int(step), wt)
+                for at, items in points:
+                    self._scalars(items, at, wt)
         except Exception as exc:  # a sink's failure must not stop the aggregator: counted, logged
             self._error("telemetry", exc)
 
@@ -389,6 +366,8 @@ class TensorBoardSink(Sink):
             return
         try:
             with self._lock:
+                for at, items in self.cards.drain():  # the job's last step of card extremes
+                    self._scalars(items, at, None)
                 self.closed = True
                 self._writer.flush()
                 self._writer.close()
@@ -422,17 +401,5 @@ def step_items(red: ReducedStep, collect_freq: int, straggler_threshold: float
               for rank, score in (getattr(red, "straggler_scores", None) or {}).items() if rank in matter]
     return items, shown
 
-
-def _node_extremes(node: str, cards: list[dict]) -> list[tuple[str, Any]]:
-    """A big job's node sample: the idlest card's utilisation, the largest memory, power and
-    temperature of its cards."""
-    biggest = dict(CARD_EXTREMES)
-    out: list[tuple[str, Any]] = []
-    for suffix, key in _CARD_SCALARS:
-        vals = [v for c in cards if (v := _number(c.get(key))) is not None]
-        if vals:
-            end, pick = ("max", max) if biggest[key] else ("min", min)
-            out.append((f"cards_{_tag_part(node)}/{suffix}_{end}", pick(vals)))
-    return out
 
 __all__ = ["TensorBoardSink"]

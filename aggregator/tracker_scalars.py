@@ -1,5 +1,5 @@
 """What the experiment trackers (SwanLab, MLflow) are given, the same for both: the scalars of
-a reduced step and of a card sample under the names TensorBoard writes them, the resolved
+a reduced step under the names TensorBoard writes them (a card sample's: card_series.py), the resolved
 config as flat parameters, an anomaly as text, and `RUN_DIR/trackers.json`, where each
 tracker's run id waits for a resumed attempt to continue the same tracker run.
 
@@ -21,7 +21,7 @@ from mindpulse.config import RunConfig
 from mindpulse.reduction.reducer import ReducedStep
 from mindpulse.rundir.tracker_runs import TRACKERS_FILE, TrackerFailed, TrackerIds
 
-from .tb_sink import _CARD_SCALARS, MAX_CARD_TAGS, _node_extremes, _tag_part, step_items
+from .tb_sink import step_items
 
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.\-/]+")
 
@@ -42,28 +42,6 @@ def step_scalars(red: ReducedStep, also: Sequence[tuple[str, Any]] | None, *, co
         return []
     items, _ = step_items(red, collect_freq, straggler_threshold)
     return _finite(items + list(also or []))
-
-
-def card_scalars(node: str, cards: list[dict], *, per_card: bool = True) -> list[tuple[str, float]]:
-    """The finite scalars TensorBoard writes for one node's card sample: `card_<node>_<card>/util`,
-    ...; with `per_card` False (a job above MAX_CARD_TAGS cards, `per_card_scalars`) the node's
-    extremes, `cards_<node>/util_min`, ..., a few scalars a node whatever its cards."""
-    if not per_card:
-        return _finite(_node_extremes(node, [c for c in cards or [] if isinstance(c, dict)]))
-    items: list[tuple[str, Any]] = []
-    for i, card in enumerate(cards or []):
-        if not isinstance(card, dict):
-            continue
-        cid = card.get("card")
-        prefix = f"card_{_tag_part(node)}_{_tag_part(i if cid is None else cid)}"
-        items += [(f"{prefix}/{suffix}", card.get(key)) for suffix, key in _CARD_SCALARS]
-    return _finite(items)
-
-
-def per_card_scalars(config: RunConfig) -> bool:
-    """Whether a job's card samples are written card by card (TensorBoard's rule: its cards, one
-    a rank, at most MAX_CARD_TAGS)."""
-    return config.world.world_size <= MAX_CARD_TAGS
 
 
 def _finite(items: list[tuple[str, Any]]) -> list[tuple[str, float]]:
@@ -103,4 +81,4 @@ def anomaly_step(record: dict) -> int:
 
 
 __all__ = ["TRACKERS_FILE", "TrackerFailed", "TrackerIds", "TrackerMissing", "anomaly_step", "anomaly_text",
-           "card_scalars", "flat_params", "per_card_scalars", "step_scalars"]
+           "flat_params", "step_scalars"]

@@ -75,3 +75,6 @@ CPU_LIMIT_MS = {"small": 0.3, "larger": 0.5}
 """Issue 49: the callback's own CPU (the training thread's, every step counted) per step."""
 TRAIN_STEPS = 1_000_000
 """The runs' train.steps: a long run (no step of the benchmark is the last one)."""
+DATA_SEQUENCES = 8192
+"""Random training sequences (a run cycles through them): too many for either model to learn by
+heart over the benchmark's steps, so its loss and gradients stay those of a healthy run."""

@@ -55,7 +55,9 @@ def build_report(pieces, attempts, machine, started, total_s, waited, budget_s, 
     res = {p.name: load_result(results, p.name) for p in pieces}
     m = machine
     rules_att = [a for a in attempts.get("rules", []) if a.kept]
-    tt, verdicts = targets_table(res, perf_s, rules_att[0].wall_s if rules_att else 0.0)
+    failed = tuple(p.name for p in pieces if p.name != "rules" and attempts.get(p.name)
+                   and not any(a.ok for a in attempts[p.name]))
+    tt, verdicts = targets_table(res, perf_s, rules_att[0].wall_s if rules_att else 0.0, perf_failed=failed)
     lines_console = [tt]
     doc = [
         "# Benchmarks",

@@ -9,7 +9,10 @@ import _common as C
 from _run_pieces import PERF_BUDGET_S
 
 
-def targets_table(res: dict, perf_s: float | None, rules_wall_s: float = 0.0) -> tuple[str, list[str]]:
+def targets_table(res: dict, perf_s: float | None, rules_wall_s: float = 0.0,
+                  perf_failed: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+    """`perf_failed`: the performance pieces none of whose attempts succeeded in the run `perf_s`
+    timed (a piece that failed was not run, whatever the time: the 20-minute row is missed)."""
     rows = []
     ov = res.get("overhead")
     if ov:
@@ -143,6 +146,9 @@ def targets_table(res: dict, perf_s: float | None, rules_wall_s: float = 0.0) ->
             f"real launches are `make bench-rules`{rules_s})")
     if perf_s is None:
         rows.append([what, "no run of every performance piece recorded", "missed", "-"])
+    elif perf_failed:
+        rows.append([what, f"{perf_s / 60:.1f} min, but {', '.join(sorted(perf_failed))} failed in every attempt",
+                     "missed", "every piece must run: a failed piece's rows are absent above"])
     else:
         rows.append([what, f"{perf_s / 60:.1f} min", "met" if perf_s < PERF_BUDGET_S else "missed",
                      f"{abs(PERF_BUDGET_S - perf_s) / 60:.1f} min " + ("to spare" if perf_s < PERF_BUDGET_S else "over")])

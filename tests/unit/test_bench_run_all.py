@@ -53,3 +53,25 @@ def test_the_twenty_minute_row_reads_the_performance_run_alone():
     assert verdicts == ["missed"] and "1.7 min over" in table
     table, verdicts = run_all.targets_table({}, None)
     assert verdicts == ["missed"] and "no run of every performance piece recorded" in table
+
+
+def test_a_piece_that_failed_in_every_attempt_misses_the_twenty_minute_row(tmp_path):
+    """A run that timed every piece but one of which never succeeded did not run every piece:
+    the row is missed and names it, however short the run was."""
+    table, verdicts = run_all.targets_table({}, 900.0, perf_failed=("overhead",))
+    assert verdicts == ["missed"] and "overhead failed in every attempt" in table, table
+
+    quiet = {"mean_cores": 0.0, "max_cores": 0.0, "top": []}
+    failed = run_all.Attempt(**{**_attempt(120.0), "rc": 1, "ok": False, "kept": False, "foreign": quiet})
+    ok = run_all.Attempt(**{**_attempt(60.0), "foreign": quiet})
+    perf = sorted(run_all.PERF_NAMES)
+    attempts = {n: [ok] for n in perf} | {"overhead": [failed, failed]}
+    machine = {"cpu": "x", "cores": 2, "ram_gib": 24, "os": "linux", "python": "3.11", "mindspore": "2.9.0",
+               "mindformers": "1.9.0", "ray": "2.60.0", "msgpack": "1.2.4"}
+    report = run_all.build_report(_pieces(set(perf)), attempts, machine, "day 1",
+                                  900.0, 0.0, 1200.0, 900.0, results=tmp_path)
+    assert "overhead failed in every attempt" in report["doc"], "build_report reads the failures from the attempts"
+    attempts["overhead"] = [failed, ok]
+    report = run_all.build_report(_pieces(set(perf)), attempts, machine, "day 1",
+                                  900.0, 0.0, 1200.0, 900.0, results=tmp_path)
+    assert "failed in every attempt" not in report["doc"] and "15.0 min" in report["doc"]

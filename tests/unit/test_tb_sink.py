@@ -258,28 +258,3 @@ def test_a_failing_periodic_flush_is_counted_and_tried_again(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert _scalars(acc, "loss/mean") == {1: 0.25, 2: 0.5}
-
-
-def test_a_big_job_writes_each_node_samples_extremes_not_a_tag_set_per_card(tmp_path):
-    """Above MAX_CARD_TAGS cards: 4 tags per node (its idlest card's util, largest memory,
-    power, temperature), an idle card's 0% included; a small job keeps a tag set per card."""
-    from mindpulse.aggregator.tb_sink import MAX_CARD_TAGS
-
-    cards = [{"card": c, "util_pct": 0.0 if c == 3 else 95.0, "memory_used_mb": 1000.0 + c, "power_w": 300.0 + c,
-              "temp_c": 50.0 + c} for c in range(8)]
-    big = TensorBoardSink(tmp_path / "big", flush_secs=1.0, cards=MAX_CARD_TAGS + 8)
-    big.on_telemetry("node7-h7", cards, 0.0, 5)
-    big.close()
-    small = TensorBoardSink(tmp_path / "small", flush_secs=1.0, cards=8)
-    small.on_telemetry("node0-h0", cards, 0.0, 5)
-    small.close()
-    acc = EventAccumulator(str(tmp_path / "big" / "tb"))
-    acc.Reload()
-    tags = sorted(acc.Tags()["scalars"])
-    assert tags == ["cards_node7-h7/memory_used_mb_max", "cards_node7-h7/power_w_max", "cards_node7-h7/temp_c_max",
-                    "cards_node7-h7/util_min"], tags
-    assert _scalars(acc, "cards_node7-h7/util_min") == {5: 0.0}
-    assert _scalars(acc, "cards_node7-h7/temp_c_max") == {5: 57.0}
-    acc = EventAccumulator(str(tmp_path / "small" / "tb"))
-    acc.Reload()
-    assert len(acc.Tags()["scalars"]) == 8 * 4

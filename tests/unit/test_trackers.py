@@ -125,30 +125,66 @@ def test_mlflow_run_holds_the_reduced_series_under_tensorboards_names(tmp_path):
     assert json.loads(Path(client.download_artifacts(run_id, anomaly, str(tmp_path))).read_text())["step"] == 4
 
 
-def test_a_big_jobs_card_samples_reach_the_trackers_as_tensorboards_node_extremes(tmp_path):
-    """Above MAX_CARD_TAGS cards TensorBoard writes a node sample's extremes (4 tags a node, not 4
-    a card); the trackers write the same tags with the same values, so their cost follows nodes."""
+def _tb_series(logdir: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mindpulse.aggregator.tb_sink import MAX_CARD_TAGS, TensorBoardSink
-    from mindpulse.aggregator.tracker_scalars import card_scalars, per_card_scalars
-    from mindpulse.config import from_dict
-
-    cards = [{"card": c, "util_pct": 0.0 if c == 3 else 95.0, "memory_used_mb": 1000.0 + c, "power_w": 300.0 + c,
-              "temp_c": float("nan") if c == 7 else 50.0 + c} for c in range(8)]
-    big = from_dict({"world": {"nodes": MAX_CARD_TAGS // 8 + 1, "ranks_per_node": 8}})
-    assert not per_card_scalars(big) and per_card_scalars(from_dict({"world": {"nodes": 1, "ranks_per_node": 8}}))
-    tb = TensorBoardSink(tmp_path, flush_secs=1.0, cards=big.world.world_size)
-    tb.on_telemetry("node7-h7", cards, 0.0, 5)
-    tb.close()
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
-    written = {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
-    assert dict(card_scalars("node7-h7", cards, per_card=False)) == pytest.approx(written)
-    assert dict(card_scalars("node7-h7", cards, per_card=False)) == {
-        "cards_node7-h7/util_min": 0.0, "cards_node7-h7/memory_used_mb_max": 1007.0,
-        "cards_node7-h7/power_w_max": 307.0, "cards_node7-h7/temp_c_max": 56.0}
-    assert len(card_scalars("node0-h0", cards)) == 8 * 4 - 1  # a small job: every card's, the NaN left out
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("nodes, grain", [(1, "card"), (33, "node"), (129, "job")])
+def test_a_jobs_card_samples_reach_tensorboard_and_mlflow_at_the_grain_its_size_sets(tmp_path, nodes, grain):
+    """Up to 256 cards every card's scalars; up to 1,024 each node sample's extremes (4 tags a
+    node); above, the job's extremes once a step (4 tags in all), the step's point written when a
+    later step's sample arrives and the last at close. TensorBoard and MLflow (the real sinks) write
+    the same tags and values, so a tracker's card cost follows steps, not nodes, in a big job."""
+    from mindpulse.aggregator.card_series import CardGrain, card_grain
+    from mindpulse.aggregator.mlflow_sink import MlflowSink
+    from mindpulse.aggregator.tb_sink import TensorBoardSink
+
+    config = from_dict({"world": {"nodes": nodes, "ranks_per_node": 8}, "sinks": {"mlflow": {"enabled": True}}})
+    assert card_grain(config.world.world_size) is CardGrain(grain)
+
+    def cards(hot: float) -> list[dict]:
+        return [{"card": c, "util_pct": 0.0 if c == 3 else 95.0, "memory_used_mb": 1000.0 + c, "power_w": 300.0 + c,
+                 "temp_c": float("nan") if c == 7 else hot + c} for c in range(8)]
+
+    run_dir = tmp_path / "runs" / "run-x"
+    tb = TensorBoardSink(run_dir, flush_secs=1.0, cards=config.world.world_size)
+    ml = MlflowSink(config.sinks.mlflow, run_dir=run_dir, config=config, attempt=0)
+    samples = [("node7-h7", cards(50.0), 5), ("node9-h9", cards(60.0), 5), ("node7-h7", cards(40.0), 6)]
+    for node, cs, step in samples:
+        for sink in (tb, ml):
+            sink.on_telemetry(node, cs, 1.0, step)
+    tb.close()
+    ml.close()
+    written = _tb_series(run_dir / "tb")
+    assert mlflow_series(run_dir)[1] == written, "MLflow writes TensorBoard's card tags and values"
+    if grain == "card":  # every card's, the NaN left out
+        assert len(written) == 2 * (8 * 4) - 2 and written["card_node7-h7_3/util"] == {5: 0.0, 6: 0.0}
+    elif grain == "node":
+        assert written == {
+            "cards_node7-h7/util_min": {5: 0.0, 6: 0.0}, "cards_node7-h7/memory_used_mb_max": {5: 1007.0, 6: 1007.0},
+            "cards_node7-h7/power_w_max": {5: 307.0, 6: 307.0}, "cards_node7-h7/temp_c_max": {5: 56.0, 6: 46.0},
+            "cards_node9-h9/util_min": {5: 0.0}, "cards_node9-h9/memory_used_mb_max": {5: 1007.0},
+            "cards_node9-h9/power_w_max": {5: 307.0}, "cards_node9-h9/temp_c_max": {5: 66.0}}
+    else:  # step 5: both nodes' samples folded (the hottest is node9's); step 6 written at close
+        assert written == {"cards/util_min": {5: 0.0, 6: 0.0}, "cards/memory_used_mb_max": {5: 1007.0, 6: 1007.0},
+                           "cards/power_w_max": {5: 307.0, 6: 307.0}, "cards/temp_c_max": {5: 66.0, 6: 46.0}}
+
+
+def test_the_job_grain_writes_a_step_once_its_samples_are_in_and_keeps_a_late_sample():
+    """A step's point waits for a later step's sample; a sample of an earlier step (a node's late
+    sample) joins the step held instead of opening a point the writers already passed."""
+    from mindpulse.aggregator.card_series import JOB_EXTREMES_CARDS, CardSeries
+
+    series = CardSeries(JOB_EXTREMES_CARDS + 16)
+    hot = [{"card": 0, "temp_c": 90.0}]
+    assert series.sample("a", [{"card": 0, "temp_c": 50.0}], 10) == []
+    assert series.sample("b", hot, 9) == [], "a late sample is held with step 10's"
+    assert series.sample("c", [{"card": 0, "temp_c": 40.0}], 11) == [(10, [("cards/temp_c_max", 90.0)])]
+    assert series.drain() == [(11, [("cards/temp_c_max", 40.0)])] and series.drain() == []
 
 
 def test_a_resumed_attempt_continues_the_same_mlflow_run(tmp_path):

@@ -1,0 +1,135 @@
+"""What TensorBoard and the experiment trackers write of the nodes' card samples, at a grain
+that follows the job's size: every card's scalars in a small job, each node sample's extremes
+above MAX_CARD_TAGS cards, and the job's extremes once a step above JOB_EXTREMES_CARDS cards,
+so that what a tracker writes for cards follows steps, not nodes, where nodes are many.
+
+The Prometheus endpoint keeps the cards that matter by name at every size (docs/dashboards.md)."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Any
+
+from mindpulse.common.formatting import finite_float
+from mindpulse.reporting.tables import CARD_EXTREMES
+
+CARD_SCALARS: tuple[tuple[str, str], ...] = (
+    ("util", "util_pct"),
+    ("memory_used_mb", "memory_used_mb"),
+    ("power_w", "power_w"),
+    ("temp_c", "temp_c"),
+)
+"""(tag suffix, card sample field) of each card scalar."""
+MAX_CARD_TAGS = 256
+"""Above this many cards in the job a node's sample is written as its cards' extremes (the
+hottest, most power-hungry, fullest card's value, the idlest card's utilisation) under
+`cards_<node>/`, not a tag set per card: at 32,768 cards the per-card scalars were an
+eighth of the aggregator's time, and TensorBoard cannot show 131,072 tags anyway."""
+JOB_EXTREMES_CARDS = 1024
+"""Above this many cards (64 nodes of 16) the node samples that arrive during a step are folded
+into the job's extremes, written once under `cards/` when a later step's sample arrives (and
+at close): at 32,768 cards an event a node sample was 7% of the aggregator's time (2,048 node
+groups a telemetry period), and no one reads 2,048 node groups in TensorBoard."""
+
+_BIGGEST = dict(CARD_EXTREMES)
+"""Per card field: whether its extreme worth a look is the largest (temperature, power,
+memory) or the smallest (utilisation: an idle card)."""
+_UNSAFE_TAG_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
+
+
+class CardGrain(enum.Enum):
+    """How finely a job's card samples are written."""
+
+    CARD = "card"  # card_<node>_<card>/<scalar>, every sample
+    NODE = "node"  # cards_<node>/<scalar>_<min|max>, every sample
+    JOB = "job"  # cards/<scalar>_<min|max>, once a step
+
+
+def card_grain(cards: int) -> CardGrain:
+    """The grain of a job of `cards` cards (its world size: one card a rank)."""
+    if cards <= MAX_CARD_TAGS:
+        return CardGrain.CARD
+    return CardGrain.NODE if cards <= JOB_EXTREMES_CARDS else CardGrain.JOB
+
+
+def tag_part(x: Any) -> str:
+    """A name safe inside one tag component (no `/`, no spaces)."""
+    s = _UNSAFE_TAG_CHARS.sub("_", str(x)).strip("_")
+    return s or "unknown"
+
+
+def _extremes(cards: list[dict]) -> dict[str, float]:
+    """Per card field, the extreme worth a look over `cards` (finite values only)."""
+    out: dict[str, float] = {}
+    for _, key in CARD_SCALARS:
+        vals = [v for c in cards if isinstance(c, dict) and (v := finite_float(c.get(key))) is not None]
+        if vals:
+            out[key] = max(vals) if _BIGGEST[key] else min(vals)
+    return out
+
+
+def _extreme_items(prefix: str, ext: dict[str, float]) -> list[tuple[str, float]]:
+    return [(f"{prefix}/{suffix}_{'max' if _BIGGEST[key] else 'min'}", ext[key])
+            for suffix, key in CARD_SCALARS if key in ext]
+
+
+def node_extremes(node: str, cards: list[dict]) -> list[tuple[str, float]]:
+    """A node sample as its cards' extremes: the idlest card's utilisation, the largest memory,
+    power and temperature (`cards_<node>/util_min`, ...)."""
+    return _extreme_items(f"cards_{tag_part(node)}", _extremes(cards))
+
+
+def per_card(node: str, cards: list[dict]) -> list[tuple[str, float]]:
+    """Every card's finite scalars of a node sample (`card_<node>_<card>/util`, ...)."""
+    items: list[tuple[str, float]] = []
+    for i, card in enumerate(cards or []):
+        if not isinstance(card, dict):
+            continue
+        cid = card.get("card")
+        prefix = f"card_{tag_part(node)}_{tag_part(i if cid is None else cid)}"
+        items += [(f"{prefix}/{suffix}", v) for suffix, key in CARD_SCALARS
+                  if (v := finite_float(card.get(key))) is not None]
+    return items
+
+
+class CardSeries:
+    """One writer's card scalars: `sample` takes a node's sample and returns the points to write
+    now, each `(step, [(tag, value), ...])`; `drain` the point still held (at close).
+
+    At the job grain a step's point is the extremes over the node samples received while the
+    aggregator was at that step (a sample's `step`); it is written when a sample of a later
+    step arrives, so a tracker writes one point a step for cards, whatever the nodes."""
+
+    def __init__(self, cards: int):
+        self.grain = card_grain(cards)
+        self._step: int | None = None
+        self._held: dict[str, float] = {}
+
+    def sample(self, node: str, cards: list[dict], step: int) -> list[tuple[int, list[tuple[str, float]]]]:
+        cards = [c for c in cards or [] if isinstance(c, dict)]
+        if self.grain is CardGrain.CARD:
+            return [(step, per_card(node, cards))]
+        if self.grain is CardGrain.NODE:
+            return [(step, node_extremes(node, cards))]
+        out = self.drain() if self._step is not None and step > self._step else []
+        if self._step is None or step > self._step:
+            self._step = step
+        # a late sample of an earlier step joins the step held: its cards are still the job's
+        for key, v in _extremes(cards).items():
+            held = self._held.get(key)
+            if held is None or (v > held if _BIGGEST[key] else v < held):
+                self._held[key] = v
+        return out
+
+    def drain(self) -> list[tuple[int, list[tuple[str, float]]]]:
+        """The held step's point (empty where none is held); the fold starts again."""
+        if self._step is None or not self._held:
+            return []
+        point = [(self._step, _extreme_items("cards", self._held))]
+        self._held = {}
+        return point
+
+
+__all__ = ["CARD_SCALARS", "JOB_EXTREMES_CARDS", "MAX_CARD_TAGS", "CardGrain", "CardSeries", "card_grain",
+           "node_extremes", "per_card", "tag_part"]
