@@ -1,13 +1,24 @@
 """End to end: a MindFormers fine-tune from its own YAML (`job.mindformers`), two real ranks
-running MindFormers' Trainer in data parallel on CPU, launched by `mindpulse launch`."""
+running MindFormers' Trainer in data parallel on CPU, launched by `mindpulse launch`; and
+`job.mindformers.source`, a MindFormers tree unpacked from a release into a folder, not
+installed, which every rank imports ahead of the MindFormers installed in its environment.
+
+The tree is MindFormers 1.9.0's `mindformers/` package and `configs/` folder taken out of its
+published wheel (`pip download --no-deps mindformers==1.9.0`, kept under
+`$XDG_CACHE_HOME/mindpulse/`): the layout a `git clone` has (MindFormers reads
+`configs/general/run_general_task.yaml` beside its package). One line is added at the end of
+its `__init__.py`, printing where the package was imported from, so each rank's log shows the
+import itself, beside the rank's own start-up line that names where its MindFormers comes from."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +29,8 @@ from mindpulse.rundir.metrics_store import read_records
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 CONFIG = ROOT / "cluster_configs" / "mindformers_finetune.yaml"
 MF_YAML = ROOT / "workers" / "recipes" / "mindformers" / "llama_tiny_finetune.yaml"
+RELEASE = "1.9.0"
+MARK = "mindformers imported from the source tree:"
 
 
 def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -84,17 +97,51 @@ def test_mindformers_finetune_from_its_yaml(run_cli, tmp_path):
     assert "stop_step: 30" in plan.stdout and "device_target: CPU" in plan.stdout
 
 
-def test_mindformers_nan_grad_stops_both_ranks_and_overrides_take_effect(run_cli):
+def _release_wheel() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mindpulse" / "wheels"
+    found = sorted(cache.glob(f"mindformers-{RELEASE}-*.whl"))
+    if not found:
+        cache.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache),
+                              f"mindformers=={RELEASE}"], capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        found = sorted(cache.glob(f"mindformers-{RELEASE}-*.whl"))
+    assert found, f"no mindformers {RELEASE} wheel in {cache}"
+    return found[-1]
+
+
+def _unpacked_tree(into: Path) -> Path:
+    with zipfile.ZipFile(_release_wheel()) as whl:
+        whl.extractall(into, [n for n in whl.namelist() if n.startswith(("mindformers/", "configs/"))])
+    init = into / "mindformers" / "__init__.py"
+    init.write_text(init.read_text() + f"\nprint({MARK!r}, __file__, flush=True)\n")
+    return into
+
+
+def test_a_source_tree_ranks_import_first_stops_both_ranks_on_a_nan_with_the_overrides_in_effect(run_cli, tmp_path):
+    """One launch from a MindFormers source tree (`job.mindformers.source`, the release this suite
+    installs, so the run is the installed one's): every rank imports the tree's MindFormers, not
+    the installed one; the YAML's overrides take effect; a NaN gradient on rank 1 stops both."""
+    tree = _unpacked_tree(tmp_path / "mindformers-src")
+    installed = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
+                                "print(u.find_spec('mindformers').submodule_search_locations[0])"],
+                               capture_output=True, text=True, timeout=120).stdout.strip()
+    assert installed and not installed.startswith(str(tree)), "MindFormers must also be installed here"
     r = run_cli("launch", str(CONFIG), "--set", "train.steps=10", "--set", "output.report=false",
                 "--set", "job.mindformers.overrides={model.model_config.num_layers: 1}",
-                "--inject", "nan_grad@1:4", timeout=600)
+                "--set", f"job.mindformers.source={tree}", "--inject", "nan_grad@1:4", timeout=600)
     assert r.returncode == 3, r.output
     s = r.summary
     assert s["status"] == "anomaly_stop" and s["stop"]["rule"] == "nonfinite" and s["stop"]["decided_at"] == 4
     assert [x["last_step"] for x in s["ranks"]] == [s["stop"]["step"]] * 2 and s["stop"]["step"] == 5
-    for rank in (0, 1):  # one layer: 115008 - 41088 parameters
+    for rank in (0, 1):
         log = (r.run_dir / "logs" / f"rank_{rank}.log").read_text()
+        # one layer: 115008 - 41088 parameters
         assert "MindFormers model LlamaForCausalLM: 73920 trainable parameters" in log, log[-3000:]
+        assert f"mindformers {RELEASE} from {tree / 'mindformers'}" in log, log[-3000:]
+        assert f"{MARK} {tree / 'mindformers' / '__init__.py'}" in log, log[-3000:]
+        assert installed not in log.split(MARK)[0], "the installed MindFormers was named before the tree's import"
+    assert (r.run_dir / "config.yaml").read_text().count(str(tree)) == 1, "the run's config does not name the tree"
     # MindFormers' cell skipped the NaN step (its overflow check); at a scale of 1 that is an anomaly
     pk, _ = records(r.run_dir)
     assert {o["rank"]: o["overflow"] for o in pk if o["step"] == 4} == {0: True, 1: True}
