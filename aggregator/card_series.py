@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
+import time
 from typing import Any
 
 from mindpulse.common.formatting import finite_float
@@ -27,10 +28,14 @@ hottest, most power-hungry, fullest card's value, the idlest card's utilisation)
 `cards_<node>/`, not a tag set per card: at 32,768 cards the per-card scalars were an
 eighth of the aggregator's time, and TensorBoard cannot show 131,072 tags anyway."""
 JOB_EXTREMES_CARDS = 1024
-"""Above this many cards (64 nodes of 16) the node samples that arrive during a step are folded
-into the job's extremes, written once under `cards/` when a later step's sample arrives (and
-at close): at 32,768 cards an event a node sample was 7% of the aggregator's time (2,048 node
-groups a telemetry period), and no one reads 2,048 node groups in TensorBoard."""
+"""Above this many cards (64 nodes of 16) the job's extremes over every node's latest sample are
+written once a step under `cards/` (`CardSeries`): at 32,768 cards an event a node sample was 7%
+of the aggregator's time (4,096 node groups a telemetry period), and no one reads 4,096 node
+groups in TensorBoard."""
+JOB_POINT_S = 10.0
+"""At the job grain, a point is written at least this often while the step stands still."""
+STALE_S = 60.0
+"""At the job grain, a node whose last sample is older than this leaves the job's extremes."""
 
 _BIGGEST = dict(CARD_EXTREMES)
 """Per card field: whether its extreme worth a look is the largest (temperature, power,
@@ -95,41 +100,63 @@ def per_card(node: str, cards: list[dict]) -> list[tuple[str, float]]:
 
 class CardSeries:
     """One writer's card scalars: `sample` takes a node's sample and returns the points to write
-    now, each `(step, [(tag, value), ...])`; `drain` the point still held (at close).
+    now, each `(step, [(tag, value), ...])`; `drain` the point not yet written (at close).
 
-    At the job grain a step's point is the extremes over the node samples received while the
-    aggregator was at that step (a sample's `step`); it is written when a sample of a later
-    step arrives, so a tracker writes one point a step for cards, whatever the nodes."""
+    At the job grain each node's latest sample is kept (its extremes, four numbers) and a point
+    is the extremes over every node's latest sample: written when a sample of a later step
+    arrives, or once `JOB_POINT_S` has passed at the same step (a hang, a long compile: the
+    cards matter most then), so a tracker writes about one point a step for cards, whatever the
+    nodes. Nodes report every `monitor.telemetry_interval_s`, not every step: a point over only
+    the samples of its step would hold a fifth of the nodes at 1 step/s and 5 s telemetry, and a
+    hot node would show in one point in five. A node silent for `STALE_S` leaves the point (a node
+    gone from the job keeps no value in it)."""
 
     def __init__(self, cards: int):
         self.grain = card_grain(cards)
-        self._step: int | None = None
-        self._held: dict[str, float] = {}
+        self._latest: dict[str, tuple[float, dict[str, float]]] = {}
+        """Per node: (its last sample's arrival, monotonic seconds; that sample's extremes)."""
+        self._high: int | None = None
+        """The highest step a sample came at: the step of the point that waits."""
+        self._waiting = False
+        """Whether a sample came since the last point was written."""
+        self._written_at: float | None = None
+        """When the last point was written (or the first sample came)."""
 
-    def sample(self, node: str, cards: list[dict], step: int) -> list[tuple[int, list[tuple[str, float]]]]:
+    def sample(self, node: str, cards: list[dict], step: int,
+               now: float | None = None) -> list[tuple[int, list[tuple[str, float]]]]:
         cards = [c for c in cards or [] if isinstance(c, dict)]
         if self.grain is CardGrain.CARD:
             return [(step, per_card(node, cards))]
         if self.grain is CardGrain.NODE:
             return [(step, node_extremes(node, cards))]
-        out = self.drain() if self._step is not None and step > self._step else []
-        if self._step is None or step > self._step:
-            self._step = step
-        # a late sample of an earlier step joins the step held: its cards are still the job's
-        for key, v in _extremes(cards).items():
-            held = self._held.get(key)
-            if held is None or (v > held if _BIGGEST[key] else v < held):
-                self._held[key] = v
+        now = time.monotonic() if now is None else now
+        if self._written_at is None:
+            self._written_at = now
+        out: list[tuple[int, list[tuple[str, float]]]] = []
+        if self._waiting and self._high is not None and (step > self._high or now - self._written_at >= JOB_POINT_S):
+            out = self.drain(now)
+        self._latest[str(node)] = (now, _extremes(cards))
+        # a late sample of an earlier step counts towards the point waiting: its cards are the job's now
+        self._high = step if self._high is None else max(self._high, step)
+        self._waiting = True
         return out
 
-    def drain(self) -> list[tuple[int, list[tuple[str, float]]]]:
-        """The held step's point (empty where none is held); the fold starts again."""
-        if self._step is None or not self._held:
+    def drain(self, now: float | None = None) -> list[tuple[int, list[tuple[str, float]]]]:
+        """The waiting point (empty where none waits or no node has a value)."""
+        if not self._waiting or self._high is None:
             return []
-        point = [(self._step, _extreme_items("cards", self._held))]
-        self._held = {}
-        return point
+        now = time.monotonic() if now is None else now
+        step, self._waiting, self._written_at = self._high, False, now
+        for node in [n for n, (at, _) in self._latest.items() if now - at > STALE_S]:
+            del self._latest[node]
+        job: dict[str, float] = {}
+        for _, ext in self._latest.values():
+            for key, v in ext.items():
+                held = job.get(key)
+                if held is None or (v > held if _BIGGEST[key] else v < held):
+                    job[key] = v
+        return [(step, _extreme_items("cards", job))] if job else []
 
 
-__all__ = ["CARD_SCALARS", "JOB_EXTREMES_CARDS", "MAX_CARD_TAGS", "CardGrain", "CardSeries", "card_grain",
-           "node_extremes", "per_card", "tag_part"]
+__all__ = ["CARD_SCALARS", "JOB_EXTREMES_CARDS", "JOB_POINT_S", "MAX_CARD_TAGS", "STALE_S", "CardGrain",
+           "CardSeries", "card_grain", "node_extremes", "per_card", "tag_part"]

@@ -212,14 +212,16 @@ class MlflowSink(Sink):
 
     # ---- inputs ------------------------------------------------------------------------------
     def _metrics(self, items: list[tuple[str, float]], step: int, ts: float | None) -> None:
-        if self.closed or not items:
-            return self._writer.check()
+        if not self.closed:
+            self._queue_metrics(items, step, ts)
+        self._writer.check()
+
+    def _queue_metrics(self, items: list[tuple[str, float]], step: int, ts: float | None) -> None:
         ms = int((ts if ts and ts > 0 else time.time()) * 1000)
         metrics = [self._Metric(key, value, ms, step) for key, value in items]
         for i in range(0, len(metrics), self._batch):
             chunk = metrics[i:i + self._batch]
             self._writer.put(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
-        self._writer.check()
 
     def on_reduced(self, red: ReducedStep, also: Sequence[tuple[str, Any]] | None = (),
                    directive: Directive | None = None) -> None:
@@ -253,8 +255,8 @@ class MlflowSink(Sink):
         """Finish the queued writes (up to `CLOSE_WAIT_S`), end the run, raise what failed."""
         if self.closed:
             return
-        for at, items in self.cards.drain():  # the job's last step of card extremes
-            self._metrics(items, at, None)
+        for at, items in self.cards.drain():  # the job's last point of card extremes (queued: no raise here)
+            self._queue_metrics(items, at, None)
         self.closed = True
         drained = self._writer.close(CLOSE_WAIT_S)
         self.client.set_terminated(self.run_id, "FINISHED")

@@ -138,12 +138,18 @@ class SwanLabSink(Sink):
     def close(self) -> None:
         if self.closed:
             return
-        for at, items in self.cards.drain():  # the job's last step of card extremes
-            if items and self._alive():
-                self.run.log(dict(items), step=at)
+        failure: Exception | None = None
+        try:
+            for at, items in self.cards.drain():  # the job's last point of card extremes
+                if items and self._alive():
+                    self.run.log(dict(items), step=at)
+        except Exception as exc:  # the run is finished all the same; the failure is raised after
+            failure = exc
         self.closed = True
         if self.run.alive:
             self.run.finish()
+        if failure is not None:
+            raise failure
 
 
 __all__ = ["SwanLabSink", "default_logdir"]

@@ -18,7 +18,7 @@ Tags written:
 * card scalars at the job's grain (card_series.py): `card_<node>_<card>/util`, `/memory_used_mb`,
   `/power_w`, `/temp_c` up to 256 cards; each node sample's extremes `cards_<node>/util_min`,
   `/memory_used_mb_max`, `/power_w_max`, `/temp_c_max` up to 1,024; the job's extremes
-  `cards/util_min`, ... once a step above;
+  `cards/util_min`, ... over every node's latest sample, once a step, above;
 * text: `anomalies`, `loss/nonfinite` (a marker for each step with a NaN/Inf loss), and
   whatever `on_text` is given (`config`, `milestones`).
 """

@@ -302,7 +302,8 @@ class Rig:
         if stamp.modes != {ms.GRAPH_MODE}:
             raise RuntimeError(f"{cfg}: the execution mode changed during the run ({stamp.modes})")
         if len(stamp.t) != n:
-            stops = [m.session.stopped for m in self.monitors[-1:] if m.session.stopped is not None]
+            stops = [m.session.stopped for m in cbs  # this run's monitor, where it has one
+                     if getattr(getattr(m, "session", None), "stopped", None) is not None]
             raise RuntimeError(f"{cfg}: {len(stamp.t)} of {n} steps ran"
                                + (f" (the monitor stopped it at step {stops[0].step}: {stops[0].reason})" if stops else ""))
         # from the run's start (every callback's on_train_begin: a Monitor's start) to the

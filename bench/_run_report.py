@@ -11,7 +11,7 @@ from pathlib import Path
 
 import _common as C
 from _run_notes import NOTES
-from _run_pieces import FOREIGN_BUSY_CORES, PIECES, SLOW_FACTOR, Attempt
+from _run_pieces import FOREIGN_BUSY_CORES, PERF_NAMES, PIECES, SLOW_FACTOR, Attempt
 from _run_targets import targets_table
 
 INVESTIGATIONS = C.BENCH / "investigations.md"
@@ -45,19 +45,26 @@ def load_result(results: Path, name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def failed_pieces(attempts: dict[str, list[Attempt]]) -> tuple[str, ...]:
+    """The performance pieces of `attempts` none of whose attempts succeeded."""
+    return tuple(sorted(n for n, att in attempts.items() if n in PERF_NAMES and att and not any(a.ok for a in att)))
+
+
 def _render(module: str, data: dict) -> str:
     return importlib.import_module(module).render(data)  # bench/ is on sys.path (this script's folder)
 
 
 def build_report(pieces, attempts, machine, started, total_s, waited, budget_s, perf_s=None, *,
-                 results: Path) -> dict:
-    """The document and the console report; `results`: the folder the pieces' results are read from."""
+                 results: Path, perf_failed: tuple[str, ...] | None = None) -> dict:
+    """The document and the console report; `results`: the folder the pieces' results are read from;
+    `perf_failed`: the performance pieces that failed in every attempt of the run `perf_s` timed
+    (None: read from `attempts`, which must then be that run's)."""
     res = {p.name: load_result(results, p.name) for p in pieces}
     m = machine
     rules_att = [a for a in attempts.get("rules", []) if a.kept]
-    failed = tuple(p.name for p in pieces if p.name != "rules" and attempts.get(p.name)
-                   and not any(a.ok for a in attempts[p.name]))
-    tt, verdicts = targets_table(res, perf_s, rules_att[0].wall_s if rules_att else 0.0, perf_failed=failed)
+    if perf_failed is None:
+        perf_failed = failed_pieces(attempts)
+    tt, verdicts = targets_table(res, perf_s, rules_att[0].wall_s if rules_att else 0.0, perf_failed=perf_failed)
     lines_console = [tt]
     doc = [
         "# Benchmarks",

@@ -47,7 +47,7 @@ from _run_pieces import (
     Attempt,
     Piece,
 )
-from _run_report import RELATED, build_report, load_result
+from _run_report import RELATED, build_report, failed_pieces, load_result
 from _run_report import module_of as _module_of
 from _run_targets import targets_table
 
@@ -202,11 +202,14 @@ def main() -> None:
 
     rules_wall = sum(a.wall_s for a in attempts.get("rules", []))
     perf_s = total_s - rules_wall if {p.name for p in pieces} >= PERF_NAMES else None
+    # kept with the run: a later `--only` re-run of a failed piece does not make this run's time one
+    # in which every piece ran
+    perf_failed = failed_pieces(attempts) if perf_s is not None else ()
     report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s, perf_s,
                           results=RESULTS)
     print("\n" + report["console"])
     run = {"started": started, "total_s": total_s, "waited_for_quiet_s": waited, "machine": machine,
-           "perf_s": perf_s,
+           "perf_s": perf_s, "perf_failed": list(perf_failed),
            "attempts": {k: [a.__dict__ for a in v] for k, v in attempts.items()}}
     if only and not args.no_docs:
         run = merged_run(run, pieces, started)
@@ -260,7 +263,8 @@ def rewrite_docs(budget_s: float) -> None:
             atts.append(a)
         attempts[k] = atts
     report = build_report(PIECES, attempts, run["machine"], run["started"], run["total_s"],
-                          run["waited_for_quiet_s"], budget_s, run.get("perf_s"), results=RESULTS)
+                          run["waited_for_quiet_s"], budget_s, run.get("perf_s"), results=RESULTS,
+                          perf_failed=tuple(run.get("perf_failed", ())))
     DOC.write_text(report["doc"])
     print(f"wrote {DOC.relative_to(C.ROOT)}")
 

@@ -75,3 +75,28 @@ def test_a_piece_that_failed_in_every_attempt_misses_the_twenty_minute_row(tmp_p
     report = run_all.build_report(_pieces(set(perf)), attempts, machine, "day 1",
                                   900.0, 0.0, 1200.0, 900.0, results=tmp_path)
     assert "failed in every attempt" not in report["doc"] and "15.0 min" in report["doc"]
+
+
+def test_a_failed_piece_rerun_alone_leaves_the_timed_run_missed(tmp_path, monkeypatch):
+    """`--only overhead` after a `make bench` whose overhead failed: the record keeps which pieces
+    failed in the timed run, so the documents written again still read the row missed (the
+    re-run's success is not that run's)."""
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    perf = sorted(run_all.PERF_NAMES)
+    timed = _run(perf, "day 1 10:00", 900.0, 900.0)
+    timed["attempts"]["overhead"][0].update(ok=False, rc=1, kept=False)
+    timed["perf_failed"] = ["overhead"]
+    (tmp_path / "run_all.json").write_text(json.dumps(timed))
+    again = run_all.merged_run(_run(["overhead"], "day 1 11:00", 400.0, None), _pieces({"overhead"}), "day 1 11:00")
+    assert again["perf_failed"] == ["overhead"] and again["attempts"]["overhead"][0]["ok"]
+    for d in again["attempts"].values():
+        for a in d:
+            a["foreign"] = {"mean_cores": 0.0, "max_cores": 0.0, "top": []}
+    again["machine"] = {"cpu": "x", "cores": 2, "ram_gib": 24, "os": "linux", "python": "3.11", "mindspore": "2.9.0",
+                        "mindformers": "1.9.0", "ray": "2.60.0", "msgpack": "1.2.4"}
+    (tmp_path / "run_all.json").write_text(json.dumps(again))
+    doc = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(run_all, "DOC", doc)
+    monkeypatch.setattr(run_all.C, "ROOT", tmp_path)  # the path it prints is the document's under the root
+    run_all.rewrite_docs(1200.0)
+    assert "overhead failed in every attempt" in doc.read_text()

@@ -169,22 +169,33 @@ def test_a_jobs_card_samples_reach_tensorboard_and_mlflow_at_the_grain_its_size_
             "cards_node7-h7/power_w_max": {5: 307.0, 6: 307.0}, "cards_node7-h7/temp_c_max": {5: 56.0, 6: 46.0},
             "cards_node9-h9/util_min": {5: 0.0}, "cards_node9-h9/memory_used_mb_max": {5: 1007.0},
             "cards_node9-h9/power_w_max": {5: 307.0}, "cards_node9-h9/temp_c_max": {5: 66.0}}
-    else:  # step 5: both nodes' samples folded (the hottest is node9's); step 6 written at close
+    else:  # over every node's latest sample: node9's 66 C stays the job's hottest at step 6 (written at close)
         assert written == {"cards/util_min": {5: 0.0, 6: 0.0}, "cards/memory_used_mb_max": {5: 1007.0, 6: 1007.0},
-                           "cards/power_w_max": {5: 307.0, 6: 307.0}, "cards/temp_c_max": {5: 66.0, 6: 46.0}}
+                           "cards/power_w_max": {5: 307.0, 6: 307.0}, "cards/temp_c_max": {5: 66.0, 6: 66.0}}
 
 
-def test_the_job_grain_writes_a_step_once_its_samples_are_in_and_keeps_a_late_sample():
-    """A step's point waits for a later step's sample; a sample of an earlier step (a node's late
-    sample) joins the step held instead of opening a point the writers already passed."""
-    from mindpulse.aggregator.card_series import JOB_EXTREMES_CARDS, CardSeries
+def test_the_job_grain_is_every_nodes_latest_sample_once_a_step():
+    """A point is the extremes over every node's latest sample (nodes report every few seconds,
+    not every step), written when a later step's sample comes or every JOB_POINT_S while the step
+    stands still (a hang); a late sample of an earlier step counts towards the point waiting; a
+    node silent for STALE_S leaves the point."""
+    from mindpulse.aggregator.card_series import JOB_EXTREMES_CARDS, JOB_POINT_S, STALE_S, CardSeries
 
     series = CardSeries(JOB_EXTREMES_CARDS + 16)
-    hot = [{"card": 0, "temp_c": 90.0}]
-    assert series.sample("a", [{"card": 0, "temp_c": 50.0}], 10) == []
-    assert series.sample("b", hot, 9) == [], "a late sample is held with step 10's"
-    assert series.sample("c", [{"card": 0, "temp_c": 40.0}], 11) == [(10, [("cards/temp_c_max", 90.0)])]
-    assert series.drain() == [(11, [("cards/temp_c_max", 40.0)])] and series.drain() == []
+
+    def temp(c: float) -> list[dict]:
+        return [{"card": 0, "temp_c": c}, {"card": 1, "temp_c": float("nan")}]
+
+    assert series.sample("a", temp(50.0), 10, now=0.0) == []
+    assert series.sample("b", temp(90.0), 9, now=1.0) == [], "a late sample waits with step 10's point"
+    assert series.sample("c", temp(40.0), 11, now=2.0) == [(10, [("cards/temp_c_max", 90.0)])]
+    assert series.sample("a", temp(45.0), 11, now=3.0) == [], "one point a step"
+    # the step stands still (a hang): a point every JOB_POINT_S all the same, node b's 90 C still in it
+    assert series.sample("a", temp(45.0), 11, now=2.0 + JOB_POINT_S) == [(11, [("cards/temp_c_max", 90.0)])]
+    # b and c silent for over STALE_S: only a's latest remains
+    later = 2.0 + JOB_POINT_S + STALE_S - 1.0
+    assert series.sample("d", temp(30.0), 12, now=later) == [(11, [("cards/temp_c_max", 45.0)])]
+    assert series.drain(now=later) == [(12, [("cards/temp_c_max", 45.0)])] and series.drain() == []
 
 
 def test_a_resumed_attempt_continues_the_same_mlflow_run(tmp_path):
