@@ -64,13 +64,18 @@ def tag_part(x: Any) -> str:
     return s or "unknown"
 
 
+def _pick(key: str, vals: list[float]) -> float:
+    """The extreme worth a look among `vals` of card field `key`."""
+    return max(vals) if _BIGGEST[key] else min(vals)
+
+
 def _extremes(cards: list[dict]) -> dict[str, float]:
     """Per card field, the extreme worth a look over `cards` (finite values only)."""
     out: dict[str, float] = {}
     for _, key in CARD_SCALARS:
-        vals = [v for c in cards if isinstance(c, dict) and (v := finite_float(c.get(key))) is not None]
+        vals = [v for c in cards or [] if isinstance(c, dict) and (v := finite_float(c.get(key))) is not None]
         if vals:
-            out[key] = max(vals) if _BIGGEST[key] else min(vals)
+            out[key] = _pick(key, vals)
     return out
 
 
@@ -124,7 +129,6 @@ class CardSeries:
 
     def sample(self, node: str, cards: list[dict], step: int,
                now: float | None = None) -> list[tuple[int, list[tuple[str, float]]]]:
-        cards = [c for c in cards or [] if isinstance(c, dict)]
         if self.grain is CardGrain.CARD:
             return [(step, per_card(node, cards))]
         if self.grain is CardGrain.NODE:
@@ -149,12 +153,8 @@ class CardSeries:
         step, self._waiting, self._written_at = self._high, False, now
         for node in [n for n, (at, _) in self._latest.items() if now - at > STALE_S]:
             del self._latest[node]
-        job: dict[str, float] = {}
-        for _, ext in self._latest.values():
-            for key, v in ext.items():
-                held = job.get(key)
-                if held is None or (v > held if _BIGGEST[key] else v < held):
-                    job[key] = v
+        job = {key: _pick(key, vals) for _, key in CARD_SCALARS
+               if (vals := [ext[key] for _, ext in self._latest.values() if key in ext])}
         return [(step, _extreme_items("cards", job))] if job else []
 
 

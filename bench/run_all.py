@@ -206,7 +206,7 @@ def main() -> None:
     # in which every piece ran
     perf_failed = failed_pieces(attempts) if perf_s is not None else ()
     report = build_report(pieces, attempts, machine, started, total_s, waited, args.budget_s, perf_s,
-                          results=RESULTS)
+                          results=RESULTS, perf_failed=perf_failed)
     print("\n" + report["console"])
     run = {"started": started, "total_s": total_s, "waited_for_quiet_s": waited, "machine": machine,
            "perf_s": perf_s, "perf_failed": list(perf_failed),

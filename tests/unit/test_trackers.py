@@ -436,3 +436,11 @@ def test_a_resumed_run_without_trackers_or_with_a_damaged_file_carries_nothing(t
     (old / "trackers.json").write_text("{")
     [line] = carry_tracker_runs(old, new, enabled=both)
     assert str(old / "trackers.json") in line and "new runs" in line and not (new / "trackers.json").exists()
+
+
+def test_a_card_without_an_id_is_named_by_its_place_in_the_sample():
+    """A card with no `card` field is named by its index in the node's sample, entries that are
+    not cards counted (as the per-card tags were before the grains)."""
+    from mindpulse.aggregator.card_series import CardSeries
+
+    assert CardSeries(8).sample("n", ["not a card", {"util_pct": 5.0}], 1) == [(1, [("card_n_1/util", 5.0)])]
