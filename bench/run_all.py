@@ -245,8 +245,12 @@ def merged_run(run: dict, pieces: list, started: str) -> dict:
                     reruns=[r for r in old.get("reruns", []) if "rules" in r["pieces"] and "rules" not in names][-1:]
                     + ([rerun] if "rules" in names else []))
     first = str(old.get("started", "")).split("; ")[0]
-    return dict(old, attempts=attempts, started=f"{first}; {', '.join(names)} re-run {started}",
-                total_s=float(old.get("total_s", 0.0)), reruns=[*old.get("reruns", []), rerun])
+    reruns = [*old.get("reruns", []), rerun]
+    latest: dict[str, str] = {}  # each piece's last re-run: every figure's own date stays in the line
+    for r in reruns:
+        latest.update((n, r["started"]) for n in r["pieces"])
+    return dict(old, attempts=attempts, started="; ".join([first, *(f"{n} re-run {t}" for n, t in latest.items())]),
+                total_s=float(old.get("total_s", 0.0)), reruns=reruns)
 
 
 def rewrite_docs(budget_s: float) -> None:

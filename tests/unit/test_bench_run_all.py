@@ -100,3 +100,15 @@ def test_a_failed_piece_rerun_alone_leaves_the_timed_run_missed(tmp_path, monkey
     monkeypatch.setattr(run_all.C, "ROOT", tmp_path)  # the path it prints is the document's under the root
     run_all.rewrite_docs(1200.0)
     assert "overhead failed in every attempt" in doc.read_text()
+
+
+def test_the_date_line_names_every_piece_re_run_since_the_timed_run(tmp_path, monkeypatch):
+    """Two pieces re-run one after the other: the record's date line names both, each with its
+    last re-run (the figures of the first must not read as the timed run's)."""
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    perf = sorted(run_all.PERF_NAMES)
+    (tmp_path / "run_all.json").write_text(json.dumps(_run(perf, "day 1 10:00", 900.0, 900.0)))
+    for piece, at in (("fanin", "day 1 11:00"), ("fanin", "day 1 12:00"), ("fanin_sinks", "day 1 13:00")):
+        merged = run_all.merged_run(_run([piece], at, 60.0, None), _pieces({piece}), at)
+        (tmp_path / "run_all.json").write_text(json.dumps(merged))
+    assert merged["started"] == "day 1 10:00; fanin re-run day 1 12:00; fanin_sinks re-run day 1 13:00"
