@@ -56,9 +56,11 @@ COLLECT_FREQ = 10  # the default config's monitor.collect_freq: timed steps come
 DEADLINE_SHARE = {("small", True): 0.3, ("small", False): 0.4, ("larger", True): 0.85, ("larger", False): 1.0}
 """Of --max-seconds: when each model's pinned and unpinned repeats must end (disturbed repeats
 are run again only until then)."""
-PROFILE_STEPS = {"small": 100, "larger": 30}
+PROFILE_STEPS = {"small": 100, "larger": 100}
 """Steps of `mp_default` run once more with its parts clocked (`PartClocks`) after the timed
-repeats: the rank's CPU per step by part."""
+repeats: the rank's CPU per step by part (100 on both models: a run's one-time costs, its first
+fingerprint and the first use of its copies, spread over as many steps as a fine-tune's first
+hundred, not over the 30 steps the larger model had before)."""
 PATHS = {
     # path: (mindpulse's configuration, MFLossMonitor's on the same cell, that cell bare)
     "recipe": ("mp_default", "mf_loss", "none"),

@@ -18,6 +18,7 @@ from _overhead_config import (
     STEP_TARGET_MS,
     TARGETS,
 )
+from _overhead_parts import CALLBACKS_ALONE, OUTBOX
 
 if TYPE_CHECKING:  # the rig imports numpy: rendering a stored result needs none of it
     from _overhead_rig import Rig
@@ -105,7 +106,7 @@ def targets_of(results: dict, profiles: dict[str, dict[str, float]]) -> list[dic
                             "added_ms": first["MindFormers"], "limit_ms": FIRST_STEP_LIMIT_MS,
                             "met": first["MindFormers"] <= FIRST_STEP_LIMIT_MS, "runs": first.get("runs")})
     for mname, parts in profiles.items():
-        cpu = parts.get("callback total")
+        cpu = parts.get(CALLBACKS_ALONE, parts.get("callback total"))
         if cpu is not None and mname in CPU_LIMIT_MS:
             targets.append({"model": mname, "kind": "callback_cpu", "cpu_ms": cpu * 1000, "limit_ms": CPU_LIMIT_MS[mname],
                             "met": cpu * 1000 <= CPU_LIMIT_MS[mname],
@@ -197,12 +198,16 @@ def render(out: dict) -> str:
     for mname, parts in (out.get("profile") or {}).items():
         n = (out.get("profile_steps") or {}).get(mname)
         lines.append(f"\nThe rank's CPU per step by part ({mname} model, pinned; one more run of the default path over "
-                     f"{n} steps with each part's functions wrapped to add up the training thread's CPU clock; the "
-                     "waits are wall-clock time blocked on the relay; the last row is the whole rank process's CPU, "
-                     "every thread, training included):\n")
+                     f"{n} steps with each part's functions wrapped to add up each thread's CPU clock: the training "
+                     "thread's, and the rank's outbox thread's (workers/outbox.py: the packet's encoding and sending, "
+                     "the verdict's question and answer) beside it; the waits are the training thread's wall-clock "
+                     "time blocked on the relay; the last row is the whole rank process's CPU, every thread, training "
+                     "included):\n")
         total = parts.get("callback total") or 0.0
-        not_cpu = ("the rank process, every thread", "callback wall total")
-        rows = [[k, f"{v * 1000:.3f}", f"{v / total * 100:.0f}%" if total and k not in not_cpu and
-                 not k.startswith("wait:") else "-"] for k, v in parts.items()]
-        lines.append(C.table(["part", "ms per step", "of the callback's CPU"], rows))
+        not_cpu = ("the rank process, every thread", "callback wall total", CALLBACKS_ALONE)
+        rows = [[k, f"{v * 1000:.3f}", f"{parts[OUTBOX + k] * 1000:.3f}" if OUTBOX + k in parts else "-",
+                 f"{v / total * 100:.0f}%" if total and k not in not_cpu and not k.startswith("wait:") else "-"]
+                for k, v in parts.items() if not k.startswith(OUTBOX)]
+        lines.append(C.table(["part", "training thread ms per step", "outbox thread ms per step",
+                              "of the callback's CPU (training thread)"], rows))
     return "\n".join(lines)

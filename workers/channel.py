@@ -93,6 +93,10 @@ class Channel(abc.ABC):
     answers_later = False
     """Whether `decide_later` returns before the answer (the rank may train on meanwhile)."""
 
+    background = False
+    """Whether the rank runs this channel's work on a thread of its own (workers/outbox.py): a
+    channel that writes to a socket; one that hands packets to Ray, or a test's, runs inline."""
+
     def decide_later(self, packet: bytes, step: int, expect: int | None = None) -> None:
         """Like `decide`, but the directive is taken later (`verdict`): the rank trains on
         meanwhile. One decision at a time: the previous one's verdict is taken first. By
@@ -363,6 +367,7 @@ class RelayChannel(Channel):
             return self._no_directive(step, exc)
 
     answers_later = True
+    background = True
 
     def decide_later(self, packet: bytes, step: int, expect: int | None = None) -> None:
         if self._later is not None:

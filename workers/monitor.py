@@ -195,6 +195,11 @@ class Monitor(Callback):
         self._step_base = 0
         """Steps before this `Model.train` call's own count (MindSpore's `cur_step_num` starts
         again at each call): a Monitor that watches several calls numbers them on."""
+        self._optimizer: Any = None
+        """This `Model.train` call's optimizer, looked up once at its start (a Cell's attribute
+        lookup runs MindSpore's Python `__getattr__`: microseconds every step otherwise)."""
+        self._timed_cell: Any = None
+        """The train cell that stamps when its local gradients were ready (`pre_reduce_ts`), if it does."""
         self.finish_at_train_end = True
         """False: the Monitor outlives `Model.train` (auto-attach's, finished at the script's end)."""
 
@@ -308,8 +313,10 @@ class Monitor(Callback):
         self._probe_of, self._probe = s.train_cell, probe_of(s.train_cell)
         if s.started:  # a later Model.train call watched by the same Monitor: its steps come after
             self._step_base = s.step - s.step_offset - int(getattr(cb, "cur_step_num", 0) or 0)
-        if hasattr(s.train_cell, "enable_pre_reduce_timing"):
-            s.train_cell.enable_pre_reduce_timing()
+        self._timed_cell = None
+        if hasattr(s.train_cell, "enable_pre_reduce_timing") and s.train_cell.enable_pre_reduce_timing():
+            self._timed_cell = s.train_cell  # PYNATIVE: the cell stamps its gradients' moment
+        self._optimizer = getattr(cb, "optimizer", None) or getattr(net, "optimizer", None)
         if s.batch_size is None:
             ds = getattr(cb, "train_dataset", None)
             try:
@@ -344,8 +351,7 @@ class Monitor(Callback):
         nsteps = max(1, step - s.step)
         start = self._t0 if self._t0 is not None else self._last_end
         step_time = (now - start) / nsteps if start is not None else None
-        optimizer = getattr(cb, "optimizer", None) or getattr(cb.train_network, "optimizer", None)
-        lr = lr_of_step(optimizer, step - 1)
+        lr = lr_of_step(self._optimizer, step - 1)
         out_lr = stats.pop("lr", None)  # a MindFormers cell's own rate of the step
         outcome = s.record(
             loss,
@@ -386,7 +392,10 @@ class Monitor(Callback):
 
     def _compute_time(self) -> float | None:
         """PYNATIVE: from the step's start until the local gradients were ready."""
-        ts = getattr(self.session.train_cell, "pre_reduce_ts", None)
+        cell = self._timed_cell
+        if cell is None or cell is not self.session.train_cell:
+            return None
+        ts = getattr(cell, "pre_reduce_ts", None)
         if ts is None or self._t0 is None or ts < self._t0:
             return None
         return ts - self._t0
@@ -395,5 +404,5 @@ class Monitor(Callback):
         s = self.session
         if self.finish_at_train_end:
             s.finish("stopped: " + s.stopped.reason if s.stopped else "")
-        elif s.channel is not None:
-            s.channel.flush()
+        else:
+            s.flush()

@@ -37,12 +37,16 @@ from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
 from .coerce import as_count, as_extra, as_flag, as_number
 from .faults import FaultInjector, faults_for
-from .fingerprint import HostViews, fingerprint_of, param_sums
+from .fingerprint import HostViews, fingerprint_of, param_sums, weights_on_host
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
 from .heartbeat import BUSY_EVALUATING, BUSY_SAVING, Heartbeat
+from .host_copies import MAX_COPY_BYTES, SHARED_BLOCKS, copy_bytes
 from .model_params import model_parameters
+from .outbox import outbox_for
+from .pending_verdict import PendingVerdict
 from .profiler import ProfileWindow
 from .settings import rank_id
+from .since_packet import SincePacket
 from .weight_stats import DEFAULT_HIST_REGEX, WeightStats, structure_text
 from .weights_copy import CopyOrWait, WeightsCopy
 
@@ -85,33 +89,6 @@ def schedule_with(base: Schedule, *, collect_freq: int | None = None, max_lag_st
     if eval_per_epoch is not None:
         changes["eval_per_epoch"] = eval_per_epoch
     return dataclasses.replace(base, **changes)
-
-
-@dataclasses.dataclass
-class SincePacket:
-    """Seconds a rank spent outside its steps since its last step packet, by cause; the next
-    packet carries them (goodput badput) and they start again from zero."""
-
-    monitor_wait_s: float = 0.0
-    """Blocked on the aggregator (a verdict, a lease)."""
-    checkpoint_s: float = 0.0
-    """Writing checkpoints."""
-    profile_s: float = 0.0
-    """Starting and stopping the profiler."""
-    monitor_self_s: float = 0.0
-    """In mindpulse's own code (the callback, the step's packet, the channel), the above and
-    evaluation left out: what watching costs the rank (`RankSession.record`)."""
-
-    def outside(self) -> float:
-        """The seconds so far that are not mindpulse's own work (waits, checkpoints, profiler)."""
-        return self.monitor_wait_s + self.checkpoint_s + self.profile_s
-
-    def take(self) -> dict[str, float]:
-        """The seconds by `StepPacket` field, reset to zero."""
-        out = dict(vars(self))
-        for name in out:
-            setattr(self, name, 0.0)
-        return out
 
 
 _COERCE: dict[type, Callable[[Any], Any]] = {float: as_number, int: as_count, bool: as_flag, dict: as_extra}
@@ -183,6 +160,9 @@ class RankSession:
         if channel is None and settings is not None:
             channel = connect(settings, self.rank)
         self.channel = channel
+        self.outbox = outbox_for(channel, lambda exc: self.monitor_error("shipping to the relay", exc))
+        """Where the channel's work runs: a thread of its own for the relay's socket (the
+        packet's encoding and writing, the verdict's question and answer), else inline."""
         self.step = step_offset
         """The last step recorded (the offset before the first)."""
         self.injector = FaultInjector(self.rank, faults_for(self.rank, settings.faults if settings else ()))
@@ -203,6 +183,8 @@ class RankSession:
         self._last_sums: Any = None
         self._params: tuple[Any, list, HostViews] | None = None
         """(network, its parameters, their host views) as last listed (`_listed`)."""
+        self._on_host: tuple[Any, bool] | None = None
+        """(network, whether its weights are read on the host) as last listed."""
         self.started = False
         self.finished = False
         self.stopped: Directive | None = None
@@ -216,7 +198,7 @@ class RankSession:
         self.overflow_steps = 0
         """Steps this rank's loss-scale cell skipped for overflow (every packet carries it)."""
         self.on_directive: Callable[[Directive], None] | None = None
-        self._pending: StepPacket | None = None
+        self._pending: PendingVerdict | None = None
         """Rank 0's checkpoint candidate whose verdict has not been taken yet (`_decide_later`)."""
         self._weights_copy = WeightsCopy()
         self._copy_or_wait = CopyOrWait()
@@ -246,6 +228,7 @@ class RankSession:
         fp, norm = self._fingerprint()
         self._ship(StepPacket(rank=self.rank, step=self.step_offset, ts=time.time(), fingerprint=fp,
                               param_norm=norm))
+        self._reserve_copies()
         if arm_next:  # faults and the profiler of the first step (a hand loop's)
             self.before_step(self.step_offset + 1)
 
@@ -259,15 +242,24 @@ class RankSession:
             self.profile.end(self.step, force=True)
         if self.channel is not None:
             if self._pending is not None:
-                step = self._pending.step
+                step = self._pending.pkt.step
                 try:
                     self._settle(wait=True)  # the last candidate's checkpoint is written before the end
                 except Exception as exc:  # finishing must go on: the verdict's save is lost, said
                     self.monitor_error(f"taking the verdict of step {step}", exc)
-            self.channel.flush()
         self.send_event(EventKind.END, message)
         if self.channel is not None:
-            self.channel.close()  # now, not when the garbage collector gets to the session
+            try:
+                self.outbox.call(self.channel.close)  # now, not when the garbage collector gets to the session
+            except Exception as exc:  # the end event may be lost: said, finishing goes on
+                self.monitor_error("closing the channel", exc)
+            self.outbox.close()
+
+    def flush(self) -> None:
+        """Send what is queued now and wait until it has gone (a Monitor that outlives its
+        `Model.train`)."""
+        if self.channel is not None:
+            self.outbox.call(self.channel.flush)
 
     def before_step(self, step: int) -> float:
         """Around the loop's steps: faults of `step`, and the profiler window's start.
@@ -328,7 +320,10 @@ class RankSession:
             self.overflow_steps += 1
         fp = norm = None
         weights: dict[str, Any] = {}
+        later: Callable[[StepPacket], StepPacket] | None = None
         if self.schedule.is_collect(s):
+            later = self._collect_later(s)
+        if later is None and self.schedule.is_collect(s):
             fp, norm = self._fingerprint()
             if self.weight_stats is not None:
                 try:
@@ -380,7 +375,7 @@ class RankSession:
             **self.since_packet.take(),
         )
         self._self_from = (self._self_from[0], 0.0)  # the packet took the seconds so far
-        self._ship(pkt)
+        self._ship(pkt, later)
         if self.weight_stats is not None and self.schedule.is_collect(s + 1):
             try:
                 self.weight_stats.keep_previous()  # the next step is a collect step: measure its change
@@ -432,31 +427,40 @@ class RankSession:
             return
         pkt = EventPacket(rank=self.rank, kind=kind.value, ts=time.time(), step=self.step, pid=os.getpid(),
                           host=socket.gethostname(), message=message[:EVENT_MESSAGE_CHARS])
-        self.channel.send(pkt.encode())
-        self.channel.flush()
+        ch = self.channel
 
-    def _ship(self, pkt: StepPacket) -> None:
-        """Ship a step, then make sure the next one may start (the lease)."""
+        def ship() -> None:
+            ch.send(pkt.encode())
+            ch.flush()
+
+        self.outbox.submit(ship)
+
+    def _ship(self, pkt: StepPacket, later: Callable[[StepPacket], StepPacket] | None = None) -> None:
+        """Ship a step, then make sure the next one may start (the lease). `later`: completes
+        the packet on the outbox thread (a collect step's statistics from a copy of the weights)."""
         if self.channel is None:
             log.info("[rank %d] step %d loss %s", self.rank, pkt.step, pkt.loss)
             return
+        build: Callable[[], StepPacket] = (lambda: later(pkt)) if later is not None else (lambda: pkt)
         if self._pending is not None:
             self._settle(wait=pkt.decision)  # the earlier verdict, if it came (at the next candidate: it must)
-        if pkt.decision and self._decide_later(pkt):
+        if pkt.decision and self._decide_later(pkt, build):
             pass
         elif pkt.decision:
             t0 = time.monotonic()
-            d = self.channel.decide(pkt.encode(), pkt.step, expect=1)
+            ch = self.channel
+            d = self.outbox.call(lambda: ch.decide(build().encode(), pkt.step, expect=1))
             waited = time.monotonic() - t0
             self.since_packet.monitor_wait_s += waited
             self._copy_or_wait.waited(waited)
             self._follow(d, pkt)
         else:
-            self.channel.send_step(pkt.encode(), pkt.step)
+            ch = self.channel
+            self.outbox.submit(lambda: ch.send_step(build().encode(), pkt.step))
         if self.stopped is None:
             self._check_lease(pkt)
 
-    def _decide_later(self, pkt: StepPacket) -> bool:
+    def _decide_later(self, pkt: StepPacket, build: Callable[[], StepPacket]) -> bool:
         """Rank 0 at a checkpoint candidate that is not the run's end: copy the weights a
         checkpoint would hold, ask for the verdict, and train on (the verdict is taken when it
         has come, `_settle`). False where it must wait instead: the last step (nothing runs
@@ -484,22 +488,21 @@ class RankSession:
             took = time.perf_counter() - t0
             self.since_packet.checkpoint_s += took
             self._copy_or_wait.copied(took)
-        self.channel.decide_later(pkt.encode(), pkt.step, expect=1)
-        self._pending = pkt
+        self._pending = PendingVerdict(pkt, build, self.channel, self.outbox)
         return True
 
     def _settle(self, wait: bool) -> None:
         """Follow the pending candidate's verdict if it came (`wait`: until it comes), writing
         the checkpoint it asks for from the weights copied at that step."""
         assert self.channel is not None and self._pending is not None
-        d = self.channel.verdict(wait=False)
+        d = self._pending.take(wait=False)
         if d is None and wait:  # not here yet: blocked until it comes (the packet says how long)
             t0 = time.monotonic()
-            d = self.channel.verdict(wait=True)
+            d = self._pending.take(wait=True)
             self.since_packet.monitor_wait_s += time.monotonic() - t0
         if d is None:
             return
-        pkt, self._pending = self._pending, None
+        pkt, self._pending = self._pending.pkt, None
         self._follow(d, pkt, weights=self._weights_copy)
 
     def _check_lease(self, pkt: StepPacket) -> None:
@@ -565,6 +568,74 @@ class RankSession:
             self._params = (self.network, params, HostViews(params))
         return self._params[1], self._params[2]
 
+    def _reserve_copies(self) -> None:
+        """Have the outbox thread make (and touch) the host blocks this rank's copies will take
+        (workers/host_copies.py), so that no step pays their page faults: a collect step's
+        copy, and on rank 0 the copy of the step before it and of a checkpoint candidate."""
+        if not self.outbox.background or self.network is None:
+            return
+        try:
+            params, views = self._listed()
+            if not weights_on_host(params):
+                return
+            need = copy_bytes([views[i] for i in range(len(params))])
+            blocks = [need] * (2 if self.weight_stats is not None else 1)
+            if self.rank == 0 and self.checkpoints is not None and self.train_cell is not None:
+                blocks.append(self._weights_copy.nbytes_needed(self.train_cell))
+        except Exception as exc:  # the first copies then pay their page faults: nothing else
+            log.info("[rank %d] host blocks not reserved: %s", self.rank, exc)
+            return
+        for n in sorted(b for b in blocks if b <= MAX_COPY_BYTES):
+            self.outbox.submit(lambda n=n: SHARED_BLOCKS.reserve(n, blocks.count(n)))
+
+    def _collect_later(self, step: int) -> Callable[[StepPacket], StepPacket] | None:
+        """At a collect step whose weights are on the host (a CPU target) and a channel with an
+        outbox thread: copy the weights now (one pass; the next step changes them in place) and
+        return what completes the step's packet from the copy on the outbox thread (the
+        fingerprint, and rank 0's weight statistics), so the training thread goes on at once.
+        None where they are measured now instead (on a device the reductions run there, and
+        only their small result comes to the host)."""
+        if not self.outbox.background or self.network is None:
+            return None
+        try:
+            params, views = self._listed()
+            if self._on_host is None or self._on_host[0] is not self.network:
+                self._on_host = (self.network, weights_on_host(params))
+            if not self._on_host[1]:
+                return None
+            ws = self.weight_stats
+            arrays = [views[i] for i in range(len(params))]
+            if copy_bytes(arrays) > MAX_COPY_BYTES:  # large weights on a CPU: measured in place
+                return None
+            copy = SHARED_BLOCKS.copy(arrays)
+        except Exception as exc:  # measured now instead, on the training thread
+            log.warning("[rank %d] no copy of the weights at step %d (%s): statistics measured in the step",
+                        self.rank, step, exc)
+            return None
+        prev = ws.take_previous() if ws is not None else None
+        grads = ws.take_grads() if ws is not None else None
+        rank = self.rank
+
+        def complete(pkt: StepPacket) -> StepPacket:
+            try:
+                fp = norm = sums = None
+                try:
+                    sums = param_sums(copy.arrays, on_host=True, views=copy.arrays)
+                    fp, norm = fingerprint_of(sums)
+                except Exception as exc:  # no fingerprint for this step: its packet goes out without one
+                    log.warning("[rank %d] fingerprint failed: %s", rank, exc)
+                weights: dict[str, Any] = {}
+                if ws is not None:
+                    try:
+                        weights = ws.collect(sums, current=copy.arrays, prev=prev, grads=grads)
+                    except Exception as exc:  # statistics are optional: the packet goes out without them
+                        log.warning("[rank %d] weight statistics failed at step %d: %s", rank, step, exc)
+                return dataclasses.replace(pkt, fingerprint=fp, param_norm=norm, weights=weights)
+            finally:
+                copy.release()
+
+        return complete
+
     def _fingerprint(self) -> tuple[str | None, float | None]:
         if self.network is None:
             return None, None
@@ -591,7 +662,8 @@ class RankSession:
             if self.channel is not None:
                 pkt = EventPacket(rank=self.rank, kind=EventKind.STRUCTURE.value, ts=time.time(),
                                   message=text[:STRUCTURE_MESSAGE_CHARS])
-                self.channel.send(pkt.encode())
+                ch = self.channel
+                self.outbox.submit(lambda: ch.send(pkt.encode()))
         except Exception as exc:  # weight statistics are optional: off for the run, training goes on
             log.warning("[rank %d] weight statistics are off: %s", self.rank, exc)
             self.weight_stats = None

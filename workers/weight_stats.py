@@ -28,6 +28,8 @@ output head, the first query projection."""
 BINS = 64
 MAX_LAYERS = 2000
 """Per-layer norms beyond this many parameters are not shipped (packet size)."""
+_KEPT = object()
+"""`collect`'s default: what this object kept itself (an inline collect at the collect step)."""
 
 
 def histogram(values: np.ndarray, bins: int = BINS) -> dict[str, list[float]]:
@@ -76,25 +78,34 @@ class WeightStats:
     the step before a collect step and `collect(sums)` at the collect step.
 
     On a CPU target the weights are read on the host where they live (numpy views of
-    their storage: the copy kept for the update ratio is one memcpy, the change's norm a
-    pass of numpy); on a device the copy stays on the device and the change's norms are
-    one compiled graph, whose small result alone comes to the host."""
+    their storage: the copy kept for the update ratio is one memcpy into a reused block,
+    the change's norm a pass of numpy); on a device the copy stays on the device and the
+    change's norms are one compiled graph, whose small result alone comes to the host.
+
+    On a CPU target `collect` may also run later, on another thread, from a copy of the
+    collect step's weights (`current`, workers/host_copies.py) and the previous step's copy
+    handed over by `take_previous()` (the session's outbox does so)."""
 
     def __init__(self, params, histogram_regex: str = "", grads_source: Any = None, on_host: bool | None = None,
                  views: Any = None):
         """`views`: host views of these same parameters (`fingerprint.HostViews`) kept by the
         caller too; made here when not given."""
         from .fingerprint import HostViews, weights_on_host
+        from .host_copies import SHARED_BLOCKS
 
         self.params = list(params)
         self.names = [p.name for p in self.params]
         self.pattern = re.compile(histogram_regex) if histogram_regex else None
         self.hist_idx = [i for i, n in enumerate(self.names) if self.pattern and self.pattern.search(n)][:8]
-        self.prev: dict[int, Any] | None = None
+        self.prev: Any = None
+        """The weights of the step before a collect step: a `HostCopy` on the host, else
+        {index: device tensor}; None when none is kept."""
         self.grads_source = grads_source  # a MonitoredTrainOneStepCell with captured grads (PYNATIVE)
         self.on_host = weights_on_host(self.params) if on_host is None else on_host
         """Read the weights on the host (a CPU target) rather than reduce them on the device."""
         self.views = (views if views is not None else HostViews(self.params)) if self.on_host else None
+        self.blocks = SHARED_BLOCKS if self.on_host else None
+        """Reused host blocks for the copies (the update ratio's, the session's collect-step copy)."""
 
     def keep_previous(self) -> None:
         """Copy the weights (on the host for a CPU target, else on the device) so the next
@@ -102,62 +113,80 @@ class WeightStats:
         from mindspore import ops
 
         limit = self.params[:MAX_LAYERS]
+        self._release(self.prev)
         if self.on_host:
-            # one block for all of them: one allocation (a fresh one per parameter costs
-            # its page faults again every time: 10x the copy itself here)
-            views = [self.views[i] for i in range(len(limit))]
-            room = [-(-v.nbytes // 8) * 8 for v in views]  # each one 8-byte aligned
-            block = np.empty(sum(room), np.uint8)
-            self.prev, at = {}, 0
-            for i, (v, n) in enumerate(zip(views, room)):
-                kept = block[at:at + v.nbytes].view(v.dtype)
-                np.copyto(kept, v)
-                self.prev[i] = kept
-                at += n
+            self.prev = self.blocks.copy([self.views[i] for i in range(len(limit))])
         else:
             self.prev = {i: ops.stop_gradient(p.value()).copy() for i, p in enumerate(limit)}
         if self.grads_source is not None and self.hist_idx:
             self.grads_source.capture_grads = {self.names[i] for i in self.hist_idx}
 
-    def _change_norms(self) -> list[float]:
-        """Norm of each kept parameter's change since `keep_previous` (in parameter order)."""
-        assert self.prev is not None
-        idx = sorted(self.prev)
+    def take_previous(self) -> Any:
+        """The kept copy of the step before, for a `collect` that runs later (the caller
+        hands it to `collect(prev=...)`); None when none is kept."""
+        prev, self.prev = self.prev, None
+        return prev
+
+    def take_grads(self) -> dict[str, Any] | None:
+        """The gradients the train cell captured at this step (PYNATIVE), for a later `collect`."""
+        grads = getattr(self.grads_source, "captured_grads", None) if self.grads_source is not None else None
+        if grads:
+            self.grads_source.captured_grads = None
+        return grads or None
+
+    @staticmethod
+    def _release(prev: Any) -> None:
+        if prev is not None and hasattr(prev, "release"):
+            prev.release()
+
+    def _change_norms(self, prev: Any, current: list[np.ndarray] | None) -> list[float]:
+        """Norm of each kept parameter's change since `keep_previous` (in parameter order);
+        `current`: the weights now, as host arrays (None: read where they live)."""
         if self.on_host:
             from .fingerprint import square_sum
 
             out = []
-            for i in idx:
-                now, before = self.views[i], self.prev[i]
+            for i, before in enumerate(prev.arrays):
+                now = current[i] if current is not None else self.views[i]
                 if now.dtype != np.float32:
                     now, before = now.astype(np.float32), before.astype(np.float32)
                 out.append(math.sqrt(square_sum(now, minus=before)))
             return out
+        idx = sorted(prev)
         sq = _change_squares(ms.mutable(tuple(self.params[i].value() for i in idx)),
-                             ms.mutable(tuple(self.prev[i] for i in idx))).asnumpy()
+                             ms.mutable(tuple(prev[i] for i in idx))).asnumpy()
         return [math.sqrt(float(x)) if x >= 0 else float("nan") for x in sq]
 
-    def collect(self, sums: np.ndarray | None) -> dict[str, Any]:
-        """`sums`: the fingerprint's vector [sum, sum of squares] per parameter."""
+    def collect(self, sums: np.ndarray | None, current: list[np.ndarray] | None = None, prev: Any = _KEPT,
+                grads: Any = _KEPT) -> dict[str, Any]:
+        """`sums`: the fingerprint's vector [sum, sum of squares] per parameter. Later, from
+        copies (a CPU target): `current`, the collect step's weights as host arrays in
+        parameter order; `prev` and `grads`, what `take_previous` and `take_grads` handed over
+        at that step (the previous copy's block goes back to the pool here)."""
+        if prev is _KEPT:
+            prev = self.take_previous()
+        if grads is _KEPT:
+            grads = self.take_grads()
         out: dict[str, Any] = {}
-        if sums is not None and len(sums) == 2 * len(self.params):
-            sq = np.asarray(sums[1::2], dtype=np.float64)
-            norms = np.sqrt(np.maximum(sq, 0.0))
-            out["norms"] = {n: float(v) for n, v in list(zip(self.names, norms))[:MAX_LAYERS]}
-            if self.prev is not None:
-                ratios = {}
-                for i, dn in zip(sorted(self.prev), self._change_norms()):
-                    ratios[self.names[i]] = dn / norms[i] if norms[i] > 0 and math.isfinite(dn) else 0.0
-                out["update_ratio"] = ratios
-        self.prev = None
+        try:
+            if sums is not None and len(sums) == 2 * len(self.params):
+                sq = np.asarray(sums[1::2], dtype=np.float64)
+                norms = np.sqrt(np.maximum(sq, 0.0))
+                out["norms"] = {n: float(v) for n, v in list(zip(self.names, norms))[:MAX_LAYERS]}
+                if prev is not None:
+                    ratios = {}
+                    for i, dn in enumerate(self._change_norms(prev, current)):
+                        ratios[self.names[i]] = dn / norms[i] if norms[i] > 0 and math.isfinite(dn) else 0.0
+                    out["update_ratio"] = ratios
+        finally:
+            self._release(prev)
         hists = {}
         for i in self.hist_idx:
             p = self.params[i]
-            hists[self.names[i]] = histogram(self.views[i] if self.on_host else p.value().asnumpy())
+            values = current[i] if current is not None else self.views[i] if self.on_host else p.value().asnumpy()
+            hists[self.names[i]] = histogram(values)
         if hists:
             out["hist"] = hists
-        grads = getattr(self.grads_source, "captured_grads", None) if self.grads_source is not None else None
         if grads:
             out["grad_hist"] = {n: histogram(g) for n, g in grads.items()}
-            self.grads_source.captured_grads = None
         return out

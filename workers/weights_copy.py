@@ -8,9 +8,10 @@ copies what a checkpoint holds (the train cell's parameters: the weights and the
 state, as `CheckpointManager` saves them) into host buffers at the candidate step, trains on,
 and writes the copy if and when the verdict asks for it.
 
-The buffers are allocated once and filled in place at each candidate (no allocation a step)
-from views of the parameters' storage kept between candidates (`HostViews`: on a CPU target
-`asnumpy()` is a view, but building it costs tens of microseconds a parameter),
+The copy goes into a block of the process's pool (workers/host_copies.py: allocated and touched
+once, off the training thread, then refilled in place at each candidate) from views of the
+parameters' storage kept between candidates (`HostViews`: on a CPU target `asnumpy()` is a
+view, but building it costs tens of microseconds a parameter),
 and a copy is only ever waited on by the next candidate, ~`checkpoint.best_every_steps` steps
 later, by which time its verdict came long ago. Where a parameter cannot be copied to the
 host (a dtype numpy lacks), `take` raises and the session falls back to waiting.
@@ -23,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from .fingerprint import HostViews
+from .host_copies import MAX_COPY_BYTES, SHARED_BLOCKS, HostCopy, copy_bytes
 from .model_params import is_model_param
 
-MAX_COPY_BYTES = 256 * 2**20
-"""Above this a candidate waits for its verdict instead of copying. The wait is a round trip
-(a few ms); a copy costs host memory the size of the weights and the optimizer's state, and
-time that grows with it: a model of a few billion parameters would hold tens of GB on the host
-and spend seconds copying, against milliseconds of waiting. 256 MiB copies in ~0.1 s or less."""
+# MAX_COPY_BYTES (workers/host_copies.py): above it a candidate waits for its verdict instead of
+# copying. The wait is a round trip (a few ms); a copy costs host memory the size of the weights
+# and the optimizer's state, and time that grows with it: a model of a few billion parameters
+# would hold tens of GB on the host and spend seconds copying. 256 MiB copies in ~0.1 s or less.
 
 
 def saved_bytes(train_cell: Any) -> int:
@@ -77,27 +78,34 @@ class CopyOrWait:
 
 
 class WeightsCopy:
-    """Host buffers for one train cell's saved parameters, refilled at each candidate."""
+    """Rank 0's copy of one train cell's saved parameters, in a block of the process's pool
+    (workers/host_copies.py), refilled at each candidate."""
 
     def __init__(self) -> None:
         self._cell: Any = None
         self._params: list[tuple[str, Any]] = []
-        self._buffers: list[np.ndarray] = []
         self._views: HostViews = HostViews([])
+        self._copy: HostCopy | None = None
         self.step: int | None = None
-        """The step the buffers hold (None: nothing copied yet)."""
+        """The step the copy holds (None: nothing copied yet)."""
 
     def take(self, train_cell: Any, step: int) -> None:
         """Copy `train_cell`'s parameters as they are now (after `step`'s update)."""
         if train_cell is not self._cell:
             self._list(train_cell)
-        for i, buf in enumerate(self._buffers):
-            src = self._views[i]  # on a CPU target a kept view of the parameter's storage, elsewhere a host copy
-            if src.size != buf.size or src.dtype != buf.dtype:  # the parameter was given new data
-                self._list(train_cell)
-                return self.take(train_cell, step)
-            np.copyto(buf, src)
+        views = [self._views[i] for i in range(len(self._params))]  # kept views on a CPU target, else host copies
+        if self._copy is not None:  # the last candidate's verdict was taken before this one
+            self._copy.release()
+            self._copy = None
+        self.step = None
+        self._copy = SHARED_BLOCKS.copy(views)
         self.step = step
+
+    def nbytes_needed(self, train_cell: Any) -> int:
+        """The block a copy of `train_cell` takes (for `SHARED_BLOCKS.reserve`)."""
+        if train_cell is not self._cell:
+            self._list(train_cell)
+        return copy_bytes([self._views[i] for i in range(len(self._params))])
 
     def _list(self, train_cell: Any) -> None:
         params = [(name, p) for name, p in train_cell.parameters_and_names() if is_model_param(p.name)]
@@ -109,7 +117,6 @@ class WeightsCopy:
             seen.add(p.name)
             self._params.append((p.name, p))
         self._views = HostViews([p for _, p in self._params])
-        self._buffers = [np.empty_like(self._views[i]) for i in range(len(self._params))]
         self._cell = train_cell
         self.step = None
 
@@ -118,9 +125,12 @@ class WeightsCopy:
         parameters by name."""
         from mindspore import Tensor
 
-        return [{"name": name, "data": Tensor(buf.reshape(p.shape))}
-                for (name, p), buf in zip(self._params, self._buffers, strict=True)]
+        assert self._copy is not None, "no weights copied"
+        # the tensors share the block (no second copy of the weights): it is not written
+        # again before the next candidate, and the checkpoint is written before then
+        return [{"name": name, "data": Tensor.from_numpy(buf.reshape(p.shape))}
+                for (name, p), buf in zip(self._params, self._copy.arrays, strict=True)]
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers)
+        return sum(b.nbytes for b in self._copy.arrays) if self._copy is not None else 0

@@ -43,7 +43,7 @@ TRACED_STEP = 6
 STEPS = 8
 PRINT_EVERY = 3
 TOKEN = "step-path-token"
-PLACES = {"mindpulse-relay": "node", "aggregator-loop": "aggregator"}
+PLACES = {"mindpulse-relay": "node", "aggregator-loop": "aggregator", "mindpulse-outbox": "outbox"}
 """The threads of the traced step and the place each stands for (the rank's is the thread
 that trains: its name is taken when the step's callback runs)."""
 

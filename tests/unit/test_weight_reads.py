@@ -119,9 +119,9 @@ def test_the_kept_weights_are_a_copy_not_the_live_storage(mode):
     params = model_parameters(net)
     s = WeightStats(params, on_host=True)
     s.keep_previous()
-    kept = {i: a.copy() for i, a in s.prev.items()}
+    kept = [a.copy() for a in s.prev.arrays]
     step()
-    assert all(np.array_equal(s.prev[i], kept[i]) for i in kept)
+    assert all(np.array_equal(a, b) for a, b in zip(s.prev.arrays, kept, strict=True))
     assert s.collect(param_sums(params))["update_ratio"][params[0].name] > 0
 
 

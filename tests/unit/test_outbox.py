@@ -1,0 +1,109 @@
+"""The rank's outbox (workers/outbox.py): a relay channel's work runs on a thread of its own,
+in order, and a session that ships through it sends what an inline session sends, the
+collect steps' statistics (computed there from a copy of the weights) and rank 0's
+checkpoint verdicts included."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import mindspore as ms
+import numpy as np
+import pytest
+from test_rank_session import Later, _bump, settings
+
+from mindpulse.wire.protocol import CheckpointKind, EventKind, EventPacket, StepPacket
+from mindpulse.workers.outbox import InlineOutbox, ThreadOutbox, outbox_for
+
+TIMING = {"ts", "monitor_self_s", "monitor_wait_s", "checkpoint_s", "step_time_s", "eval_s"}
+"""Fields that differ between two runs of the same steps (clocks), left out of the comparison."""
+
+
+@pytest.fixture()
+def small_cell():
+    from mindspore import nn
+
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    net = nn.Dense(4, 2)
+    return net, nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Adam(net.trainable_params(), 1e-3))
+
+
+class Threaded(Later):
+    """`Later` whose work the session runs on its outbox thread, as it does a relay channel's;
+    it notes which thread sent each batch."""
+
+    background = True
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.threads: set[int] = set()
+
+    def _ship(self, batch, step=None):
+        self.threads.add(threading.get_ident())
+        super()._ship(batch, step)
+
+
+def _run(tmp_path, channel, net, train_cell) -> list:
+    from mindpulse.workers.session import RankSession
+
+    run = settings(tmp_path, monitor=dataclasses.replace(settings(tmp_path).monitor, weight_stats=True))
+    run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, collect_freq=2, save_every=0))
+    s = RankSession(run, rank=0, channel=channel, network=net, train_cell=train_cell)
+    s._copy_or_wait.waited(1.0)  # a wait dearer than any copy of these weights: every candidate copies
+    _bump(net, 0.5)  # both runs start from the same weights
+    s.start()
+    for step in range(1, 8):
+        _bump(net, float(step) + 0.25 * step * step)  # the weights after step `step` (their change grows)
+        s.record(1.0 + step)
+    s.finish()
+    return channel.packets
+
+
+def test_a_session_through_its_outbox_thread_sends_what_an_inline_one_sends(tmp_path, small_cell):
+    net, train_cell = small_cell
+    best = {"saves": frozenset({CheckpointKind.BEST}), "metric": 0.5, "metric_name": "loss"}
+    inline = _run(tmp_path / "inline", Later(plan={3: best}, delay=0), net, train_cell)
+    threaded_channel = Threaded(plan={3: best}, delay=0)
+    threaded = _run(tmp_path / "threaded", threaded_channel, net, train_cell)
+
+    assert threading.get_ident() not in threaded_channel.threads, "the outbox's thread sent, not the training thread"
+    steps = [p for p in threaded if isinstance(p, StepPacket)]
+    assert [p.step for p in steps] == list(range(8)), "every step, in order"
+    assert isinstance(threaded[-1], EventPacket) and threaded[-1].kind == EventKind.END.value, "END after every step"
+
+    def comparable(packets):
+        return [{k: v for k, v in dataclasses.asdict(p).items() if k not in TIMING}
+                for p in packets if isinstance(p, StepPacket)]
+
+    got, want = comparable(threaded), comparable(inline)
+    assert got == want, next((g, w) for g, w in zip(got, want, strict=True) if g != w)
+    collected = [p for p in steps if p.step % 2 == 0 and p.step > 0]
+    assert all(p.fingerprint and p.weights.get("update_ratio") for p in collected), collected
+    assert all(p.fingerprint is None and not p.weights for p in steps if p.step % 2), "statistics on collect steps only"
+    saved = ms.load_checkpoint(str(tmp_path / "threaded" / "checkpoints" / "step_00000003-best.ckpt"))
+    assert np.all(saved[net.weight.name].asnumpy() == pytest.approx(3.0 + 0.25 * 9)), "the best holds step 3's weights"
+
+
+def test_a_failing_job_is_the_monitors_error_and_the_jobs_after_it_run():
+    errors, done = [], []
+    box = ThreadOutbox(errors.append)
+    box.submit(lambda: done.append(1))
+    box.submit(lambda: 1 / 0)
+    box.submit(lambda: done.append(3))
+    assert box.call(lambda: threading.get_ident()) != threading.get_ident()
+    with pytest.raises(KeyError):
+        box.call(lambda: {}["missing"])  # a call's error goes back to its caller
+    box.submit(lambda: done.append(4))
+    box.close()
+    assert done == [1, 3, 4] and len(errors) == 1 and isinstance(errors[0], ZeroDivisionError)
+    box.submit(lambda: done.append(5))  # after the end nothing more runs
+    assert done == [1, 3, 4]
+
+
+def test_only_a_channel_with_a_socket_of_its_own_gets_a_thread():
+    assert isinstance(outbox_for(Later(), print), InlineOutbox)
+    assert isinstance(outbox_for(None, print), InlineOutbox)
+    box = outbox_for(Threaded(), print)
+    assert isinstance(box, ThreadOutbox)
+    box.close()
