@@ -70,10 +70,9 @@ class HostBlocks:
         room = [_room(v.nbytes) for v in views]
         need = sum(room)
         with self._lock:
-            fits = [b for b in self._free if b.nbytes >= need]
-            block = min(fits, key=lambda b: b.nbytes) if fits else None
-            if block is not None:
-                self._free.remove(block)
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= need]
+            # by place, never `list.remove`: it compares arrays with ==, value by value
+            block = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
         if block is None:  # the first copy, or the weights grew
             block = np.empty(max(need, ALIGN), np.uint8)
         arrays, at = [], 0

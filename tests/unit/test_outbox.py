@@ -107,3 +107,23 @@ def test_only_a_channel_with_a_socket_of_its_own_gets_a_thread():
     box = outbox_for(Threaded(), print)
     assert isinstance(box, ThreadOutbox)
     box.close()
+
+
+def test_host_blocks_are_reused_whole_and_never_shared():
+    """Two copies out at once never share a block; a block handed back is the next copy's,
+    its page faults paid once (`reserve` makes and touches blocks ahead)."""
+    from mindpulse.workers.host_copies import HostBlocks
+
+    pool = HostBlocks()
+    pool.reserve(96, 2)
+    a = [np.arange(10, dtype=np.float32), np.arange(3, dtype=np.float64)]
+    b = [np.full(10, 7, np.float32), np.full(3, 9, np.float64)]
+    first, second = pool.copy(a), pool.copy(b)
+    assert not np.shares_memory(first.arrays[0], second.arrays[0]), "two copies out at once share a block"
+    assert all(np.array_equal(x, y) for x, y in zip(first.arrays, a, strict=True))
+    assert all(np.array_equal(x, y) for x, y in zip(second.arrays, b, strict=True))
+    reused = first._block
+    first.release()
+    first.release()  # twice is once
+    third = pool.copy(b)
+    assert third._block is reused and len(pool._free) == 0, "the block handed back is the next copy's"
