@@ -65,9 +65,10 @@ NOTES = {
         "repeat; a target is met only when its worst repeat meets it); the CPU time per step of the rank, the "
         "aggregator and the node agent processes. The MFLossMonitor target compares, repeat by repeat, what each "
         "adds to the same bare step. After the timed repeats one more run of the default path clocks its parts: "
-        "each function of a part is wrapped to add up the training thread's CPU clock (`time.thread_time`; a "
-        "wrapper costs well under a microsecond, unlike a profiler, which inflated these parts several times "
-        "over). MindFormers' context is "
+        "each function of a part is wrapped to add up the CPU clock of the thread that runs it (`time.thread_time`), "
+        "the training thread's and the rank's outbox thread's apart (a wrapper costs ~2 us of clock reads, unlike a "
+        "profiler, which inflated these parts several times over); the callback-CPU target is judged on one more "
+        "run of the same steps with only the callbacks wrapped. MindFormers' context is "
         "created (and GRAPH mode set again) before anything is timed; every run checks that the mode stayed GRAPH."),
     "grad_cell": (
         "Same model, batch and optimizer; the two cells alternate step by step; a step is timed until its outputs "
