@@ -138,6 +138,10 @@ class Channel(abc.ABC):
         self._last_flush = time.monotonic()
         return batch
 
+    def no_directive_now(self, step: int, why: Any) -> Directive:
+        """No directive for `step` (counted as a failure, said in the log): the rank goes on."""
+        return self._no_directive(step, why)
+
     def _no_directive(self, step: int, why: Any) -> Directive:
         self.failures += 1
         log.warning("no directive for step %d (%s); continuing", step, why)

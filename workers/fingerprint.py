@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 
 import mindspore as ms
 import numpy as np
@@ -93,16 +94,17 @@ class HostViews:
 
 CHUNK = 1 << 18
 """Values squared at a time into one reused buffer (no temporary the size of a parameter)."""
-_buffer: np.ndarray | None = None
+_local = threading.local()
+"""Each thread's own buffer: the training thread and the rank's outbox may both reduce."""
 
 
 def square_sum(x: np.ndarray, minus: np.ndarray | None = None) -> float:
     """Sum of squares of the float32 vector `x` (of `x - minus` when given), chunk by chunk
     through a reused buffer: each chunk summed pairwise in float32, the chunks' sums added
     in float64; fixed by the values and the length alone."""
-    global _buffer
+    _buffer = getattr(_local, "buffer", None)
     if _buffer is None:
-        _buffer = np.empty(CHUNK, np.float32)
+        _buffer = _local.buffer = np.empty(CHUNK, np.float32)
     total = 0.0
     for a in range(0, x.size, CHUNK):
         b = min(a + CHUNK, x.size)

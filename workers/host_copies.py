@@ -50,6 +50,10 @@ class HostCopy:
         self._block: np.ndarray | None = block
         self.arrays = arrays
 
+    @property
+    def released(self) -> bool:
+        return self._block is None
+
     def release(self) -> None:
         """Hand the block back (the arrays must not be read after this)."""
         if self._block is not None:

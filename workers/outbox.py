@@ -30,6 +30,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+CALL_TIMEOUT_S = 120.0
+"""The longest `call` waits by default: past a dead relay's write and reconnection timeouts
+(`channel.WRITE_TIMEOUT_S`, `CONNECT_TIMEOUT_S`) with room for the jobs queued before it."""
 CLOSE_TIMEOUT_S = 60.0
 """How long closing waits for the queued jobs (a last flush, the end event) before it gives up
 on them: a dead relay's writes time out well before (`channel.WRITE_TIMEOUT_S`)."""
@@ -49,7 +52,7 @@ class InlineOutbox:
         except Exception as exc:  # the monitor's error, never the training loop's
             self._on_error(exc)
 
-    def call(self, job: Callable[[], Any]) -> Any:
+    def call(self, job: Callable[[], Any], timeout: float | None = None) -> Any:
         return job()
 
     def close(self) -> None:
@@ -72,6 +75,8 @@ class ThreadOutbox:
 
     def __init__(self, on_error: Callable[[BaseException], None], name: str = "mindpulse-outbox"):
         self._on_error = on_error
+        self.before_job: Callable[[], None] | None = None
+        """Run on the thread before each job (the session looks whether a verdict came)."""
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any] | None, _Result | None]] = queue.SimpleQueue()
         self._closed = False
         # a daemon: a script that never finishes its Monitor must still be able to exit
@@ -79,16 +84,24 @@ class ThreadOutbox:
         self._thread.start()
 
     def submit(self, job: Callable[[], Any]) -> None:
-        if self._closed:  # after the end: nothing more goes out
+        if self._closed:  # after the end (a Monitor used again after `finish`): inline, as before the thread
+            try:
+                job()
+            except Exception as exc:  # the monitor's error, never the training loop's
+                self._on_error(exc)
             return
         self._jobs.put((job, None))
 
-    def call(self, job: Callable[[], Any]) -> Any:
+    def call(self, job: Callable[[], Any], timeout: float | None = CALL_TIMEOUT_S) -> Any:
+        """Run `job` after the queued ones and return its result; TimeoutError when it has not
+        run within `timeout` seconds (the job still runs later: a write stuck on a relay that
+        stopped reading must not hold the training thread past the channel's own timeouts)."""
         if self._closed or threading.current_thread() is self._thread:
             return job()  # from a job itself (or after the end): queued work would wait on this one
         result = _Result()
         self._jobs.put((job, result))
-        result.done.wait()
+        if not result.done.wait(timeout):
+            raise TimeoutError(f"the rank's outbox did not run the job within {timeout:.0f}s")
         if result.error is not None:
             raise result.error
         return result.value
@@ -109,6 +122,11 @@ class ThreadOutbox:
             job, result = self._jobs.get()
             if job is None:
                 return
+            if self.before_job is not None:
+                try:
+                    self.before_job()
+                except Exception as exc:  # the monitor's error; the job runs regardless
+                    self._on_error(exc)
             try:
                 value = job()
                 if result is not None:

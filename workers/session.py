@@ -36,6 +36,7 @@ from mindpulse.wire.protocol import Action, CheckpointKind, EventKind, EventPack
 from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
 from .coerce import as_count, as_extra, as_flag, as_number
+from .collect_later import completion
 from .faults import FaultInjector, faults_for
 from .fingerprint import HostViews, fingerprint_of, param_sums, weights_on_host
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
@@ -61,6 +62,10 @@ EVENT_MESSAGE_CHARS = 4000
 REPORTED_ERRORS = 20
 """Monitor errors per rank reported one by one (the rest are counted)."""
 STRUCTURE_MESSAGE_CHARS = 60000
+MAX_COPIES_OUT = 2
+"""Collect-step copies of the weights waiting for the outbox at most; past it (the outbox is
+behind: a relay that stopped reading) a collect step is measured in place on the training
+thread, as before the outbox, instead of holding one more copy of the weights."""
 
 
 @dataclass
@@ -161,6 +166,8 @@ class RankSession:
             channel = connect(settings, self.rank)
         self.channel = channel
         self.outbox = outbox_for(channel, lambda exc: self.monitor_error("shipping to the relay", exc))
+        if self.outbox.background:  # a verdict that came is taken off the socket before each send
+            self.outbox.before_job = self._poll_verdict
         """Where the channel's work runs: a thread of its own for the relay's socket (the
         packet's encoding and writing, the verdict's question and answer), else inline."""
         self.step = step_offset
@@ -183,6 +190,9 @@ class RankSession:
         self._last_sums: Any = None
         self._params: tuple[Any, list, HostViews] | None = None
         """(network, its parameters, their host views) as last listed (`_listed`)."""
+        self._copies_out: list = []
+        """Collect-step copies handed to the outbox (`HostCopy`; released once measured): at most
+        `MAX_COPIES_OUT` unreleased. A list pruned here, not a counter both threads change."""
         self._reserved = False
         """The host blocks of this rank's copies were asked for (`_reserve_copies`)."""
         self._on_host: tuple[Any, bool] | None = None
@@ -260,7 +270,15 @@ class RankSession:
         """Send what is queued now and wait until it has gone (a Monitor that outlives its
         `Model.train`)."""
         if self.channel is not None:
-            self.outbox.call(self.channel.flush)
+            try:
+                self.outbox.call(self.channel.flush)
+            except Exception as exc:  # the monitor never raises into the training loop
+                self.monitor_error("flushing the channel", exc)
+
+    def _poll_verdict(self) -> None:
+        pending = getattr(self, "_pending", None)  # (set once __init__ ran)
+        if pending is not None:
+            pending.poll()
 
     def before_step(self, step: int) -> float:
         """Around the loop's steps: faults of `step`, and the profiler window's start.
@@ -453,7 +471,10 @@ class RankSession:
         elif pkt.decision:
             t0 = time.monotonic()
             ch = self.channel
-            d = self.outbox.call(lambda: ch.decide(build().encode(), pkt.step, expect=1))
+            try:
+                d = self.outbox.call(lambda: ch.decide(build().encode(), pkt.step, expect=1))
+            except TimeoutError as exc:  # the outbox is stuck on a relay that stopped reading: go on
+                d = ch.no_directive_now(pkt.step, exc)
             waited = time.monotonic() - t0
             self.since_packet.monitor_wait_s += waited
             self._copy_or_wait.waited(waited)
@@ -605,6 +626,9 @@ class RankSession:
         only their small result comes to the host)."""
         if not self.outbox.background or self.network is None:
             return None
+        self._copies_out = [c for c in self._copies_out if not c.released]
+        if len(self._copies_out) >= MAX_COPIES_OUT:  # the outbox is behind (a relay that stopped reading)
+            return None
         try:
             params, views = self._listed()
             if self._on_host is None or self._on_host[0] is not self.network:
@@ -622,27 +646,8 @@ class RankSession:
             return None
         prev = ws.take_previous() if ws is not None else None
         grads = ws.take_grads() if ws is not None else None
-        rank = self.rank
-
-        def complete(pkt: StepPacket) -> StepPacket:
-            try:
-                fp = norm = sums = None
-                try:
-                    sums = param_sums(copy.arrays, on_host=True, views=copy.arrays)
-                    fp, norm = fingerprint_of(sums)
-                except Exception as exc:  # no fingerprint for this step: its packet goes out without one
-                    log.warning("[rank %d] fingerprint failed: %s", rank, exc)
-                weights: dict[str, Any] = {}
-                if ws is not None:
-                    try:
-                        weights = ws.collect(sums, current=copy.arrays, prev=prev, grads=grads)
-                    except Exception as exc:  # statistics are optional: the packet goes out without them
-                        log.warning("[rank %d] weight statistics failed at step %d: %s", rank, step, exc)
-                return dataclasses.replace(pkt, fingerprint=fp, param_norm=norm, weights=weights)
-            finally:
-                copy.release()
-
-        return complete
+        self._copies_out.append(copy)
+        return completion(copy, ws, prev, grads, self.rank, step)
 
     def _fingerprint(self) -> tuple[str | None, float | None]:
         if self.network is None:

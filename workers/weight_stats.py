@@ -132,7 +132,9 @@ class WeightStats:
         grads = getattr(self.grads_source, "captured_grads", None) if self.grads_source is not None else None
         if grads:
             self.grads_source.captured_grads = None
-        return grads or None
+        # copies (a few layers): the arrays may share the gradients' storage, which MindSpore may
+        # reuse once the next step runs, while the statistics are computed later
+        return {n: np.array(g, copy=True) for n, g in grads.items()} if grads else None
 
     @staticmethod
     def _release(prev: Any) -> None:

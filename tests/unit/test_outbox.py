@@ -97,8 +97,49 @@ def test_a_failing_job_is_the_monitors_error_and_the_jobs_after_it_run():
     box.submit(lambda: done.append(4))
     box.close()
     assert done == [1, 3, 4] and len(errors) == 1 and isinstance(errors[0], ZeroDivisionError)
-    box.submit(lambda: done.append(5))  # after the end nothing more runs
-    assert done == [1, 3, 4]
+    box.submit(lambda: done.append(threading.get_ident()))  # after the end (a Monitor used again): inline
+    assert done[-1] == threading.get_ident()
+
+
+def test_a_call_stuck_behind_a_job_gives_up_in_time():
+    """A write stuck on a relay that stopped reading must not hold the training thread past
+    the timeout its caller gives."""
+    release = threading.Event()
+    box = ThreadOutbox(print)
+    box.submit(release.wait)
+    with pytest.raises(TimeoutError):
+        box.call(lambda: 1, timeout=0.2)
+    release.set()
+    assert box.call(lambda: 2) == 2
+    box.close()
+
+
+def test_a_late_verdict_never_holds_up_rank_0s_next_packets(tmp_path, small_cell):
+    """The answer is looked for before each of the outbox's jobs, without waiting: while it has
+    not come, the steps after the candidate go out; it is read whole when the next candidate
+    needs it, and the best checkpoint is still the candidate's own weights."""
+    from mindpulse.workers.session import RankSession
+
+    net, train_cell = small_cell
+    best = {"saves": frozenset({CheckpointKind.BEST}), "metric": 0.5, "metric_name": "loss"}
+    ch = Threaded(plan={3: best}, delay=10**6)  # never there when looked for without waiting
+    run = settings(tmp_path)
+    run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, save_every=0))  # best every 3 alone
+    s = RankSession(run, rank=0, channel=ch, network=net, train_cell=train_cell)
+    s._copy_or_wait.waited(1.0)  # every candidate copies
+    for step in range(1, 6):
+        _bump(net, float(step))
+        s.record(1.0)
+    s.outbox.call(lambda: None)  # what was queued has run
+    sent = [p.step for p in ch.packets if isinstance(p, StepPacket)]
+    assert ch.asked == [3] and sent[-2:] == [4, 5], f"steps after the candidate were held up: {sent}"
+    assert s._pending is not None and ch.waited == 0, "nothing waited for the verdict yet"
+    s.record(1.0)  # step 6, the next candidate: the verdict of step 3 is read first (waiting)
+    s.outbox.call(lambda: None)
+    assert ch.waited == 1 and ch.asked == [3, 6]
+    saved = ms.load_checkpoint(str(tmp_path / "checkpoints" / "step_00000003-best.ckpt"))
+    assert np.all(saved[net.weight.name].asnumpy() == 3.0), "the best holds step 3's weights"
+    s.finish()
 
 
 def test_only_a_channel_with_a_socket_of_its_own_gets_a_thread():
