@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mindpulse.config import RunConfig
+from mindpulse.inputs.input_paths import INPUT_MISSING
 
 from .attempt import Attempt
 from .failures import VICTIM
@@ -27,6 +28,11 @@ __all__ = ["AttemptWatch", "Interrupts"]
 WAIT_S = 0.5
 """How long a tick waits for a rank to finish; also the aggregator poll interval."""
 HANG_CHECK_EVERY_S = 2.0
+INPUT_GRACE_S = 5.0
+"""After a rank's input failure (a file missing on its node) the other ranks still running get
+this long to report their own before they are stopped: each checks the same files at its start,
+so on a node that lacks them every rank fails the same way, and a rank that started a moment
+later (a busy node) was recorded as a victim instead of its own missing file."""
 
 
 class AttemptWatch:
@@ -54,6 +60,8 @@ class AttemptWatch:
         self.lost: list[dict[str, Any]] = []
         """The nodes lost or cut off that ended the attempt (launcher/node_health.py)."""
         self._node_watch: NodeWatch | None = None
+        self._input_wait: float | None = None
+        """Until when an input failure waits for the other ranks' own outcomes (`INPUT_GRACE_S`)."""
 
     def tick(self) -> RunStatus:
         import ray
@@ -68,6 +76,12 @@ class AttemptWatch:
                 return self._end_lost(lost)
         if failed and self.pending:
             first = failed[0]
+            if first.error and first.error.startswith(INPUT_MISSING):
+                now = time.monotonic()
+                if self._input_wait is None:
+                    self._input_wait = now + INPUT_GRACE_S
+                if now < self._input_wait:
+                    return self.status  # the other ranks' own checks report at their start
             self.message = f"rank {first.rank} failed: {first.error or 'exit code ' + str(first.exit_code)}"
             if self._let_save_finish():
                 return self.status
