@@ -30,6 +30,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+IDLE_POLL_S = 0.002
+"""How often an idle outbox looks for a verdict that is due (a `select` with no wait)."""
 CALL_TIMEOUT_S = 120.0
 """The longest `call` waits by default: past a dead relay's write and reconnection timeouts
 (`channel.WRITE_TIMEOUT_S`, `CONNECT_TIMEOUT_S`) with room for the jobs queued before it."""
@@ -76,7 +78,9 @@ class ThreadOutbox:
     def __init__(self, on_error: Callable[[BaseException], None], name: str = "mindpulse-outbox"):
         self._on_error = on_error
         self.before_job: Callable[[], None] | None = None
-        """Run on the thread before each job (the session looks whether a verdict came)."""
+        """Run on the thread before each job (the session looks whether a verdict came), and
+        every `IDLE_POLL_S` while the queue is empty and `awaiting()` says an answer is due."""
+        self.awaiting: Callable[[], bool] | None = None
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any] | None, _Result | None]] = queue.SimpleQueue()
         self._closed = False
         # a daemon: a script that never finishes its Monitor must still be able to exit
@@ -117,16 +121,26 @@ class ThreadOutbox:
             if self._thread.is_alive():
                 log.warning("the rank's outbox did not empty in %.0fs: its last packets are lost", CLOSE_TIMEOUT_S)
 
+    def _hook(self) -> None:
+        if self.before_job is not None:
+            try:
+                self.before_job()
+            except Exception as exc:  # the monitor's error; the job runs regardless
+                self._on_error(exc)
+
     def _run(self) -> None:
         while True:
-            job, result = self._jobs.get()
+            # while an answer is due, look for it every few ms even with nothing to send: the
+            # training thread takes it at its next step's end, not one step later
+            due = self.awaiting is not None and self.awaiting()
+            try:
+                job, result = self._jobs.get(timeout=IDLE_POLL_S) if due else self._jobs.get()
+            except queue.Empty:
+                self._hook()
+                continue
             if job is None:
                 return
-            if self.before_job is not None:
-                try:
-                    self.before_job()
-                except Exception as exc:  # the monitor's error; the job runs regardless
-                    self._on_error(exc)
+            self._hook()
             try:
                 value = job()
                 if result is not None:

@@ -52,6 +52,11 @@ class PendingVerdict:
             self._answer = d
             self._came.set()
 
+    @property
+    def due(self) -> bool:
+        """Asked, and the answer not read yet."""
+        return self._asked and not self._came.is_set()
+
     def poll(self) -> None:
         """On the outbox thread, before its next job: keep the answer if it is in (no wait)."""
         if self._asked and not self._came.is_set():

@@ -168,6 +168,7 @@ class RankSession:
         self.outbox = outbox_for(channel, lambda exc: self.monitor_error("shipping to the relay", exc))
         if self.outbox.background:  # a verdict that came is taken off the socket before each send
             self.outbox.before_job = self._poll_verdict
+            self.outbox.awaiting = self._verdict_due
         """Where the channel's work runs: a thread of its own for the relay's socket (the
         packet's encoding and writing, the verdict's question and answer), else inline."""
         self.step = step_offset
@@ -274,6 +275,10 @@ class RankSession:
                 self.outbox.call(self.channel.flush)
             except Exception as exc:  # the monitor never raises into the training loop
                 self.monitor_error("flushing the channel", exc)
+
+    def _verdict_due(self) -> bool:
+        pending = getattr(self, "_pending", None)
+        return pending is not None and pending.due
 
     def _poll_verdict(self) -> None:
         pending = getattr(self, "_pending", None)  # (set once __init__ ran)

@@ -168,3 +168,30 @@ def test_host_blocks_are_reused_whole_and_never_shared():
     first.release()  # twice is once
     third = pool.copy(b)
     assert third._block is reused and len(pool._free) == 0, "the block handed back is the next copy's"
+
+
+def test_a_verdict_that_came_while_the_outbox_was_idle_is_taken_at_the_next_step(tmp_path, small_cell):
+    """Nothing else to send after the question: the idle outbox still looks for the answer, so
+    the training thread follows it at the very next step's end (its save's time goes in that
+    step's next packet, not lost after the run's last one)."""
+    import time
+
+    from mindpulse.workers.session import RankSession
+
+    net, train_cell = small_cell
+    best = {"saves": frozenset({CheckpointKind.BEST}), "metric": 0.5, "metric_name": "loss"}
+    ch = Threaded(plan={3: best}, delay=1)  # not there at the first look
+    run = settings(tmp_path)
+    run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, save_every=0))
+    s = RankSession(run, rank=0, channel=ch, network=net, train_cell=train_cell)
+    s._copy_or_wait.waited(1.0)
+    for step in range(1, 4):
+        _bump(net, float(step))
+        s.record(1.0)
+    deadline = time.monotonic() + 5
+    while s._pending is not None and not s._pending.take(wait=False) and time.monotonic() < deadline:
+        time.sleep(0.005)  # the step's compute: the outbox has nothing to send meanwhile
+    s.record(1.0)  # step 4
+    assert s._pending is None and ch.waited == 0, "the verdict of step 3 was not followed at step 4"
+    assert (tmp_path / "checkpoints" / "step_00000003-best.ckpt").exists()
+    s.finish()
