@@ -166,11 +166,11 @@ class RankSession:
             channel = connect(settings, self.rank)
         self.channel = channel
         self.outbox = outbox_for(channel, lambda exc: self.monitor_error("shipping to the relay", exc))
+        """Where the channel's work runs: a thread of its own for the relay's socket (the
+        packet's encoding and writing, the verdict's question and answer), else inline."""
         if self.outbox.background:  # a verdict that came is taken off the socket before each send
             self.outbox.before_job = self._poll_verdict
             self.outbox.awaiting = self._verdict_due
-        """Where the channel's work runs: a thread of its own for the relay's socket (the
-        packet's encoding and writing, the verdict's question and answer), else inline."""
         self.step = step_offset
         """The last step recorded (the offset before the first)."""
         self.injector = FaultInjector(self.rank, faults_for(self.rank, settings.faults if settings else ()))
@@ -189,15 +189,14 @@ class RankSession:
                                    busy=lambda: self.busy) if settings else None
         self.weight_stats: WeightStats | None = None
         self._last_sums: Any = None
-        self._params: tuple[Any, list, HostViews] | None = None
-        """(network, its parameters, their host views) as last listed (`_listed`)."""
+        self._params: tuple[Any, list, HostViews, bool] | None = None
+        """(network, its parameters, their host views, whether they are read on the host) as
+        last listed (`_listed`)."""
         self._copies_out: list = []
         """Collect-step copies handed to the outbox (`HostCopy`; released once measured): at most
         `MAX_COPIES_OUT` unreleased. A list pruned here, not a counter both threads change."""
         self._reserved = False
         """The host blocks of this rank's copies were asked for (`_reserve_copies`)."""
-        self._on_host: tuple[Any, bool] | None = None
-        """(network, whether its weights are read on the host) as last listed."""
         self.started = False
         self.finished = False
         self.stopped: Directive | None = None
@@ -595,8 +594,16 @@ class RankSession:
         network."""
         if self._params is None or self._params[0] is not self.network:
             params = model_parameters(self.network)
-            self._params = (self.network, params, HostViews(params))
+            self._params = (self.network, params, HostViews(params), weights_on_host(params))
         return self._params[1], self._params[2]
+
+    def _host_arrays(self) -> list | None:
+        """The network's weights as host arrays (views of their storage), for a copy; None where
+        they are not read on the host (a device) or no copy is taken (no outbox thread)."""
+        if not self.outbox.background or self.network is None:
+            return None
+        params, views = self._listed()
+        return [views[i] for i in range(len(params))] if self._params[3] else None
 
     def _reserve_copies(self) -> None:
         """Have the outbox thread make (and touch) the host blocks this rank's copies will take
@@ -606,13 +613,11 @@ class RankSession:
         its core, the blocks' page faults (~50 ms for a 2.75 M-parameter model with Adam here)
         would lengthen the first step, which already pays the start; the first copy comes at
         the step before the first collect step."""
-        if not self.outbox.background or self.network is None:
-            return
         try:
-            params, views = self._listed()
-            if not weights_on_host(params):
+            arrays = self._host_arrays()
+            if arrays is None:
                 return
-            need = copy_bytes([views[i] for i in range(len(params))])
+            need = copy_bytes(arrays)
             blocks = [need] * (2 if self.weight_stats is not None else 1)
             if self.rank == 0 and self.checkpoints is not None and self.train_cell is not None:
                 blocks.append(self._weights_copy.nbytes_needed(self.train_cell))
@@ -629,21 +634,14 @@ class RankSession:
         fingerprint, and rank 0's weight statistics), so the training thread goes on at once.
         None where they are measured now instead (on a device the reductions run there, and
         only their small result comes to the host)."""
-        if not self.outbox.background or self.network is None:
-            return None
         self._copies_out = [c for c in self._copies_out if not c.released]
         if len(self._copies_out) >= MAX_COPIES_OUT:  # the outbox is behind (a relay that stopped reading)
             return None
         try:
-            params, views = self._listed()
-            if self._on_host is None or self._on_host[0] is not self.network:
-                self._on_host = (self.network, weights_on_host(params))
-            if not self._on_host[1]:
+            arrays = self._host_arrays()
+            if arrays is None or copy_bytes(arrays) > MAX_COPY_BYTES:  # large weights on a CPU: in place
                 return None
             ws = self.weight_stats
-            arrays = [views[i] for i in range(len(params))]
-            if copy_bytes(arrays) > MAX_COPY_BYTES:  # large weights on a CPU: measured in place
-                return None
             copy = SHARED_BLOCKS.copy(arrays)
         except Exception as exc:  # measured now instead, on the training thread
             log.warning("[rank %d] no copy of the weights at step %d (%s): statistics measured in the step",
