@@ -482,9 +482,16 @@ class Uplink:
         loop = asyncio.get_running_loop()
         while True:
             writer = None
+            # a redirect from here on (the group's leader named while this resolves or
+            # connects) must not be lost: it is checked once connected, with no await between
+            # the check and `_writer` being set (where a later redirect closes it)
+            self._redirect.clear()
             try:
                 host, port, token = await loop.run_in_executor(None, self.resolve)
                 reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
+                if self._redirect.is_set():
+                    self.stats["redirected_while_connecting"] += 1
+                    raise ConnectionAbortedError("told to go elsewhere while connecting")
                 writer.write(encode_frame({"op": "hello", "token": token, "node": self.node}))
                 # everything not acknowledged goes again, in order; decisions already filed
                 # are asked again without their batches
@@ -495,7 +502,6 @@ class Uplink:
                         writer.write(encode_frame({"op": "decide", "seq": seq, "entries": [], "step": step,
                                                    "timeout": timeout}))
                 self._writer = writer  # from here on new frames are written as they come
-                self._redirect.clear()
                 await writer.drain()
                 self.stats["connections"] += 1
                 wait = RECONNECT_S[0]

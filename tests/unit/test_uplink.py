@@ -174,6 +174,45 @@ def test_nothing_is_lost_when_the_server_restarts(tmp_path, loops):
     core.close()
 
 
+def test_a_redirect_while_the_first_address_resolves_is_not_lost(tmp_path, loops):
+    """A group member is told to follow its leader (`redirect`) while its uplink still resolves
+    the aggregator's address (a busy machine: Ray's call takes seconds): it must not stay on the
+    aggregator for the rest of the run. Seen in a fresh-clone run: no step of a two-host group
+    came merged, the member's batches all went to the aggregator."""
+    core = AggregatorCore(tmp_path, world_size=1, settings={"tensorboard": False})
+    agg, node = loops(), loops()
+    to_aggregator: list = []
+    to_leader: list = []
+    aggregator, leader = serve(agg, core, to_aggregator), serve(agg, core, to_leader)
+    target = [aggregator]
+    resolving, go_on = threading.Event(), threading.Event()
+
+    def resolve():
+        where = target[0].address  # read as the agent does: before the answer comes back
+        resolving.set()
+        go_on.wait(10)
+        return where
+
+    up = Uplink(0, resolve, lambda raw: None)
+    up.start(node.loop)
+    assert resolving.wait(5), "the uplink never resolved"
+    target[0] = leader  # NodeAgent.follow: the leader first, then the redirect
+    up.redirect()
+    time.sleep(0.1)  # the redirect lands in the loop while the resolve still waits
+    go_on.set()
+    pre = NodePreReducer(0, range(1), world_size=1)
+    pre.add(step_packet(0, 1).encode())
+    node.call(up.send, [(0, pre.take())])
+    wait_for(lambda: up.unacked == 0, "step 1 acknowledged")
+    assert to_leader and not to_aggregator, \
+        f"the step went to the aggregator ({len(to_aggregator)} frames), not the leader ({len(to_leader)})"
+    assert up.stats["redirected_while_connecting"] == 1
+    node.run(up.close(1))
+    agg.run(aggregator.close())
+    agg.run(leader.close())
+    core.close()
+
+
 def test_a_group_leader_acknowledges_a_members_frame_once_the_aggregator_has_all_of_it(tmp_path, loops,
                                                                                        monkeypatch):
     """A leader (node/group.py, behind an `UplinkServer(deferred_acks=True)`) holds a
