@@ -25,6 +25,7 @@ import abc
 import logging
 import select
 import socket
+import threading
 import time
 from typing import Any
 
@@ -60,7 +61,9 @@ class Channel(abc.ABC):
     def __init__(self, decision_timeout_s: float = MonitorConfig.decision_timeout_s):
         self.decision_timeout_s = decision_timeout_s
         self.failures = 0
-        """Batches or decisions that did not get through (the rank went on regardless)."""
+        """Batches or decisions that did not get through (the rank went on regardless);
+        counted by `_failed` from the training thread and the outbox's (workers/outbox.py)."""
+        self._failures_lock = threading.Lock()
         self._buffer: list[bytes] = []
         self._last_flush = time.monotonic()
         self._lease: Lease | None = None
@@ -143,9 +146,15 @@ class Channel(abc.ABC):
         return self._no_directive(step, why)
 
     def _no_directive(self, step: int, why: Any) -> Directive:
-        self.failures += 1
+        self._failed()
         log.warning("no directive for step %d (%s); continuing", step, why)
         return Directive.no_directive(step, str(why))
+
+    def _failed(self) -> None:
+        # `+=` is a read and a write, and two threads count (CPython 3.11 happens not to switch
+        # threads inside it, a free-threaded build may: the lock does not rely on either)
+        with self._failures_lock:
+            self.failures += 1
 
     def lost_for(self) -> float:
         """Seconds since the peer last answered (0 while it answers)."""
@@ -160,7 +169,7 @@ class Channel(abc.ABC):
 
     def _no_lease(self, need: int, why: Any) -> tuple[None, float]:
         self._lost()
-        self.failures += 1
+        self._failed()
         log.warning("no lease for step %d (%s); continuing", need, why)
         return None, 0.0
 
@@ -225,7 +234,7 @@ class RelayChannel(Channel):
                 sock.sendall(encode_frame({"op": "hello", "token": self.token}))
             return sock
         except OSError as exc:
-            self.failures += 1
+            self._failed()
             log.warning("cannot reach the node's packet relay at %s:%d (%s): %s", *self.addr, what, exc)
             return None
 
@@ -242,7 +251,7 @@ class RelayChannel(Channel):
             self.sock.sendall(encode_frame(obj))
             return True
         except OSError as exc:
-            self.failures += 1
+            self._failed()
             log.warning("packet relay write failed: %s", exc)
             self._disconnect()
             return False
@@ -442,7 +451,7 @@ class ActorChannel(Channel):
         try:
             self.handle.ingest.remote(batch)
         except Exception as exc:  # the aggregator is gone: training goes on
-            self.failures += 1
+            self._failed()
             log.warning("could not ship %d packets to the aggregator: %s", len(batch), exc)
 
     def _decide(self, batch: list[bytes], step: int, expect: int | None) -> Directive:

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,6 +208,7 @@ class RankSession:
         """Seconds spent outside the steps since the last step packet (it carries them)."""
         self.errors = 0
         """Errors inside the monitor on this rank (logged and counted; training went on)."""
+        self._errors_lock = threading.Lock()
         self.overflow_steps = 0
         """Steps this rank's loss-scale cell skipped for overflow (every packet carries it)."""
         self.on_directive: Callable[[Directive], None] | None = None
@@ -438,10 +440,12 @@ class RankSession:
     def monitor_error(self, where: str, exc: BaseException) -> None:
         """An error inside the monitor: logged, counted (every step packet carries the count
         to summary.json), the first few reported to the aggregator; training goes on."""
-        self.errors += 1
-        if self.errors <= REPORTED_ERRORS:
+        with self._errors_lock:  # both threads count (see Channel._failed)
+            self.errors += 1
+            n = self.errors
+        if n <= REPORTED_ERRORS:
             log.warning("[rank %d] monitor error while %s (training goes on): %s: %s", self.rank, where,
-                        type(exc).__name__, exc, exc_info=self.errors <= 3)
+                        type(exc).__name__, exc, exc_info=n <= 3)
             try:
                 self.send_event(EventKind.MONITOR_ERROR, f"{where}: {type(exc).__name__}: {exc}")
             except Exception:  # reporting the error failed too: it is logged and counted already
