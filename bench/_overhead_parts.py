@@ -20,8 +20,8 @@ PARTS = {
         ("mindpulse.workers.monitor", "Monitor", "_split"), ("mindpulse.workers.monitor", "Monitor", "_probe_stats"),
         ("mindpulse.workers.monitor", None, "lr_of_step")],
     "collect steps: fingerprint and weight statistics": [
-        ("mindpulse.workers.session", "RankSession", "_fingerprint"),
-        ("mindpulse.workers.session", "RankSession", "_collect_later"),
+        ("mindpulse.workers.rank_weights", "RankWeights", "fingerprint"),
+        ("mindpulse.workers.rank_weights", "RankWeights", "collect_later"),
         ("mindpulse.workers.weight_stats", "WeightStats", "collect"),
         ("mindpulse.workers.weight_stats", "WeightStats", "keep_previous")],
     "packet encode": [("mindpulse.wire.protocol", "StepPacket", "encode")],

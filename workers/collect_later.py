@@ -1,6 +1,6 @@
 """A collect step's statistics, measured on the rank's outbox thread from a copy of the weights
-(`RankSession._collect_later` takes the copy on the training thread; docs/architecture.md,
-"The rank's two threads")."""
+(`RankWeights.collect_later`, workers/rank_weights.py, takes the copy on the training thread;
+docs/architecture.md, "The rank's two threads")."""
 
 from __future__ import annotations
 

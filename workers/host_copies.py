@@ -42,24 +42,45 @@ def copy_bytes(views: list[np.ndarray]) -> int:
     return sum(_room(v.nbytes) for v in views)
 
 
-class HostCopy:
-    """One copy of a list of arrays: `arrays[i]` holds `views[i]`'s values as they were."""
+class _Held:
+    """A block out of the pool and how many `HostCopy` holders still read it."""
 
-    def __init__(self, pool: HostBlocks, block: np.ndarray, arrays: list[np.ndarray]):
+    __slots__ = ("block", "holders")
+
+    def __init__(self, block: np.ndarray):
+        self.block = block
+        self.holders = 1
+
+
+class HostCopy:
+    """One copy of a list of arrays: `arrays[i]` holds `views[i]`'s values as they were. A
+    second holder of some of them (`part`) keeps the block out of the pool until both are
+    released: a step that is both a collect step and rank 0's checkpoint candidate copies
+    the weights once, for the candidate, and the statistics read the weights' part of it."""
+
+    def __init__(self, pool: HostBlocks, held: _Held, arrays: list[np.ndarray]):
         self._pool = pool
-        self._block: np.ndarray | None = block
+        self._held: _Held | None = held
         self.arrays = arrays
 
     @property
     def released(self) -> bool:
-        return self._block is None
+        return self._held is None
+
+    def part(self, indices: list[int]) -> HostCopy:
+        """A holder of `arrays[i]` for each i in `indices`, in that order, released on its own."""
+        if self._held is None:
+            raise ValueError("a released copy has no part to hand out")
+        self._pool.hold(self._held)
+        return HostCopy(self._pool, self._held, [self.arrays[i] for i in indices])
 
     def release(self) -> None:
-        """Hand the block back (the arrays must not be read after this)."""
-        if self._block is not None:
-            self._pool.give_back(self._block)
-            self._block = None
+        """This holder is done (its arrays must not be read after this); the block goes back
+        to the pool once every holder is."""
+        held, self._held = self._held, None
+        if held is not None:
             self.arrays = []
+            self._pool.let_go(held)
 
 
 class HostBlocks:
@@ -85,7 +106,17 @@ class HostBlocks:
             np.copyto(kept, v)
             arrays.append(kept)
             at += n
-        return HostCopy(self, block, arrays)
+        return HostCopy(self, _Held(block), arrays)
+
+    def hold(self, held: _Held) -> None:
+        with self._lock:
+            held.holders += 1
+
+    def let_go(self, held: _Held) -> None:
+        with self._lock:  # holders let go from the training thread and the outbox's
+            held.holders -= 1
+            if held.holders == 0:
+                self._free.append(held.block)
 
     def give_back(self, block: np.ndarray) -> None:
         with self._lock:

@@ -37,19 +37,15 @@ from mindpulse.wire.protocol import Action, CheckpointKind, EventKind, EventPack
 from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
 from .coerce import as_count, as_extra, as_flag, as_number
-from .collect_later import completion
 from .faults import FaultInjector, faults_for
-from .fingerprint import HostViews, fingerprint_of, param_sums, weights_on_host
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
 from .heartbeat import BUSY_EVALUATING, BUSY_SAVING, Heartbeat
-from .host_copies import MAX_COPY_BYTES, SHARED_BLOCKS, copy_bytes
-from .model_params import model_parameters
 from .outbox import outbox_for
 from .pending_verdict import PendingVerdict
 from .profiler import ProfileWindow
+from .rank_weights import RankWeights
 from .settings import rank_id
 from .since_packet import SincePacket
-from .weight_stats import DEFAULT_HIST_REGEX, WeightStats, structure_text
 from .weights_copy import CopyOrWait, WeightsCopy
 
 log = logging.getLogger(__name__)
@@ -63,10 +59,6 @@ EVENT_MESSAGE_CHARS = 4000
 REPORTED_ERRORS = 20
 """Monitor errors per rank reported one by one (the rest are counted)."""
 STRUCTURE_MESSAGE_CHARS = 60000
-MAX_COPIES_OUT = 2
-"""Collect-step copies of the weights waiting for the outbox at most; past it (the outbox is
-behind: a relay that stopped reading) a collect step is measured in place on the training
-thread, as before the outbox, instead of holding one more copy of the weights."""
 
 
 @dataclass
@@ -188,16 +180,8 @@ class RankSession:
         self.heartbeat = Heartbeat(settings, self.rank, lambda: self.step, lambda: self.in_step,
                                    connect=lambda: connect(settings, self.rank),
                                    busy=lambda: self.busy) if settings else None
-        self.weight_stats: WeightStats | None = None
-        self._last_sums: Any = None
-        self._params: tuple[Any, list, HostViews, bool] | None = None
-        """(network, its parameters, their host views, whether they are read on the host) as
-        last listed (`_listed`)."""
-        self._copies_out: list = []
-        """Collect-step copies handed to the outbox (`HostCopy`; released once measured): at most
-        `MAX_COPIES_OUT` unreleased. A list pruned here, not a counter both threads change."""
-        self._reserved = False
-        """The host blocks of this rank's copies were asked for (`_reserve_copies`)."""
+        self.weights = RankWeights(self.rank, self.outbox)
+        """The fingerprint and rank 0's weight statistics, and the copies they are computed from."""
         self.started = False
         self.finished = False
         self.stopped: Directive | None = None
@@ -239,7 +223,7 @@ class RankSession:
             self.heartbeat.start()
         if self.step_offset == 0:
             self.injector.before_step(0)  # desync@R:0 perturbs the weights before step 0's fingerprint
-        fp, norm = self._fingerprint()
+        fp, norm = self.weights.fingerprint(self.network)
         self._ship(StepPacket(rank=self.rank, step=self.step_offset, ts=time.time(), fingerprint=fp,
                               param_norm=norm))
         if arm_next:  # faults and the profiler of the first step (a hand loop's)
@@ -346,19 +330,16 @@ class RankSession:
         fp = norm = None
         weights: dict[str, Any] = {}
         later: Callable[[StepPacket], StepPacket] | None = None
-        if self.schedule.is_collect(s):
-            later = self._collect_later(s)
-        if later is None and self.schedule.is_collect(s):
-            fp, norm = self._fingerprint()
-            if self.weight_stats is not None:
-                try:
-                    weights = self.weight_stats.collect(self._last_sums)
-                except Exception as exc:  # statistics are optional: the step's packet goes out without them
-                    log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, s, exc)
         evaluates = self.evaluate is not None
         # rank 0 asks for the verdict on a checkpoint candidate (the checkpoint must hold
         # exactly this step's weights: `_decide_later` copies them); nobody else asks
         decision = self.rank == 0 and self.schedule.is_candidate(s, evaluates, self.epoch_steps)
+        copied = False
+        if self.schedule.is_collect(s):
+            copied = decision and self._copy_candidate_first(s)
+            later = self.weights.collect_later(self.network, s, self._weights_copy if copied else None)
+            if later is None:
+                fp, norm, weights = self.weights.measure_now(self.network, s)
         eval_s = 0.0
         if evaluates and self.schedule.eval_due(s, self.epoch_steps):
             t_eval = time.perf_counter()
@@ -400,15 +381,8 @@ class RankSession:
             **self.since_packet.take(),
         )
         self._self_from = (self._self_from[0], 0.0)  # the packet took the seconds so far
-        self._ship(pkt, later)
-        if not self._reserved:  # after the first step, not at the start: see `_reserve_copies`
-            self._reserved = True
-            self._reserve_copies()
-        if self.weight_stats is not None and self.schedule.is_collect(s + 1):
-            try:
-                self.weight_stats.keep_previous()  # the next step is a collect step: measure its change
-            except Exception as exc:  # the next update ratio is then missing, nothing else
-                log.warning("[rank %d] cannot keep the weights for the update ratio: %s", self.rank, exc)
+        self._ship(pkt, later, copied)
+        self.weights.after_step(self.network, self.schedule.is_collect(s + 1), self._candidate_bytes())
         return self._outcome(s)
 
     def _tflops(self, tokens: int, step_time_s: Any, data_wait_s: Any, compute_s: Any) -> float | None:
@@ -465,16 +439,18 @@ class RankSession:
 
         self.outbox.submit(ship)
 
-    def _ship(self, pkt: StepPacket, later: Callable[[StepPacket], StepPacket] | None = None) -> None:
+    def _ship(self, pkt: StepPacket, later: Callable[[StepPacket], StepPacket] | None = None,
+              copied: bool = False) -> None:
         """Ship a step, then make sure the next one may start (the lease). `later`: completes
-        the packet on the outbox thread (a collect step's statistics from a copy of the weights)."""
+        the packet on the outbox thread (a collect step's statistics from a copy of the weights);
+        `copied`: rank 0's candidate copy of this step is taken already (`_copy_candidate_first`)."""
         if self.channel is None:
             log.info("[rank %d] step %d loss %s", self.rank, pkt.step, pkt.loss)
             return
         build: Callable[[], StepPacket] = (lambda: later(pkt)) if later is not None else (lambda: pkt)
         if self._pending is not None:
             self._settle(wait=pkt.decision)  # the earlier verdict, if it came (at the next candidate: it must)
-        if pkt.decision and self._decide_later(pkt, build):
+        if pkt.decision and self._decide_later(pkt, build, copied):
             pass
         elif pkt.decision:
             t0 = time.monotonic()
@@ -493,36 +469,55 @@ class RankSession:
         if self.stopped is None:
             self._check_lease(pkt)
 
-    def _decide_later(self, pkt: StepPacket, build: Callable[[], StepPacket]) -> bool:
-        """Rank 0 at a checkpoint candidate that is not the run's end: copy the weights a
-        checkpoint would hold, ask for the verdict, and train on (the verdict is taken when it
-        has come, `_settle`). False where it must wait instead: the last step (nothing runs
-        after it), a stop the lease already names for this step, no train cell, weights that
-        cannot be copied, weights too large to copy or a wait measured cheaper than the copy
-        (`CopyOrWait`); and a channel that answers at once anyway (`answers_later` False)."""
+    def _decide_later(self, pkt: StepPacket, build: Callable[[], StepPacket], copied: bool = False) -> bool:
+        """Rank 0 at a checkpoint candidate: ask for the verdict on the weights copied at its
+        step (`_take_candidate`; `copied`: taken already) and train on; the verdict is taken
+        when it has come (`_settle`). False where it must wait instead (`_copies_candidate`)."""
+        assert self.channel is not None
+        if not copied and not (self._copies_candidate(pkt.step) and self._take_candidate(pkt.step)):
+            return False
+        self._pending = PendingVerdict(pkt, build, self.channel, self.outbox)
+        return True
+
+    def _copies_candidate(self, step: int) -> bool:
+        """Whether rank 0 copies the candidate of `step` instead of waiting for its verdict. Not
+        on the last step (nothing runs after it), a stop the lease already names for this step,
+        no train cell, a wait measured cheaper than the copy or weights too large to copy
+        (`CopyOrWait`), or a channel that answers at once anyway (`answers_later` False)."""
         assert self.channel is not None
         if not self.channel.answers_later:
             return False
         total = self.schedule.total_steps
         lease = self.channel.cached_lease
-        if (self.train_cell is None or self.checkpoints is None or (total and pkt.step >= total)
-                or (lease is not None and lease.stopping and pkt.step >= lease.stop_after)):
+        if (self.train_cell is None or self.checkpoints is None or (total and step >= total)
+                or (lease is not None and lease.stopping and step >= lease.stop_after)):
             return False
-        if not self._copy_or_wait.copies(self.train_cell):  # large weights, or a wait measured cheaper
-            return False
+        return self._copy_or_wait.copies(self.train_cell)
+
+    def _take_candidate(self, step: int) -> bool:
+        """Copy what a checkpoint of `step` holds; False where it cannot (it then waits)."""
         t0 = time.perf_counter()
         try:
-            self._weights_copy.take(self.train_cell, pkt.step)
+            self._weights_copy.take(self.train_cell, step)
+            return True
         except Exception as exc:  # weights numpy cannot hold (a dtype): this candidate waits for its verdict
-            log.info("[rank 0] no host copy of the weights at step %d (%s): waiting for the verdict", pkt.step, exc)
+            log.info("[rank 0] no host copy of the weights at step %d (%s): waiting for the verdict", step, exc)
             return False
         finally:
             # the copy is the checkpoint's (goodput: checkpoint time), not watching's
             took = time.perf_counter() - t0
             self.since_packet.checkpoint_s += took
             self._copy_or_wait.copied(took)
-        self._pending = PendingVerdict(pkt, build, self.channel, self.outbox)
-        return True
+
+    def _copy_candidate_first(self, step: int) -> bool:
+        """A collect step that is rank 0's candidate too: the candidate's copy is taken before
+        the collect step's would be, and the statistics read its weights (one copy of them, not
+        two). The earlier candidate's verdict is followed first: its save reads the copy."""
+        if self.channel is None or not self._copies_candidate(step):
+            return False
+        if self._pending is not None:
+            self._settle(wait=True)
+        return self._take_candidate(step)
 
     def _settle(self, wait: bool) -> None:
         """Follow the pending candidate's verdict if it came (`wait`: until it comes), writing
@@ -591,99 +586,18 @@ class RankSession:
             return
         self.checkpoints.write(d, pkt.step, pkt.epoch, weights.save_list() if weights is not None else self.train_cell)
 
-    # ---- what the packets carry about the weights --------------------------------------------
-    def _listed(self) -> tuple[list, HostViews]:
-        """The network's parameters (the same tensors every step) and one set of host views
-        of them, shared by the fingerprint and the weight statistics; listed again for a new
-        network."""
-        if self._params is None or self._params[0] is not self.network:
-            params = model_parameters(self.network)
-            self._params = (self.network, params, HostViews(params), weights_on_host(params))
-        return self._params[1], self._params[2]
-
-    def _host_arrays(self) -> list | None:
-        """The network's weights as host arrays (views of their storage), for a copy; None where
-        they are not read on the host (a device) or no copy is taken (no outbox thread)."""
-        if not self.outbox.background or self.network is None:
+    def _candidate_bytes(self) -> Callable[[], int] | None:
+        """The size of rank 0's candidate copy, for the host blocks made ahead (None elsewhere)."""
+        if self.rank != 0 or self.checkpoints is None or self.train_cell is None:
             return None
-        params, views = self._listed()
-        return [views[i] for i in range(len(params))] if self._params[3] else None
-
-    def _reserve_copies(self) -> None:
-        """Have the outbox thread make (and touch) the host blocks this rank's copies will take
-        (workers/host_copies.py), so that no step pays their page faults: a collect step's
-        copy, and on rank 0 the copy of the step before it and of a checkpoint candidate.
-        Asked once the first step is recorded, not at the start: on a host whose rank shares
-        its core, the blocks' page faults (~50 ms for a 2.75 M-parameter model with Adam here)
-        would lengthen the first step, which already pays the start; the first copy comes at
-        the step before the first collect step."""
-        try:
-            arrays = self._host_arrays()
-            if arrays is None:
-                return
-            need = copy_bytes(arrays)
-            blocks = [need] * (2 if self.weight_stats is not None else 1)
-            if self.rank == 0 and self.checkpoints is not None and self.train_cell is not None:
-                blocks.append(self._weights_copy.nbytes_needed(self.train_cell))
-        except Exception as exc:  # the first copies then pay their page faults: nothing else
-            log.info("[rank %d] host blocks not reserved: %s", self.rank, exc)
-            return
-        for n in sorted(b for b in blocks if b <= MAX_COPY_BYTES):
-            self.outbox.submit(lambda n=n: SHARED_BLOCKS.reserve(n, blocks.count(n)))
-
-    def _collect_later(self, step: int) -> Callable[[StepPacket], StepPacket] | None:
-        """At a collect step whose weights are on the host (a CPU target) and a channel with an
-        outbox thread: copy the weights now (one pass; the next step changes them in place) and
-        return what completes the step's packet from the copy on the outbox thread (the
-        fingerprint, and rank 0's weight statistics), so the training thread goes on at once.
-        None where they are measured now instead (on a device the reductions run there, and
-        only their small result comes to the host)."""
-        self._copies_out = [c for c in self._copies_out if not c.released]
-        if len(self._copies_out) >= MAX_COPIES_OUT:  # the outbox is behind (a relay that stopped reading)
-            return None
-        try:
-            arrays = self._host_arrays()
-            if arrays is None or copy_bytes(arrays) > MAX_COPY_BYTES:  # large weights on a CPU: in place
-                return None
-            ws = self.weight_stats
-            copy = SHARED_BLOCKS.copy(arrays)
-        except Exception as exc:  # measured now instead, on the training thread
-            log.warning("[rank %d] no copy of the weights at step %d (%s): statistics measured in the step",
-                        self.rank, step, exc)
-            return None
-        prev = ws.take_previous() if ws is not None else None
-        grads = ws.take_grads() if ws is not None else None
-        self._copies_out.append(copy)
-        return completion(copy, ws, prev, grads, self.rank, step)
-
-    def _fingerprint(self) -> tuple[str | None, float | None]:
-        if self.network is None:
-            return None, None
-        try:
-            params, views = self._listed()
-            self._last_sums = param_sums(params, views=views)
-            return fingerprint_of(self._last_sums)
-        except Exception as exc:  # no fingerprint for this step: its packet goes out without one
-            log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)
-            self._last_sums = None
-            return None, None
+        return lambda: self._weights_copy.nbytes_needed(self.train_cell)
 
     def _watch_layers(self) -> None:
-        """Per-layer statistics every collect_freq steps (rank 0 ships them: data-parallel
-        weights are identical), and the model's structure once."""
-        self.weight_stats = None
-        if self.rank != 0 or self.network is None or not self.monitor_settings.weight_stats:
-            return
-        try:
-            params, views = self._listed()
-            self.weight_stats = WeightStats(params, self.monitor_settings.histogram_regex or DEFAULT_HIST_REGEX,
-                                            self.train_cell, views=views)
-            text = structure_text(params)
-            if self.channel is not None:
-                pkt = EventPacket(rank=self.rank, kind=EventKind.STRUCTURE.value, ts=time.time(),
-                                  message=text[:STRUCTURE_MESSAGE_CHARS])
-                ch = self.channel
-                self.outbox.submit(lambda: ch.send(pkt.encode()))
-        except Exception as exc:  # weight statistics are optional: off for the run, training goes on
-            log.warning("[rank %d] weight statistics are off: %s", self.rank, exc)
-            self.weight_stats = None
+        """Rank 0's per-layer statistics, and the model's structure sent once."""
+        text = self.weights.watch_layers(self.network, self.train_cell, self.monitor_settings.weight_stats,
+                                         self.monitor_settings.histogram_regex)
+        if text is not None and self.channel is not None:
+            pkt = EventPacket(rank=self.rank, kind=EventKind.STRUCTURE.value, ts=time.time(),
+                              message=text[:STRUCTURE_MESSAGE_CHARS])
+            ch = self.channel
+            self.outbox.submit(lambda: ch.send(pkt.encode()))

@@ -85,6 +85,8 @@ class WeightsCopy:
         self._cell: Any = None
         self._params: list[tuple[str, Any]] = []
         self._views: HostViews = HostViews([])
+        self._at: dict[str, int] = {}
+        """A parameter's name → its place in `_params` (and in the copy's arrays)."""
         self._copy: HostCopy | None = None
         self.step: int | None = None
         """The step the copy holds (None: nothing copied yet)."""
@@ -100,6 +102,16 @@ class WeightsCopy:
         self.step = None
         self._copy = SHARED_BLOCKS.copy(views)
         self.step = step
+
+    def part_for(self, params: list[Any]) -> HostCopy | None:
+        """A second holder of the copied arrays of `params` (Parameters of the copied cell, by
+        name), in their order (workers/host_copies.py `HostCopy.part`); None without a copy or
+        when one of them is not in it."""
+        if self._copy is None:
+            return None
+        at = self._at
+        idx = [at.get(p.name, -1) for p in params]
+        return None if -1 in idx else self._copy.part(idx)
 
     def nbytes_needed(self, train_cell: Any) -> int:
         """The block a copy of `train_cell` takes (for `SHARED_BLOCKS.reserve`)."""
@@ -117,6 +129,7 @@ class WeightsCopy:
             seen.add(p.name)
             self._params.append((p.name, p))
         self._views = HostViews([p for _, p in self._params])
+        self._at = {name: i for i, (name, _) in enumerate(self._params)}
         self._cell = train_cell
         self.step = None
 

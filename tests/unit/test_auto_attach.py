@@ -62,7 +62,7 @@ def test_a_hand_loops_own_cell_gets_the_statistics(attached):
     cell = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
     monitor = Monitor(network=net, batch_size=4)
     shipped = []
-    monitor.session._ship = lambda pkt, later=None: shipped.append(pkt)  # what would go to the aggregator
+    monitor.session._ship = lambda pkt, later=None, copied=False: shipped.append(pkt)  # what would go to the aggregator
     x = ms.Tensor(np.ones((4, 6), np.float32))
     for _ in range(2):
         out = cell(x, ms.Tensor(np.zeros((4, 2), np.float32)))

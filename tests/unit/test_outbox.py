@@ -44,12 +44,17 @@ class Threaded(Later):
         super()._ship(batch, step)
 
 
-def _run(tmp_path, channel, net, train_cell) -> list:
+def _run(tmp_path, channel, net, train_cell, copies: list | None = None) -> list:
+    """`copies`: gets (step, arrays copied) for each copy into the pool's blocks."""
+    from mindpulse.workers import host_copies
     from mindpulse.workers.session import RankSession
 
     run = settings(tmp_path, monitor=dataclasses.replace(settings(tmp_path).monitor, weight_stats=True))
     run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, collect_freq=2, save_every=0))
     s = RankSession(run, rank=0, channel=channel, network=net, train_cell=train_cell)
+    if copies is not None:
+        pool = host_copies.SHARED_BLOCKS
+        pool.copy = lambda views: copies.append((s.step, len(views))) or host_copies.HostBlocks.copy(pool, views)
     s._copy_or_wait.waited(1.0)  # a wait dearer than any copy of these weights: every candidate copies
     _bump(net, 0.5)  # both runs start from the same weights
     s.start()
@@ -57,6 +62,8 @@ def _run(tmp_path, channel, net, train_cell) -> list:
         _bump(net, float(step) + 0.25 * step * step)  # the weights after step `step` (their change grows)
         s.record(1.0 + step)
     s.finish()
+    if copies is not None:
+        del host_copies.SHARED_BLOCKS.copy
     return channel.packets
 
 
@@ -65,7 +72,8 @@ def test_a_session_through_its_outbox_thread_sends_what_an_inline_one_sends(tmp_
     best = {"saves": frozenset({CheckpointKind.BEST}), "metric": 0.5, "metric_name": "loss"}
     inline = _run(tmp_path / "inline", Later(plan={3: best}, delay=0), net, train_cell)
     threaded_channel = Threaded(plan={3: best}, delay=0)
-    threaded = _run(tmp_path / "threaded", threaded_channel, net, train_cell)
+    copies: list = []
+    threaded = _run(tmp_path / "threaded", threaded_channel, net, train_cell, copies)
 
     assert threading.get_ident() not in threaded_channel.threads, "the outbox's thread sent, not the training thread"
     steps = [p for p in threaded if isinstance(p, StepPacket)]
@@ -83,6 +91,13 @@ def test_a_session_through_its_outbox_thread_sends_what_an_inline_one_sends(tmp_
     assert all(p.fingerprint is None and not p.weights for p in steps if p.step % 2), "statistics on collect steps only"
     saved = ms.load_checkpoint(str(tmp_path / "threaded" / "checkpoints" / "step_00000003-best.ckpt"))
     assert np.all(saved[net.weight.name].asnumpy() == pytest.approx(3.0 + 0.25 * 9)), "the best holds step 3's weights"
+    # step 6 is a collect step and a candidate (best every 3): the weights are copied once, with
+    # the optimizer's state, and the statistics (equal to the inline run's, above) read that copy
+    weights_alone = len(list(net.get_parameters()))
+    candidate = [n for step, n in copies if step == 3 and n != weights_alone]
+    assert len(candidate) == 1 and candidate[0] > weights_alone, f"step 3's candidate copy: {copies}"
+    assert [n for step, n in copies if step == 6] == candidate, f"step 6 copied its weights twice: {copies}"
+    assert all(n == weights_alone for step, n in copies if step % 3), copies
 
 
 def test_a_failing_job_is_the_monitors_error_and_the_jobs_after_it_run():
@@ -163,11 +178,37 @@ def test_host_blocks_are_reused_whole_and_never_shared():
     assert not np.shares_memory(first.arrays[0], second.arrays[0]), "two copies out at once share a block"
     assert all(np.array_equal(x, y) for x, y in zip(first.arrays, a, strict=True))
     assert all(np.array_equal(x, y) for x, y in zip(second.arrays, b, strict=True))
-    reused = first._block
+    reused = first._held.block
     first.release()
     first.release()  # twice is once
     third = pool.copy(b)
-    assert third._block is reused and len(pool._free) == 0, "the block handed back is the next copy's"
+    assert third._held.block is reused and len(pool._free) == 0, "the block handed back is the next copy's"
+
+
+def test_a_part_of_a_copy_keeps_its_block_until_both_holders_let_go():
+    """A step both a collect step and a checkpoint candidate copies once: the statistics read a
+    part of the candidate's copy. The block goes back to the pool only when the candidate's
+    holder and the part's are both released, in either order."""
+    from mindpulse.workers.host_copies import HostBlocks
+
+    pool = HostBlocks()
+    views = [np.arange(4, dtype=np.float32), np.arange(6, dtype=np.float64), np.arange(2, dtype=np.int32)]
+    for first_out in ("whole", "part"):
+        whole = pool.copy(views)
+        part = whole.part([2, 0])
+        assert [a.tolist() for a in part.arrays] == [[0, 1], [0, 1, 2, 3]], "the part's arrays, in its order"
+        assert np.shares_memory(part.arrays[1], whole.arrays[0]), "a part is no second copy"
+        (whole if first_out == "whole" else part).release()
+        still = part if first_out == "whole" else whole
+        assert pool._free == [], f"the block went back while the {first_out}'s other holder still reads it"
+        other = pool.copy(views)
+        assert not np.shares_memory(other.arrays[0], still.arrays[0]), "a new copy took a block still read"
+        other.release()
+        still.release()
+        assert len(pool._free) == 2, "both blocks back once every holder let go"
+        pool._free.clear()
+    with pytest.raises(ValueError):
+        whole.part([0])
 
 
 def test_a_verdict_that_came_while_the_outbox_was_idle_is_taken_at_the_next_step(tmp_path, small_cell):

@@ -529,9 +529,13 @@ def test_rank0_copies_or_waits_whichever_costs_it_less(tmp_path, small_cell):
     copy = WeightsCopy()
     copy.take(train_cell, 0)
     assert size == copy.nbytes > 0, "what a copy holds, known from shapes and dtypes before any is taken"
-    # an instant channel: the measured wait is cheaper than the copy, so after one of each rank 0 waits
+    # an instant channel and a copy made slow: the measured wait is cheaper than the copy, so after
+    # one of each rank 0 waits (both are tens of microseconds here: left as they are, which is
+    # cheaper is the machine's load, not the session's choice)
     ch = Later(delay=0)
     s = RankSession(settings(tmp_path), rank=0, channel=ch, network=net, train_cell=train_cell)
+    take = s._weights_copy.take
+    s._weights_copy.take = lambda *a: time.sleep(0.3) or take(*a)
     for _ in range(9):
         s.record(1.0)
     assert ch.asked == [3], "best every 3: candidate 3 copied, 6 waited (measured), 9 waited (cheaper)"
