@@ -39,7 +39,8 @@ PARTS = {
 PART_TOTAL = [("mindpulse.workers.monitor", "Monitor", "on_train_step_begin"),
               ("mindpulse.workers.monitor", "Monitor", "on_train_step_end")]
 PART_RECORD = ("mindpulse.workers.session", "RankSession", "_record")
-PART_SHIP = ("mindpulse.workers.session", "RankSession", "_ship")
+OUTSIDE_RECORD = ("reading the step's outputs (loss, statistics, learning rate)", "step hooks (faults, profiler)")
+"""The parts the callback runs around `record`, not inside it."""
 
 
 class PartClocks:
@@ -66,7 +67,7 @@ class PartClocks:
 
     def __enter__(self) -> PartClocks:
         keys = set(PART_TOTAL) if self.only_total else (
-            {k for ks in PARTS.values() for k in ks} | set(PART_TOTAL) | {PART_RECORD, PART_SHIP})
+            {k for ks in PARTS.values() for k in ks} | set(PART_TOTAL) | {PART_RECORD})
         for key in keys:
             mod, cls, name = key
             owner = self._importlib.import_module(mod)
@@ -107,9 +108,10 @@ class PartClocks:
             return sum(self.spent.get(k, 0.0) for k in keys)
 
         out = {part: cum(keys) for part, keys in PARTS.items()}
-        collect = out["collect steps: fingerprint and weight statistics"]
-        out["packet build (RankSession.record less the parts above)"] = max(
-            0.0, cum([PART_RECORD]) - cum([PART_SHIP]) - collect)
+        # every part but these runs inside `record` (some inside `_ship`, some before it: a collect
+        # step that is also a candidate copies and follows the last verdict before its packet)
+        inside = sum(v for part, v in out.items() if part not in OUTSIDE_RECORD)
+        out["packet build (RankSession.record less the parts above)"] = max(0.0, cum([PART_RECORD]) - inside)
         total = cum(PART_TOTAL)
         out["rest of the callback"] = max(0.0, total - sum(out.values()))
         out["callback total"] = total
