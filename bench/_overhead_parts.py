@@ -39,8 +39,6 @@ PARTS = {
 PART_TOTAL = [("mindpulse.workers.monitor", "Monitor", "on_train_step_begin"),
               ("mindpulse.workers.monitor", "Monitor", "on_train_step_end")]
 PART_RECORD = ("mindpulse.workers.session", "RankSession", "_record")
-OUTSIDE_RECORD = ("reading the step's outputs (loss, statistics, learning rate)", "step hooks (faults, profiler)")
-"""The parts the callback runs around `record`, not inside it."""
 
 
 class PartClocks:
@@ -61,6 +59,10 @@ class PartClocks:
         self.calls: dict[tuple, int] = {}
         self.spent_elsewhere: dict[tuple, float] = {}
         """CPU of the same functions on threads other than the training thread."""
+        self.spent_in_record: dict[tuple, float] = {}
+        """The training thread's CPU of each function while `record` ran (the packet's build is
+        `record` less these: the run's start and end also run some of them, outside `record`)."""
+        self._record_depth = 0
         self.training = threading.get_ident()
         self._undo: list[tuple[Any, str, Any]] = []
         self._importlib = importlib
@@ -78,16 +80,25 @@ class PartClocks:
             self.spent[key], self.calls[key], self.spent_elsewhere[key] = 0.0, 0, 0.0
 
             def wrapped(*a, _orig=orig, _key=key, **kw):
+                training = threading.get_ident() == self.training
+                inside = training and self._record_depth > 0
+                if training and _key == PART_RECORD:
+                    self._record_depth += 1
                 t, w = time.thread_time(), time.perf_counter()
                 try:
                     return _orig(*a, **kw)
                 finally:
-                    if threading.get_ident() == self.training:
-                        self.spent[_key] += time.thread_time() - t
+                    spent = time.thread_time() - t
+                    if training:
+                        if _key == PART_RECORD:
+                            self._record_depth -= 1
+                        self.spent[_key] += spent
                         self.wall[_key] = self.wall.get(_key, 0.0) + time.perf_counter() - w
                         self.calls[_key] += 1
+                        if inside:
+                            self.spent_in_record[_key] = self.spent_in_record.get(_key, 0.0) + spent
                     else:
-                        self.spent_elsewhere[_key] += time.thread_time() - t
+                        self.spent_elsewhere[_key] += spent
 
             setattr(owner, name, wrapped)
             self._undo.append((owner, name, orig if own else None))
@@ -108,9 +119,10 @@ class PartClocks:
             return sum(self.spent.get(k, 0.0) for k in keys)
 
         out = {part: cum(keys) for part, keys in PARTS.items()}
-        # every part but these runs inside `record` (some inside `_ship`, some before it: a collect
-        # step that is also a candidate copies and follows the last verdict before its packet)
-        inside = sum(v for part, v in out.items() if part not in OUTSIDE_RECORD)
+        # what the parts spent while `record` ran (inside `_ship`, or before it: a collect step that
+        # is also a candidate copies and follows the last verdict before its packet), not at the
+        # run's start (its fingerprint, its first lease) or end (the last verdict's save)
+        inside = sum(self.spent_in_record.get(k, 0.0) for keys in PARTS.values() for k in keys)
         out["packet build (RankSession.record less the parts above)"] = max(0.0, cum([PART_RECORD]) - inside)
         total = cum(PART_TOTAL)
         out["rest of the callback"] = max(0.0, total - sum(out.values()))

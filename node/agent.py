@@ -191,13 +191,15 @@ class NodeAgent:
         """Where the uplink connects: the group's leader, else (none, or gone) the aggregator."""
         import ray
 
-        if self.leader is not None:
+        leader = self.leader
+        if leader is not None:
             try:
-                return tuple(ray.get(self.leader.uplink_address.remote(),  # type: ignore[return-value]
+                return tuple(ray.get(leader.uplink_address.remote(),  # type: ignore[return-value]
                                      timeout=LEADER_ANSWER_S))
             except Exception as exc:  # any failure of the leader (gone, timed out): send to the aggregator itself
                 log.warning("node %d: group leader unreachable (%s); sending to the aggregator", self.node, exc)
-                self.leader = None
+                if self.leader is leader:  # a leader named meanwhile (`follow`) is kept: its redirect is pending
+                    self.leader = None
         return tuple(ray.get(self.aggregator.uplink_address.remote(), timeout=60))  # type: ignore[return-value]
 
     def _route(self) -> None:

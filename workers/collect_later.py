@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from mindpulse.wire.protocol import StepPacket
@@ -17,29 +16,38 @@ from .host_copies import HostCopy
 log = logging.getLogger(__name__)
 
 
-def completion(copy: HostCopy, stats: Any, prev: Any, grads: Any, rank: int,
-               step: int) -> Callable[[StepPacket], StepPacket]:
+class Completion:
     """What completes the collect step's packet from `copy` (the weights in parameter order):
     its fingerprint, and rank 0's weight statistics (`stats`: its `WeightStats`, with `prev`
     and `grads`, the copy of the step before and the captured gradients handed over at that
-    step). The copy goes back to its pool once measured."""
+    step). Called once, on the outbox thread; the copies go back to their pool once measured,
+    or by `release` when the packet is not sent after all."""
 
-    def complete(pkt: StepPacket) -> StepPacket:
+    def __init__(self, copy: HostCopy, stats: Any, prev: Any, grads: Any, rank: int, step: int):
+        self.copy, self.stats, self.prev, self.grads = copy, stats, prev, grads
+        self.rank, self.step = rank, step
+
+    def __call__(self, pkt: StepPacket) -> StepPacket:
+        copy, stats = self.copy, self.stats
         try:
             fp = norm = sums = None
             try:
                 sums = param_sums(copy.arrays, on_host=True, views=copy.arrays)
                 fp, norm = fingerprint_of(sums)
             except Exception as exc:  # no fingerprint for this step: its packet goes out without one
-                log.warning("[rank %d] fingerprint failed: %s", rank, exc)
+                log.warning("[rank %d] fingerprint failed: %s", self.rank, exc)
             weights: dict[str, Any] = {}
             if stats is not None:
                 try:
-                    weights = stats.collect(sums, current=copy.arrays, prev=prev, grads=grads)
+                    weights = stats.collect(sums, current=copy.arrays, prev=self.prev, grads=self.grads)
                 except Exception as exc:  # statistics are optional: the packet goes out without them
-                    log.warning("[rank %d] weight statistics failed at step %d: %s", rank, step, exc)
+                    log.warning("[rank %d] weight statistics failed at step %d: %s", self.rank, self.step, exc)
             return dataclasses.replace(pkt, fingerprint=fp, param_norm=norm, weights=weights)
         finally:
             copy.release()
 
-    return complete
+    def release(self) -> None:
+        """The packet is not sent after all (the step's record failed): hand the copies back."""
+        self.copy.release()
+        if self.prev is not None and hasattr(self.prev, "release"):
+            self.prev.release()

@@ -15,9 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from mindpulse.wire.protocol import StepPacket
-
-from .collect_later import completion
+from .collect_later import Completion
 from .fingerprint import HostViews, fingerprint_of, param_sums, weights_on_host
 from .host_copies import MAX_COPY_BYTES, SHARED_BLOCKS, HostCopy, copy_bytes
 from .model_params import model_parameters
@@ -109,7 +107,7 @@ class RankWeights:
         return fp, norm, weights
 
     def collect_later(self, network: Any, step: int,
-                      candidate: WeightsCopy | None = None) -> Callable[[StepPacket], StepPacket] | None:
+                      candidate: WeightsCopy | None = None) -> Completion | None:
         """At a collect step whose weights are on the host (a CPU target) and a channel with an
         outbox thread: copy the weights now (one pass; the next step changes them in place) and
         return what completes the step's packet from the copy on the outbox thread (the
@@ -120,21 +118,24 @@ class RankWeights:
         self._copies_out = [c for c in self._copies_out if not c.released]
         if len(self._copies_out) >= MAX_COPIES_OUT:  # the outbox is behind (a relay that stopped reading)
             return None
+        copy: HostCopy | None = None
         try:
             arrays = self.host_arrays(network)
             if arrays is None or copy_bytes(arrays) > MAX_COPY_BYTES:  # large weights on a CPU: in place
                 return None
             shared = candidate.part_for(self.listed(network)[0]) if candidate is not None else None
             copy = shared if shared is not None else SHARED_BLOCKS.copy(arrays)
+            ws = self.stats
+            grads = ws.take_grads() if ws is not None else None
+            prev = ws.take_previous() if ws is not None else None
         except Exception as exc:  # measured now instead, on the training thread
+            if copy is not None:  # a block held by nobody would never go back to the pool
+                copy.release()
             log.warning("[rank %d] no copy of the weights at step %d (%s): statistics measured in the step",
                         self.rank, step, exc)
             return None
-        ws = self.stats
-        prev = ws.take_previous() if ws is not None else None
-        grads = ws.take_grads() if ws is not None else None
         self._copies_out.append(copy)
-        return completion(copy, ws, prev, grads, self.rank, step)
+        return Completion(copy, ws, prev, grads, self.rank, step)
 
     def after_step(self, network: Any, next_collects: bool, candidate_bytes: Callable[[], int] | None) -> None:
         """After a step is recorded: the first time, have the host blocks made (`reserve`);

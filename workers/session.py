@@ -37,6 +37,7 @@ from mindpulse.wire.protocol import Action, CheckpointKind, EventKind, EventPack
 from .channel import Channel, connect
 from .checkpoint_writer import CheckpointWriter
 from .coerce import as_count, as_extra, as_flag, as_number
+from .collect_later import Completion
 from .faults import FaultInjector, faults_for
 from .flops import achieved_tflops, params_flops_per_token, trainable_parameters
 from .heartbeat import BUSY_EVALUATING, BUSY_SAVING, Heartbeat
@@ -199,8 +200,10 @@ class RankSession:
         self._pending: PendingVerdict | None = None
         """Rank 0's checkpoint candidate whose verdict has not been taken yet (`_decide_later`)."""
         self._weights_copy = WeightsCopy()
-        self._copy_or_wait = CopyOrWait()
         """The weights of `_pending`'s step (rank 0), for the checkpoint its verdict may ask for."""
+        self._copy_or_wait = CopyOrWait()
+        self._unsent: Completion | None = None
+        """A collect step's completion not yet handed to the outbox (released if the record fails)."""
         self.tokens_per_step = tokens_per_step
         """Tokens this rank trains on per step (None: not known, no TFLOPS reported)."""
         self.flops_per_token = flops_per_token
@@ -301,6 +304,9 @@ class RankSession:
         try:
             return self._record(loss, step=step, **fields)
         except Exception as exc:  # the monitor's own error must never end training: logged and counted
+            if self._unsent is not None:  # the collect step's copy, never handed to the outbox
+                self._unsent.release()
+                self._unsent = None
             self.monitor_error(f"recording step {self.step}", exc)
             return self._outcome(self.step)
         finally:
@@ -329,15 +335,15 @@ class RankSession:
             self.overflow_steps += 1
         fp = norm = None
         weights: dict[str, Any] = {}
-        later: Callable[[StepPacket], StepPacket] | None = None
+        later: Completion | None = None
         evaluates = self.evaluate is not None
         # rank 0 asks for the verdict on a checkpoint candidate (the checkpoint must hold
         # exactly this step's weights: `_decide_later` copies them); nobody else asks
         decision = self.rank == 0 and self.schedule.is_candidate(s, evaluates, self.epoch_steps)
-        copied = False
+        copied: bool | None = None  # rank 0's candidate copy of this step: None, not tried yet
         if self.schedule.is_collect(s):
-            copied = decision and self._copy_candidate_first(s)
-            later = self.weights.collect_later(self.network, s, self._weights_copy if copied else None)
+            copied = self._copy_candidate_first(s) if decision else None
+            later = self._unsent = self.weights.collect_later(self.network, s, self._weights_copy if copied else None)
             if later is None:
                 fp, norm, weights = self.weights.measure_now(self.network, s)
         eval_s = 0.0
@@ -439,11 +445,11 @@ class RankSession:
 
         self.outbox.submit(ship)
 
-    def _ship(self, pkt: StepPacket, later: Callable[[StepPacket], StepPacket] | None = None,
-              copied: bool = False) -> None:
+    def _ship(self, pkt: StepPacket, later: Completion | None = None, copied: bool | None = None) -> None:
         """Ship a step, then make sure the next one may start (the lease). `later`: completes
         the packet on the outbox thread (a collect step's statistics from a copy of the weights);
-        `copied`: rank 0's candidate copy of this step is taken already (`_copy_candidate_first`)."""
+        `copied`: whether rank 0's candidate copy of this step was taken (`_copy_candidate_first`;
+        None: not tried yet)."""
         if self.channel is None:
             log.info("[rank %d] step %d loss %s", self.rank, pkt.step, pkt.loss)
             return
@@ -451,7 +457,7 @@ class RankSession:
         if self._pending is not None:
             self._settle(wait=pkt.decision)  # the earlier verdict, if it came (at the next candidate: it must)
         if pkt.decision and self._decide_later(pkt, build, copied):
-            pass
+            self._unsent = None  # the outbox builds it with the question
         elif pkt.decision:
             t0 = time.monotonic()
             ch = self.channel
@@ -459,6 +465,8 @@ class RankSession:
                 d = self.outbox.call(lambda: ch.decide(build().encode(), pkt.step, expect=1))
             except TimeoutError as exc:  # the outbox is stuck on a relay that stopped reading: go on
                 d = ch.no_directive_now(pkt.step, exc)
+            finally:
+                self._unsent = None  # queued with the question, answered or not
             waited = time.monotonic() - t0
             self.since_packet.monitor_wait_s += waited
             self._copy_or_wait.waited(waited)
@@ -466,14 +474,18 @@ class RankSession:
         else:
             ch = self.channel
             self.outbox.submit(lambda: ch.send_step(build().encode(), pkt.step))
+            self._unsent = None
         if self.stopped is None:
             self._check_lease(pkt)
 
-    def _decide_later(self, pkt: StepPacket, build: Callable[[], StepPacket], copied: bool = False) -> bool:
+    def _decide_later(self, pkt: StepPacket, build: Callable[[], StepPacket], copied: bool | None = None) -> bool:
         """Rank 0 at a checkpoint candidate: ask for the verdict on the weights copied at its
-        step (`_take_candidate`; `copied`: taken already) and train on; the verdict is taken
-        when it has come (`_settle`). False where it must wait instead (`_copies_candidate`)."""
+        step (`_take_candidate`; `copied`: taken already, False: tried and failed) and train on;
+        the verdict is taken when it has come (`_settle`). False where it must wait instead
+        (`_copies_candidate`)."""
         assert self.channel is not None
+        if copied is False:  # the copy failed at this step already (logged): no second try
+            return False
         if not copied and not (self._copies_candidate(pkt.step) and self._take_candidate(pkt.step)):
             return False
         self._pending = PendingVerdict(pkt, build, self.channel, self.outbox)
@@ -509,12 +521,13 @@ class RankSession:
             self.since_packet.checkpoint_s += took
             self._copy_or_wait.copied(took)
 
-    def _copy_candidate_first(self, step: int) -> bool:
+    def _copy_candidate_first(self, step: int) -> bool | None:
         """A collect step that is rank 0's candidate too: the candidate's copy is taken before
         the collect step's would be, and the statistics read its weights (one copy of them, not
-        two). The earlier candidate's verdict is followed first: its save reads the copy."""
+        two). The earlier candidate's verdict is followed first: its save reads the copy.
+        Whether the copy was taken; None where it is not tried (`_copies_candidate`)."""
         if self.channel is None or not self._copies_candidate(step):
-            return False
+            return None
         if self._pending is not None:
             self._settle(wait=True)
         return self._take_candidate(step)

@@ -109,9 +109,11 @@ class WeightsCopy:
         when one of them is not in it."""
         if self._copy is None:
             return None
-        at = self._at
+        at, listed = self._at, self._params
         idx = [at.get(p.name, -1) for p in params]
-        return None if -1 in idx else self._copy.part(idx)
+        if -1 in idx or any(listed[i][1] is not p for i, p in zip(idx, params, strict=True)):
+            return None  # not the same Parameters (two of one name): the statistics copy their own
+        return self._copy.part(idx)
 
     def nbytes_needed(self, train_cell: Any) -> int:
         """The block a copy of `train_cell` takes (for `SHARED_BLOCKS.reserve`)."""

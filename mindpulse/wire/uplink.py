@@ -489,9 +489,9 @@ class Uplink:
             try:
                 host, port, token = await loop.run_in_executor(None, self.resolve)
                 reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
-                if self._redirect.is_set():
+                if self._redirect.is_set():  # not an error: resolve again at once (`finally` closes this one)
                     self.stats["redirected_while_connecting"] += 1
-                    raise ConnectionAbortedError("told to go elsewhere while connecting")
+                    continue
                 writer.write(encode_frame({"op": "hello", "token": token, "node": self.node}))
                 # everything not acknowledged goes again, in order; decisions already filed
                 # are asked again without their batches
@@ -504,6 +504,7 @@ class Uplink:
                 self._writer = writer  # from here on new frames are written as they come
                 await writer.drain()
                 self.stats["connections"] += 1
+                self.last_error = ""  # an earlier connection's error is no reason for a later timeout
                 wait = RECONNECT_S[0]
                 while True:
                     self._on_frame(await _read_frame(reader))

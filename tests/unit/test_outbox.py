@@ -52,18 +52,19 @@ def _run(tmp_path, channel, net, train_cell, copies: list | None = None) -> list
     run = settings(tmp_path, monitor=dataclasses.replace(settings(tmp_path).monitor, weight_stats=True))
     run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, collect_freq=2, save_every=0))
     s = RankSession(run, rank=0, channel=channel, network=net, train_cell=train_cell)
+    pool = host_copies.SHARED_BLOCKS
     if copies is not None:
-        pool = host_copies.SHARED_BLOCKS
         pool.copy = lambda views: copies.append((s.step, len(views))) or host_copies.HostBlocks.copy(pool, views)
-    s._copy_or_wait.waited(1.0)  # a wait dearer than any copy of these weights: every candidate copies
-    _bump(net, 0.5)  # both runs start from the same weights
-    s.start()
-    for step in range(1, 8):
-        _bump(net, float(step) + 0.25 * step * step)  # the weights after step `step` (their change grows)
-        s.record(1.0 + step)
-    s.finish()
-    if copies is not None:
-        del host_copies.SHARED_BLOCKS.copy
+    try:
+        s._copy_or_wait.waited(1.0)  # a wait dearer than any copy of these weights: every candidate copies
+        _bump(net, 0.5)  # both runs start from the same weights
+        s.start()
+        for step in range(1, 8):
+            _bump(net, float(step) + 0.25 * step * step)  # the weights after step `step` (their change grows)
+            s.record(1.0 + step)
+        s.finish()
+    finally:
+        vars(pool).pop("copy", None)  # the pool's own method again, whatever happened
     return channel.packets
 
 
@@ -235,4 +236,48 @@ def test_a_verdict_that_came_while_the_outbox_was_idle_is_taken_at_the_next_step
     s.record(1.0)  # step 4
     assert s._pending is None and ch.waited == 0, "the verdict of step 3 was not followed at step 4"
     assert (tmp_path / "checkpoints" / "step_00000003-best.ckpt").exists()
+    s.finish()
+
+
+def test_a_record_that_fails_after_the_collect_copy_hands_the_copy_back(tmp_path, small_cell):
+    """The collect step's copy is taken before the packet's fields are read: a value the monitor
+    cannot read (a monitor error) must not keep the copy's block out of the pool for good (two
+    such steps would leave every later collect step measured on the training thread)."""
+    from mindpulse.workers.session import RankSession
+
+    net, train_cell = small_cell
+    run = settings(tmp_path)
+    run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, collect_freq=2, save_every=0,
+                                                                best_every=0, save_best=False))
+    s = RankSession(run, rank=1, channel=Threaded(), network=net, train_cell=train_cell)
+    s.record(1.0)
+    s.record(object())  # step 2, a collect step: copied, then its loss cannot be read
+    assert s.errors == 1
+    assert s.weights._copies_out and all(c.released for c in s.weights._copies_out), "the copy was never released"
+    s.finish()
+
+
+def test_a_candidate_whose_copy_failed_is_not_copied_twice(tmp_path, small_cell):
+    """A step both collect and candidate tries the candidate's copy first; when it fails (weights
+    numpy cannot hold) the candidate waits for its verdict: no second copy at the same step."""
+    from mindpulse.workers.session import RankSession
+
+    net, train_cell = small_cell
+    run = settings(tmp_path)
+    run = dataclasses.replace(run, schedule=dataclasses.replace(run.schedule, collect_freq=3, save_every=0))
+    ch = Later(delay=0)
+    s = RankSession(run, rank=0, channel=ch, network=net, train_cell=train_cell)
+    s._copy_or_wait.waited(1.0)  # every candidate would copy
+    tried: list[int] = []
+
+    def fail(cell, step):
+        tried.append(step)
+        raise TypeError("a dtype numpy lacks")
+
+    s._weights_copy.take = fail
+    for _ in range(3):
+        s.record(1.0)
+    assert tried == [3], f"the copy of step 3 was tried {len(tried)} times"
+    assert ch.asked == [] and [p.step for p in ch.packets if isinstance(p, StepPacket) and p.decision] == [3], \
+        "the candidate waited for its verdict instead"
     s.finish()

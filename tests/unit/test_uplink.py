@@ -207,6 +207,7 @@ def test_a_redirect_while_the_first_address_resolves_is_not_lost(tmp_path, loops
     assert to_leader and not to_aggregator, \
         f"the step went to the aggregator ({len(to_aggregator)} frames), not the leader ({len(to_leader)})"
     assert up.stats["redirected_while_connecting"] == 1
+    assert up.stats["connect_errors"] == 0 and up.last_error == "", "going elsewhere is no connection error"
     node.run(up.close(1))
     agg.run(aggregator.close())
     agg.run(leader.close())
