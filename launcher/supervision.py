@@ -240,13 +240,17 @@ class AttemptWatch:
 
     def _lingering(self, ended_at: dict[Any, float]) -> list[int]:
         """The ranks still running `monitor.exit_timeout_s` after their training ended, once every
-        rank's training ended (a rank that finished early waits for the others: not lingering)."""
+        rank's training ended (a rank that finished early waits for the others: not lingering)
+        and every one still running is past the limit: all of them are ended together (and each
+        named as lingering), so none may be named before its own limit passed (rank 0, which
+        writes the last checkpoint, often ends its training a moment after the others)."""
         ended = {int(r): float(t) for r, t in ended_at.items()}
         running = [r for r in range(self.cfg.world.world_size) if r not in self.outcomes]
         if not running or any(r not in ended for r in running):
             return []
         limit = self.cfg.monitor.exit_timeout_s
-        return [r for r in running if time.time() - ended[r] > limit]
+        now = time.time()
+        return running if all(now - ended[r] > limit for r in running) else []
 
     def _end_lingering(self, ranks: list[int], known: dict[Any, int | None]) -> RunStatus:
         """Every rank's training ended, these processes did not exit: their stacks into logs/
