@@ -48,7 +48,8 @@ class RankWeights:
         self._copies_out: list[HostCopy] = []
         """Collect-step copies handed to the outbox (released once measured): at most
         `MAX_COPIES_OUT` unreleased. A list pruned here, not a counter both threads change."""
-        self._reserved = False
+        self.reserved = False
+        """The host blocks were asked for (`reserve`: once, after the first step)."""
 
     def listed(self, network: Any) -> tuple[list, HostViews]:
         """The network's parameters (the same tensors every step) and one set of host views
@@ -137,34 +138,32 @@ class RankWeights:
         self._copies_out.append(copy)
         return Completion(copy, ws, prev, grads, self.rank, step)
 
-    def after_step(self, network: Any, next_collects: bool, candidate_bytes: Callable[[], int] | None) -> None:
-        """After a step is recorded: the first time, have the host blocks made (`reserve`);
-        before a collect step, keep this step's weights for its update ratio."""
-        if not self._reserved:  # after the first step, not at the start: see `reserve`
-            self._reserved = True
-            self.reserve(network, candidate_bytes)
-        if self.stats is not None and next_collects:
+    def keep_previous(self) -> None:
+        """Before a collect step: keep this step's weights for its update ratio (rank 0)."""
+        if self.stats is not None:
             try:
-                self.stats.keep_previous()  # the next step is a collect step: measure its change
+                self.stats.keep_previous()
             except Exception as exc:  # the next update ratio is then missing, nothing else
                 log.warning("[rank %d] cannot keep the weights for the update ratio: %s", self.rank, exc)
 
-    def reserve(self, network: Any, candidate_bytes: Callable[[], int] | None) -> None:
+    def reserve(self, network: Any, candidate_bytes: Callable[[], int | None]) -> None:
         """Have the outbox thread make (and touch) the host blocks this rank's copies will take
         (workers/host_copies.py), so that no step pays their page faults: a collect step's
         copy, and on rank 0 the copy of the step before it and of a checkpoint candidate
-        (`candidate_bytes`: its size). Asked once the first step is recorded, not at the start:
+        (`candidate_bytes()`: its size, None without one). Asked once the first step is recorded, not at the start:
         on a host whose rank shares its core, the blocks' page faults (~50 ms for a 2.75 M-
         parameter model with Adam here) would lengthen the first step, which already pays the
         start; the first copy comes at the step before the first collect step."""
+        self.reserved = True
         try:
             arrays = self.host_arrays(network)
             if arrays is None:
                 return
             need = copy_bytes(arrays)
             blocks = [need] * (2 if self.stats is not None else 1)
-            if candidate_bytes is not None:
-                blocks.append(candidate_bytes())
+            candidate = candidate_bytes()  # only here: it lists the train cell's parameters
+            if candidate is not None:
+                blocks.append(candidate)
         except Exception as exc:  # the first copies then pay their page faults: nothing else
             log.info("[rank %d] host blocks not reserved: %s", self.rank, exc)
             return

@@ -388,7 +388,10 @@ class RankSession:
         )
         self._self_from = (self._self_from[0], 0.0)  # the packet took the seconds so far
         self._ship(pkt, later, copied)
-        self.weights.after_step(self.network, self.schedule.is_collect(s + 1), self._candidate_bytes())
+        if not self.weights.reserved:  # after the first step, not at the start: see `RankWeights.reserve`
+            self.weights.reserve(self.network, self._candidate_bytes)
+        if self.schedule.is_collect(s + 1):
+            self.weights.keep_previous()  # the next step is a collect step: measure its change
         return self._outcome(s)
 
     def _tflops(self, tokens: int, step_time_s: Any, data_wait_s: Any, compute_s: Any) -> float | None:
@@ -599,11 +602,11 @@ class RankSession:
             return
         self.checkpoints.write(d, pkt.step, pkt.epoch, weights.save_list() if weights is not None else self.train_cell)
 
-    def _candidate_bytes(self) -> Callable[[], int] | None:
+    def _candidate_bytes(self) -> int | None:
         """The size of rank 0's candidate copy, for the host blocks made ahead (None elsewhere)."""
         if self.rank != 0 or self.checkpoints is None or self.train_cell is None:
             return None
-        return lambda: self._weights_copy.nbytes_needed(self.train_cell)
+        return self._weights_copy.nbytes_needed(self.train_cell)
 
     def _watch_layers(self) -> None:
         """Rank 0's per-layer statistics, and the model's structure sent once."""
